@@ -1,0 +1,37 @@
+# Quickstart: `make demo` (tiny checkpoint, CPU) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TINY := checkpoints/tiny-wan
+# Tests and the demo stay on the CPU; 8 host devices let the mesh tests shard for real.
+CPU_ENV := JAX_PLATFORMS=cpu
+TEST_ENV := $(CPU_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=8
+
+.PHONY: demo test lint venv checkpoint clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+checkpoint: $(TINY)/model_index.json
+
+$(TINY)/model_index.json: $(STAMP) tools/make_tiny_checkpoint.py
+	$(CPU_ENV) $(PY) tools/make_tiny_checkpoint.py --output $(TINY) --force
+
+demo: $(STAMP) $(TINY)/model_index.json
+	$(CPU_ENV) $(PY) generate_flax.py --model_id $(TINY) --height 64 --width 96 --frames 17 \
+		--num_inference_steps 8 --num_iterations 2 --output_dir outputs
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(TEST_ENV) $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(TINY) outputs

@@ -1,0 +1,728 @@
+"""Attention for Wan 2.1 on JAX: a Pallas TPU flash-attention kernel and the SDPA override.
+
+This module owns the route that every ``torch.nn.functional.scaled_dot_product_attention``
+call of the diffusers Wan transformer takes once torchax runs it on JAX.
+
+Public API:
+
+* ``splash_attention(q, k, v, *, ...)``: Pallas TPU flash-attention forward kernel.
+* ``sharded_splash_attention(q, k, v, *, mesh, ...)``: the same kernel under ``jax.shard_map``
+  on a ("dp", "tp", "sp") mesh.
+* ``BlockSizes``: the kernel's tile sizes; ``SegmentIds``: optional segment ids.
+* ``reference_attention(...)``: float32 softmax attention, the numerical reference.
+* ``xla_attention(q, k, v, *, scale=None)``: plain XLA softmax attention.
+* ``install_sdpa_override(env, *, attention, ...)``: route torch SDPA in a torchax
+  environment to ``attention`` ("xla" or "splash").
+* ``default_attention_backend()``: "splash" on TPU, "xla" elsewhere.
+
+Algorithm
+---------
+Online-softmax ("flash") attention after FlashAttention-2 (Dao 2023, arXiv:2307.08691) and
+JAX's Pallas splash kernel (``jax/experimental/pallas/ops/tpu/splash_attention``): the keys
+are visited in tiles; each query keeps a running maximum ``m``, a running denominator
+``l`` and an unnormalised output ``acc``; when a tile raises the maximum from ``m`` to
+``m'`` the old ``l`` and ``acc`` are rescaled by ``2^(m - m')``; the output is ``acc / l``.
+
+The softmax runs in base 2. ``scale * log2(e)`` is folded into ``q`` once, outside the
+kernel, so the kernel's scores are ``x = s * log2(e)`` for the true logits ``s`` and every
+exponential is an ``exp2``. That is exact: ``2^(s log2 e) = e^s``, so
+``2^(x_j - m) / sum_i 2^(x_i - m) = e^(s_j) / sum_i e^(s_i)`` for any shift ``m`` (the
+max-shift cancels between numerator and denominator). It saves one multiply per score,
+and exp2 is the TPU's native transcendental (``exp`` is lowered to it plus a multiply).
+
+Design
+------
+* Grid ``(batch, heads, q_blocks, kv_blocks)``; the first three are "parallel", the KV axis
+  is the sequential ("arbitrary") reduction axis. Each step loads a ``(block_q, head_dim)``
+  tile of Q and a ``(block_kv, head_dim)`` tile of K and V, and loops (statically
+  unrolled) over ``block_kv // block_kv_compute`` sub-tiles, so ``block_kv`` sets the DMA
+  size and ``block_kv_compute`` the size of the live score tile.
+* Scores are computed transposed, ``S^T = K Q^T`` of shape ``(block_kv_compute, block_q)``:
+  keys run along sublanes and queries along the 128 lanes, so the softmax max/sum
+  reductions over keys are element-wise across vregs plus one 8-sublane reduce (no
+  cross-lane XLU reductions), and the per-query statistics are ``(1, block_q)`` rows that
+  broadcast over sublanes for free. The output accumulates as ``acc^T = V^T P^T`` of shape
+  ``(head_dim, block_q)``; V is handed to the kernel pre-transposed as
+  ``(batch, heads, head_dim, kv_len)`` (one cheap XLA transpose, O(S D), against the
+  O(S^2 D) attention) so both matmuls are MXU-native (NT and NN). The last KV step
+  transposes ``acc`` in VMEM and writes ``(block_q, head_dim)``, so no transpose of the
+  output is needed outside.
+* Precision: bf16 Q/K/V feed the MXU as bf16 with f32 accumulation; the probabilities are
+  cast to bf16 for ``P V`` (bf16 x bf16 -> f32), while ``m``, ``l`` and ``acc`` stay f32.
+  f32 inputs use f32 matmuls at ``Precision.HIGHEST``. The output is cast to q.dtype.
+* Any length: Q and K/V are zero-padded to block multiples. Padded keys are masked
+  exactly, and only where they are: padding never exceeds one KV block, so only the last
+  KV block carries it; its fully padded sub-tiles are statically skipped and the single
+  sub-tile that straddles ``kv_len`` gets an iota mask. All other tiles run unmasked.
+  Padded query rows are computed and sliced off.
+* Masked scores are set to ``-inf`` while the running max starts at a finite floor, so
+  ``2^(-inf - m) = 0`` with no NaN, and a query whose keys are all masked ends with
+  ``l = 0``; the final normalisation maps that row to zeros.
+* ``segment_ids``: a query attends only to keys with the same id (per-batch int32 ids).
+* ``window_size=w``: local attention, query position ``i`` attends key position ``j`` iff
+  ``|i - j| <= w`` (symmetric, positions in the unpadded sequences; intended for
+  self-attention). The KV grid axis shrinks to the blocks that can intersect a q block's
+  window (the index map slides it), and sub-tiles outside the window are skipped.
+* ``k_smoothing``: K minus its mean over the real keys (per batch and head) before the
+  kernel. Each query's scores shift by the constant ``q . mean``, which softmax cancels
+  exactly, and the smaller magnitudes of K lose less in bf16 (the SageAttention trick).
+  With ``segment_ids`` the mean is over keys that some query can attend to.
+
+Block sizes
+-----------
+``BlockSizes()`` defaults to ``block_q=3328, block_kv=2816, block_kv_compute=256``, the
+sizes a public Wan 2.1 port tuned on v6e for head_dim 128 at 75,600 tokens. They are upper
+bounds: for a sequence of length ``n`` the kernel keeps the number of blocks
+``ceil(n / block)`` and shrinks each block to the smallest aligned size that covers ``n``
+(this shortens padding; at 75,600 tokens it reproduces 3328 and 2816 exactly), and short
+sequences clamp all blocks to the (padded) sequence. The kernel asks Mosaic for a scoped
+VMEM limit sized from the blocks (about 26 MiB at the defaults, well inside the 128 MiB of
+v5e and v6e).
+
+Cross-attention
+---------------
+Wan's cross-attention has 75,600 queries against 512 text keys. The kernel handles it
+(one KV block of 512, two 256-key sub-tiles), and it is the route used: deviceless TPU
+compiles (``tests/test_tpu_compile.py``, v5e and v6e, 8 chips, B=2, 40 heads) show plain
+XLA attention materialising the ``(q_len, 512)`` f32 score matrix for all local heads as
+HBM temporaries (hundreds of MB per chip), while the kernel needs no temporaries beyond
+its output; both do the same matmul FLOPs. See the test output for the numbers.
+
+Sharding
+--------
+``sharded_splash_attention`` takes (B, H, S, D) arrays laid out as the Wan transformer
+produces them: batch over mesh axis "dp" and heads over "tp" (Megatron column-parallel
+QKV). With sequence parallelism ("sp" > 1) it runs head-parallel attention, heads over
+("tp", "sp"), when ``heads % (tp * sp) == 0`` (XLA inserts the all-to-all from a
+sequence-sharded layout); otherwise it shards q's sequence over "sp" and keeps the full K
+and V on every device. Either way each device runs the unsharded kernel on its shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+ATTENTION_BACKENDS = ("xla", "splash")
+
+LOG2_E = math.log2(math.e)
+NUM_LANES = 128
+NUM_SUBLANES = 8
+# Start value of the running max. Finite (unlike the -inf used for masked scores) so that
+# a row that has seen only masked keys computes 2^(-inf - floor) = 0 instead of
+# 2^(-inf + inf) = NaN. Any valid score is far above it, so it never wins a max.
+_M_FLOOR = -0.5 * float(np.finfo(np.float32).max)
+# lax.dot_general dimension numbers: A @ B and A @ B^T.
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+
+
+def default_attention_backend() -> str:
+    """Return "splash" when JAX's default backend is a TPU, else "xla"."""
+    return "splash" if jax.default_backend() == "tpu" else "xla"
+
+
+# ---------------------------------------------------------------------------------------
+# Block sizes and segment ids
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the splash kernel, in tokens.
+
+    Attributes:
+        block_q: queries per grid step; a multiple of 128 (queries run along the lanes
+            of the transposed score tile).
+        block_kv: keys per grid step (one DMA of K and V); a multiple of
+            ``block_kv_compute``.
+        block_kv_compute: keys per score tile inside a step; a multiple of 128 (keys
+            index the lanes of the transposed V tile).
+
+    The sizes are upper bounds; see ``splash_attention`` for how they are fitted to a
+    sequence. Defaults come from a public v6e tuning of a Wan 2.1 port at head_dim 128
+    and 75,600 tokens.
+
+    Raises:
+        ValueError: a size is not a positive multiple of 128, or ``block_kv`` is not a
+            multiple of ``block_kv_compute``.
+    """
+
+    block_q: int = 3328
+    block_kv: int = 2816
+    block_kv_compute: int = 256
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_kv_compute"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"BlockSizes.{name}: expected a positive int, got {value!r}")
+            if value % NUM_LANES:
+                raise ValueError(
+                    f"BlockSizes.{name}: expected a multiple of {NUM_LANES}, got {value}"
+                )
+        if self.block_kv % self.block_kv_compute:
+            raise ValueError(
+                f"BlockSizes.block_kv: expected a multiple of block_kv_compute="
+                f"{self.block_kv_compute}, got {self.block_kv}"
+            )
+
+
+class SegmentIds(NamedTuple):
+    """Segment ids: a query attends only to keys with the same id.
+
+    Attributes:
+        q: int32 (batch, q_len).
+        kv: int32 (batch, kv_len).
+    """
+
+    q: jax.Array
+    kv: jax.Array
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _fit_block(length: int, block: int, align: int) -> int:
+    """Smallest multiple of ``align`` that covers ``length`` in ceil(length/block) blocks."""
+    num_blocks = -(-length // block)
+    return _round_up(-(-length // num_blocks), align)
+
+
+def _fit_block_sizes(block_sizes: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
+    """Fit block sizes to the sequences: same block count, least padding, clamped."""
+    block_q = _fit_block(q_len, block_sizes.block_q, NUM_LANES)
+    block_kv_compute = min(block_sizes.block_kv_compute, _round_up(kv_len, NUM_LANES))
+    block_kv = _fit_block(kv_len, block_sizes.block_kv, block_kv_compute)
+    return BlockSizes(block_q, block_kv, block_kv_compute)
+
+
+def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
+    """Scoped VMEM request for the kernel: buffers plus live tiles, with headroom."""
+    d = _round_up(head_dim, NUM_LANES)
+    io = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # double-buffered Q, O, K, V
+    ids = 2 * 4 * NUM_LANES * (NUM_SUBLANES + bs.block_kv)  # segment ids, double-buffered
+    scratch = 4 * (d * bs.block_q + 2 * NUM_SUBLANES * bs.block_q)  # acc, m, l
+    tiles = 4 * 4 * bs.block_kv_compute * bs.block_q  # scores, probabilities, masks
+    need = io + ids + scratch + tiles + 4 * d * bs.block_q  # + the transposed output
+    # 1.5x headroom for Mosaic's internal scratch, floor at the 32 MiB v6e default, and
+    # stay well below the 128 MiB of VMEM on v5e/v6e.
+    return int(min(max(need * 3 // 2, 32 << 20), 100 << 20))
+
+
+# ---------------------------------------------------------------------------------------
+# The Pallas kernel
+# ---------------------------------------------------------------------------------------
+
+
+def _splash_kernel(
+    # Scalar prefetch
+    q_offset_ref,
+    # Inputs
+    q_ref,
+    k_ref,
+    vt_ref,
+    q_ids_ref,
+    kv_ids_ref,
+    # Outputs
+    o_ref,
+    # Scratch
+    m_ref,
+    l_ref,
+    acc_ref,
+    *,
+    block_q: int,
+    block_kv: int,
+    block_kv_compute: int,
+    kv_len: int,
+    num_kv_blocks: int,
+    window_size: int | None,
+    precision,
+):
+    """One (batch, head, q block, kv step) grid step; see the module docstring.
+
+    Refs: q (block_q, D) pre-scaled by scale*log2(e); k (block_kv, D); vt (D, block_kv);
+    q_ids (1, block_q) and kv_ids (block_kv, 128) int32 or None; o (block_q, D);
+    m, l (1, block_q) f32; acc (D, block_q) f32. Rows of the last q block and keys of the
+    last kv block that lie past the arrays' ends hold unspecified values (Pallas pads
+    partial blocks with garbage, NaN in interpret mode): garbage queries only touch their
+    own score columns and output rows, which Pallas discards on write; garbage keys are
+    masked out of the scores and zeroed in V.
+    """
+    q_block, kv_step = pl.program_id(2), pl.program_id(3)
+    num_kv_steps = pl.num_programs(3)
+    num_sub = block_kv // block_kv_compute
+
+    @pl.when(kv_step == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _M_FLOOR, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    q_start = q_offset_ref[0] + q_block * block_q  # global position of the first query
+    if window_size is None:
+        kv_block = kv_step
+    else:
+        kv_block = _window_kv_block(q_start, kv_step, block_q, block_kv, num_kv_blocks,
+                                    num_kv_steps, window_size)
+
+    def sub_tile(c, mask_kinds: tuple[str, ...]):
+        """Online-softmax update with keys [c, c + 1) * block_kv_compute of this block."""
+        keys = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute),
+                     block_kv_compute)
+        # S^T = K Q^T: (block_kv_compute, block_q), keys along sublanes.
+        s = lax.dot_general(k_ref[keys, :], q_ref[...], _NT, precision=precision,
+                            preferred_element_type=jnp.float32)
+        vt = vt_ref[:, keys]
+        if mask_kinds:
+            k_first = kv_block * block_kv + c * block_kv_compute
+            k_pos = k_first + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            conditions = []
+            if "tail" in mask_kinds:
+                conditions.append(k_pos < kv_len)
+                # Keys past kv_len are garbage: 0 * NaN would poison acc through P V.
+                vt_pos = k_first + lax.broadcasted_iota(jnp.int32, vt.shape, 1)
+                vt = jnp.where(vt_pos < kv_len, vt, jnp.zeros_like(vt))
+            if "segment" in mask_kinds:
+                conditions.append(kv_ids_ref[keys, :1] == q_ids_ref[...])
+            if "window" in mask_kinds:
+                q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+                conditions.append(jnp.abs(q_pos - k_pos) <= window_size)
+            s = jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
+        p = jnp.exp2(s - m_next)  # masked scores: 2^-inf = 0
+        alpha = jnp.exp2(m_prev - m_next)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=0, keepdims=True)
+        m_ref[...] = m_next
+        # acc^T += V^T P^T: (head_dim, block_q). Probabilities in V's dtype (bf16 x bf16
+        # on the MXU for bf16 inputs), f32 accumulation.
+        pv = lax.dot_general(vt, p.astype(vt.dtype), _NN, precision=precision,
+                             preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha * acc_ref[...] + pv
+
+    def sub_tiles(start: int, stop: int, mask_kinds: tuple[str, ...]):
+        # A rolled loop: unrolling 10+ sub-tiles of (256, 3328) multiplies Mosaic's code
+        # size and compile time for no measurable gain at these tile sizes.
+        if stop - start == 1:
+            sub_tile(start, mask_kinds)
+        elif stop > start:
+            lax.fori_loop(start, stop, lambda c, _: sub_tile(c, mask_kinds), None)
+
+    base_masks = ("segment",) if q_ids_ref is not None else ()
+    if window_size is None:
+        tail = kv_len - (num_kv_blocks - 1) * block_kv  # real keys in the last block
+        full, part = divmod(tail, block_kv_compute)
+        if tail == block_kv:
+            sub_tiles(0, num_sub, base_masks)
+        else:
+            @pl.when(kv_block < num_kv_blocks - 1)
+            def _body():
+                sub_tiles(0, num_sub, base_masks)
+
+            # Last block: sub-tiles wholly past kv_len are skipped statically; only the
+            # one that straddles kv_len pays for a mask.
+            @pl.when(kv_block == num_kv_blocks - 1)
+            def _last():
+                sub_tiles(0, full, base_masks)
+                if part:
+                    sub_tile(full, base_masks + ("tail",))
+    else:
+        masks = base_masks + ("window", "tail")
+
+        def windowed(c, _):
+            k_lo = kv_block * block_kv + c * block_kv_compute
+            k_hi = k_lo + block_kv_compute - 1
+            overlaps = ((k_lo <= q_start + block_q - 1 + window_size)
+                        & (k_hi >= q_start - window_size) & (k_lo < kv_len))
+            pl.when(overlaps)(functools.partial(sub_tile, c, masks))
+
+        lax.fori_loop(0, num_sub, windowed, None)
+
+    @pl.when(kv_step == num_kv_steps - 1)
+    def _finish():
+        l = l_ref[...]
+        # A query with no valid key has l == 0 and acc == 0: return zeros, not NaN.
+        inv = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
+        o_ref[...] = jnp.transpose(acc_ref[...] * inv).astype(o_ref.dtype)
+
+
+def _window_kv_block(q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps,
+                     window_size):
+    """KV block visited at ``kv_step`` by the q block starting at ``q_start`` (window)."""
+    first = jnp.maximum(q_start - window_size, 0) // block_kv
+    return jnp.minimum(first, num_kv_blocks - num_kv_steps) + kv_step
+
+
+def _as_segment_ids(segment_ids) -> SegmentIds | None:
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+        raise ValueError(f"segment_ids: expected a pair (q_ids, kv_ids), got {segment_ids!r}")
+    return SegmentIds(jnp.asarray(segment_ids[0], jnp.int32),
+                      jnp.asarray(segment_ids[1], jnp.int32))
+
+
+def _attendable_keys(segment_ids: SegmentIds) -> jax.Array:
+    """(batch, kv_len) bool: the key's segment id occurs among the query ids."""
+
+    def one(q_ids, kv_ids):
+        sorted_q = jnp.sort(q_ids)
+        idx = jnp.clip(jnp.searchsorted(sorted_q, kv_ids), 0, sorted_q.shape[0] - 1)
+        return sorted_q[idx] == kv_ids
+
+    return jax.vmap(one)(segment_ids.q, segment_ids.kv)
+
+
+def _smooth_keys(k, segment_ids: SegmentIds | None):
+    """K minus its per-(batch, head) mean over real (attendable) keys, in f32."""
+    kf = k.astype(jnp.float32)
+    if segment_ids is None:
+        mean = jnp.mean(kf, axis=2, keepdims=True)
+    else:
+        w = _attendable_keys(segment_ids).astype(jnp.float32)  # (B, S)
+        total = jnp.einsum("bs,bhsd->bhd", w, kf, precision=lax.Precision.HIGHEST)
+        count = jnp.maximum(jnp.sum(w, axis=1), 1.0)[:, None, None]
+        mean = (total / count)[:, :, None, :]
+    return (kf - mean).astype(k.dtype)
+
+
+def _check_shapes(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v: expected rank-4 (batch, heads, len, head_dim) arrays, "
+                         f"got shapes {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {k.shape}, got {v.shape}")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected (batch, heads, kv_len, head_dim) = "
+                         f"({q.shape[0]}, {q.shape[1]}, kv_len, {q.shape[3]}), got {k.shape}")
+
+
+def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = None,
+                     window_size: int | None = None, k_smoothing: bool = False,
+                     segment_ids=None, interpret: bool = False,
+                     _q_offset=None) -> jax.Array:
+    """Softmax attention with the Pallas TPU flash kernel (forward only).
+
+    Args:
+        q: (batch, heads, q_len, head_dim), float32 or bfloat16.
+        k, v: (batch, heads, kv_len, head_dim), same dtype as q.
+        scale: softmax scale; ``None`` means 1/sqrt(head_dim), as torch SDPA.
+        block_sizes: tile sizes (``BlockSizes``); ``None`` means ``BlockSizes()``. Each
+            size is an upper bound: the kernel keeps ``ceil(len / block)`` blocks and
+            shrinks them to the smallest multiple of 128 (``block_kv``: of
+            ``block_kv_compute``) that covers the sequence, so padding stays small and
+            short sequences get short blocks.
+        window_size: ``None`` for full attention, else an int ``w >= 0``: query position
+            ``i`` attends key position ``j`` iff ``|i - j| <= w`` (symmetric; positions in
+            the unpadded q and kv sequences; meant for self-attention).
+        k_smoothing: subtract the mean of K over real keys (per batch and head) first;
+            exact for softmax, smaller bf16 error.
+        segment_ids: ``None``, a ``SegmentIds(q, kv)`` or a pair ``(q_ids, kv_ids)`` of
+            int32 arrays (batch, q_len) and (batch, kv_len); a query attends only to keys
+            with an equal id. A query with no such key returns zeros.
+        interpret: run the kernel in Pallas interpret mode (CPU tests).
+
+    Returns:
+        (batch, heads, q_len, head_dim) in q.dtype.
+
+    Raises:
+        ValueError: shapes disagree, ``window_size`` is negative, or ``segment_ids`` has
+            the wrong form or shape.
+    """
+    _check_shapes(q, k, v)
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if window_size is not None and (int(window_size) != window_size or window_size < 0):
+        raise ValueError(f"window_size: expected None or an int >= 0, got {window_size!r}")
+    segment_ids = _as_segment_ids(segment_ids)
+    if segment_ids is not None and (segment_ids.q.shape != (batch, q_len)
+                                    or segment_ids.kv.shape != (batch, kv_len)):
+        raise ValueError(f"segment_ids: expected shapes {(batch, q_len)} and "
+                         f"{(batch, kv_len)}, got {segment_ids.q.shape} and "
+                         f"{segment_ids.kv.shape}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    bs = _fit_block_sizes(block_sizes or BlockSizes(), q_len, kv_len)
+    bq, bkv = bs.block_q, bs.block_kv
+    q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
+    num_q_blocks, num_kv_blocks = q_pad // bq, kv_pad // bkv
+    num_kv_steps = num_kv_blocks
+    if window_size is not None:
+        window_size = int(window_size)
+        num_kv_steps = min(num_kv_blocks, -(-(bq + 2 * window_size) // bkv) + 1)
+
+    if k_smoothing:
+        k = _smooth_keys(k, segment_ids)
+    # Fold scale*log2(e) into q once: the kernel's scores are base-2 logits. Under jit
+    # this multiply fuses into q's producer. No padding: partial last blocks are read
+    # with unspecified padding (masked or discarded in the kernel), which saves HBM
+    # copies of q, k and v and a slice of the output.
+    qs = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+    vt = jnp.swapaxes(v, 2, 3)  # (batch, heads, head_dim, kv_len): MXU-native P V
+    q_offset = jnp.zeros((1,), jnp.int32) if _q_offset is None else \
+        jnp.reshape(jnp.asarray(_q_offset, jnp.int32), (1,))
+
+    def kv_index(i, j, q_offset_ref):
+        if window_size is None:
+            return j
+        return _window_kv_block(q_offset_ref[0] + i * bq, j, bq, bkv, num_kv_blocks,
+                                num_kv_steps, window_size)
+
+    in_specs = [
+        pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0)),
+        pl.BlockSpec((None, None, bkv, head_dim),
+                     lambda b, h, i, j, off: (b, h, kv_index(i, j, off), 0)),
+        pl.BlockSpec((None, None, head_dim, bkv),
+                     lambda b, h, i, j, off: (b, h, 0, kv_index(i, j, off))),
+    ]
+    if segment_ids is None:
+        q_ids = kv_ids = None
+        in_specs += [None, None]
+    else:
+        # q ids as a lane row (1, q), kv ids broadcast over lanes (kv, 128): the layouts
+        # that broadcast against the (keys, queries) score tile without relayout.
+        q_ids = segment_ids.q[:, None, :]
+        kv_ids = jnp.broadcast_to(segment_ids.kv[:, :, None], (batch, kv_len, NUM_LANES))
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda b, h, i, j, off: (b, 0, i)),
+            pl.BlockSpec((None, bkv, NUM_LANES),
+                         lambda b, h, i, j, off: (b, kv_index(i, j, off), 0)),
+        ]
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _splash_kernel, block_q=bq, block_kv=bkv, block_kv_compute=bs.block_kv_compute,
+        kv_len=kv_len, num_kv_blocks=num_kv_blocks, window_size=window_size,
+        precision=precision)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=4 * batch * heads * q_pad * num_kv_steps * bkv * head_dim,
+        transcendentals=batch * heads * q_pad * num_kv_steps * bkv,
+        bytes_accessed=itemsize * batch * heads * head_dim
+        * (2 * q_pad + 2 * num_q_blocks * num_kv_steps * bkv))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, heads, q_len, head_dim), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, heads, num_q_blocks, num_kv_steps),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, bq, head_dim),
+                                   lambda b, h, i, j, off: (b, h, i, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((1, bq), jnp.float32),  # running max m (base 2)
+                pltpu.VMEM((1, bq), jnp.float32),  # running denominator l
+                pltpu.VMEM((head_dim, bq), jnp.float32),  # acc^T
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit_bytes(bs, head_dim, itemsize),
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="wan_splash_attention",
+    )(q_offset, qs, k, vt, q_ids, kv_ids)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded wrapper
+# ---------------------------------------------------------------------------------------
+
+
+def sharded_splash_attention(q, k, v, *, mesh, scale=None,
+                             block_sizes: BlockSizes | None = None,
+                             window_size: int | None = None, k_smoothing: bool = False,
+                             segment_ids=None, interpret: bool = False) -> jax.Array:
+    """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
+
+    Layout: batch is sharded over "dp". Heads are sharded over ("tp", "sp") when
+    ``heads % (tp * sp) == 0`` (head-parallel attention: every device holds whole
+    sequences; from the Megatron layout, heads on "tp", this is a local slice, and from a
+    sequence-sharded layout XLA inserts an all-to-all). Otherwise heads go over "tp",
+    q's sequence over "sp", and K, V (and kv segment ids) are replicated over "sp", so
+    each device attends its query rows to all keys. Axes of size 1 are fine. The output
+    has q's partitioning: P("dp", ("tp", "sp"), None, None) or P("dp", "tp", "sp", None).
+
+    Args:
+        q, k, v, scale, block_sizes, window_size, k_smoothing, segment_ids, interpret:
+            as ``splash_attention``, for the global arrays.
+        mesh: ``jax.sharding.Mesh`` with axis names "dp", "tp" and "sp".
+
+    Returns:
+        (batch, heads, q_len, head_dim) in q.dtype, sharded as described.
+
+    Raises:
+        ValueError: the mesh lacks an axis, or batch % dp, heads % tp or (sequence
+            sharding) q_len % sp is not 0.
+    """
+    _check_shapes(q, k, v)
+    missing = [a for a in ("dp", "tp", "sp") if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"mesh: expected axes ('dp', 'tp', 'sp'), got {tuple(mesh.shape)}")
+    dp, tp, sp = mesh.shape["dp"], mesh.shape["tp"], mesh.shape["sp"]
+    batch, heads, q_len, _ = q.shape
+    if batch % dp:
+        raise ValueError(f"batch: expected a multiple of mesh axis dp={dp}, got {batch}")
+    if heads % tp:
+        raise ValueError(f"heads: expected a multiple of mesh axis tp={tp}, got {heads}")
+    head_parallel = heads % (tp * sp) == 0
+    if head_parallel:
+        q_spec = kv_spec = P("dp", ("tp", "sp"), None, None)
+        q_ids_spec = kv_ids_spec = P("dp", None)
+    else:
+        if q_len % sp:
+            raise ValueError(f"q_len: expected a multiple of mesh axis sp={sp} when heads "
+                             f"({heads}) are not divisible by tp*sp={tp * sp}, got {q_len}")
+        q_spec, kv_spec = P("dp", "tp", "sp", None), P("dp", "tp", None, None)
+        q_ids_spec, kv_ids_spec = P("dp", "sp"), P("dp", None)
+    segment_ids = _as_segment_ids(segment_ids)
+    local_q_len = q_len if head_parallel else q_len // sp
+
+    def local(q, k, v, seg):
+        # Window masks use global query positions: offset this shard's rows.
+        offset = 0 if head_parallel else lax.axis_index("sp") * local_q_len
+        return splash_attention(q, k, v, scale=scale, block_sizes=block_sizes,
+                                window_size=window_size, k_smoothing=k_smoothing,
+                                segment_ids=seg, interpret=interpret, _q_offset=offset)
+
+    seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+        check_vma=False,  # pallas_call carries no varying-manual-axes annotations
+    )(q, k, v, segment_ids)
+
+
+# ---------------------------------------------------------------------------------------
+# References and the torch SDPA override
+# ---------------------------------------------------------------------------------------
+
+
+def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
+    """Float32 softmax attention, the numerical reference for every other path.
+
+    Args:
+        q: (batch, heads, q_len, head_dim), any float dtype.
+        k, v: (batch, heads, kv_len, head_dim).
+        scale: softmax scale; ``None`` means 1/sqrt(head_dim), as torch SDPA.
+        mask: optional boolean (True = attend) or additive float mask broadcastable to
+            (batch, heads, q_len, kv_len), with torch SDPA's semantics.
+        is_causal: apply a lower-triangular mask aligned at the top-left, as torch SDPA.
+
+    Returns:
+        (batch, heads, q_len, head_dim) in q.dtype. A query row with no valid key gives
+        zeros instead of torch's NaN.
+    """
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * scale
+    valid = jnp.ones(s.shape, dtype=bool)
+    if mask is not None:
+        if mask.dtype == jnp.bool_:
+            valid = valid & mask
+        else:
+            s = s + mask.astype(jnp.float32)
+    if is_causal:
+        q_len, kv_len = s.shape[-2:]
+        valid = valid & jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.astype(q.dtype)
+
+
+def xla_attention(q, k, v, *, scale=None):
+    """Softmax attention through ``jax.nn.dot_product_attention`` (XLA).
+
+    Under ``jax.jit`` with sharded inputs XLA partitions it by itself, so it needs no
+    mesh.
+
+    Args:
+        q: (batch, heads, q_len, head_dim); k, v: (batch, heads, kv_len, head_dim).
+        scale: softmax scale; ``None`` means 1/sqrt(head_dim).
+
+    Returns:
+        (batch, heads, q_len, head_dim) in q.dtype.
+    """
+    # jax.nn.dot_product_attention takes (batch, len, heads, head_dim).
+    qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    out = jax.nn.dot_product_attention(qt, kt, vt, scale=scale)
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False, *, env, attention, options):
+    """torch SDPA signature; runs on the JAX arrays behind torchax tensors."""
+    if dropout_p != 0.0:
+        raise ValueError(f"scaled_dot_product_attention: expected dropout_p=0.0 for "
+                         f"inference, got {dropout_p}")
+    if enable_gqa:
+        raise ValueError("scaled_dot_product_attention: enable_gqa=True is not supported")
+    q, k, v = env.t2j_iso((query, key, value))
+    mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
+    if mask is not None or is_causal:
+        # Masks the kernels were not built for take the exact reference path.
+        out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
+    elif attention == "xla":
+        out = xla_attention(q, k, v, scale=scale)
+    elif attention == "splash":
+        kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
+                      k_smoothing=options["k_smoothing"], interpret=options["interpret"])
+        if options["mesh"] is not None:
+            out = sharded_splash_attention(q, k, v, mesh=options["mesh"], **kwargs)
+        else:
+            out = splash_attention(q, k, v, **kwargs)
+    else:
+        raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
+    return env.j2t_iso(out)
+
+
+def install_sdpa_override(env, *, attention: str, mesh=None, block_sizes=None,
+                          interpret: bool = False, k_smoothing: bool = False) -> None:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
+
+    Calls with ``attn_mask``, ``is_causal=True`` take ``reference_attention`` (exact)
+    whatever ``attention`` says; the rest take ``attention``.
+
+    Args:
+        env: a ``torchax.tensor.Environment`` (``torchax.default_env()``).
+        attention: "xla" (``xla_attention``) or "splash" (``splash_attention``, or
+            ``sharded_splash_attention`` when ``mesh`` is given).
+        mesh: optional ``jax.sharding.Mesh`` with axes ("dp", "tp", "sp") for the sharded
+            kernel wrapper.
+        block_sizes: optional kernel ``BlockSizes``.
+        interpret: run the Pallas kernel in interpret mode (CPU).
+        k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``).
+
+    Raises:
+        ValueError: unknown ``attention``.
+    """
+    import torch
+
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
+    options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret,
+                   k_smoothing=k_smoothing)
+    env.override_op_definition(
+        torch.nn.functional.scaled_dot_product_attention,
+        functools.partial(_sdpa, env=env, attention=attention, options=options),
+    )

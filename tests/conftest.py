@@ -1,0 +1,25 @@
+"""Shared fixtures: the tiny Wan checkpoint, built once per session through save_pretrained."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Tests run on CPU; the Makefile also gives JAX 8 host devices for the sharding tests.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Path of a freshly built tiny random Wan 2.1 checkpoint (diffusers format)."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-wan"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"),
+         "--output", str(path)],
+        check=True, capture_output=True, text=True,
+    )
+    return str(path)

@@ -1,0 +1,131 @@
+"""generate_flax.py as a user runs it: a subprocess, its files, its exit codes and messages."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "generate_flax.py")
+SMALL = ["--height", "48", "--width", "80", "--frames", "9", "--num_inference_steps", "2"]
+
+
+def run(args, timeout=600, devices=8):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_writes_playable_mp4_and_json_report(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    proc = run(["--model_id", tiny_checkpoint, *SMALL, "--num_iterations", "2",
+                "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(os.listdir(out))
+    assert len(files) == 2, files  # no temporary or partial files left behind
+    mp4, js = files[1], files[0]
+    assert re.fullmatch(r"\d{8}_\d{6}\.mp4", mp4) and js == mp4[:-4] + ".json"
+
+    frames = np.asarray(iio.imread(out / mp4))
+    assert frames.shape == (9, 48, 80, 3)
+    assert frames.std() > 1  # a real picture, not a constant
+
+    report = json.loads((out / js).read_text())
+    assert report["video"] == mp4
+    assert report["settings"]["frames"] == 9 and report["settings"]["seed"] == 42
+    assert report["devices"] == {"kind": "cpu", "count": 8, "platform": "cpu"}
+    t = report["timings"]
+    for key in ("text_encode_s", "compile_transformer_s", "compile_vae_s", "warmup_run_s",
+                "first_run_with_compile_s", "steady_mean_s", "steady_min_s", "steady_max_s",
+                "steady_s_per_step", "steady_vae_decode_s"):
+        assert t[key] > 0, key
+    assert len(t["runs"]) == 2
+    assert t["first_run_with_compile_s"] > t["steady_mean_s"]
+    for pkg in ("jax", "torch", "torchax", "diffusers"):
+        assert report["versions"][pkg]
+    assert "== Summary" in proc.stdout and "s/step" in proc.stdout
+
+
+BAD = [
+    (["--frames", "10"], "--frames=10", "4n+1"),
+    (["--frames", "0"], "--frames=0", "4n+1"),
+    (["--height", "50"], "--height=50", "multiple of 16"),
+    (["--width", "1000"], "--width=1000", "multiple of 16"),
+    (["--num_inference_steps", "0"], "--num_inference_steps=0", ">= 1"),
+    (["--guidance_scale", "-1"], "--guidance_scale=-1.0", ">= 0"),
+    (["--guidance_scale", "nan"], "--guidance_scale=nan", "finite"),
+    (["--num_iterations", "0"], "--num_iterations=0", ">= 1"),
+    (["--flow_shift", "0"], "--flow_shift=0.0", "> 0"),
+    (["--dp", "3"], "--dp/--tp/--sp", "device count 8"),
+    (["--dp", "2", "--tp", "4", "--sp", "1"], "--tp=4", "head count 2"),
+    (["--dp", "2", "--tp", "1", "--sp", "4", "--guidance_scale", "1"], "--dp=2",
+     "must divide the transformer batch"),
+]
+
+
+@pytest.mark.parametrize("flags,flag,rule", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_one_line_before_loading(tiny_checkpoint, tmp_path, flags, flag, rule):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = run(["--model_id", tiny_checkpoint, "--output_dir", str(out), *flags], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert flag in lines[0] and rule in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30  # no model was loaded
+    assert not out.exists() or not os.listdir(out)
+
+
+def test_missing_model_folder_says_how_to_get_weights(tmp_path):
+    proc = run(["--model_id", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path)],
+               timeout=60)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "\n" not in line and "--model_id=" in line and "not found" in line
+    assert "make_tiny_checkpoint.py" in line and "huggingface-cli download" in line
+
+
+def test_folder_without_model_index_names_the_missing_file(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run(["--model_id", str(tmp_path / "empty"), "--output_dir", str(tmp_path)],
+               timeout=60)
+    assert proc.returncode == 2 and "missing model_index.json" in proc.stderr
+
+
+def test_unwritable_output_dir(tiny_checkpoint, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = run(["--model_id", tiny_checkpoint, "--output_dir", str(blocker / "sub")],
+               timeout=60)
+    assert proc.returncode == 2
+    assert "--output_dir=" in proc.stderr and "writable directory" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_nan_weights_fail_naming_the_stage_and_write_nothing(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan-wan"
+    shutil.copytree(tiny_checkpoint, bad)
+    path = bad / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(path))
+    state["proj_out.bias"][0] = float("nan")
+    save_file(state, str(path))
+    out = tmp_path / "out"
+    proc = run(["--model_id", str(bad), *SMALL, "--num_iterations", "1",
+                "--output_dir", str(out)])
+    assert proc.returncode == 1
+    assert "denoising" in proc.stderr and "NaN" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert glob.glob(str(out / "*")) == []

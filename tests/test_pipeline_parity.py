@@ -1,0 +1,137 @@
+"""The JAX/torchax pipeline against diffusers' own eager PyTorch WanPipeline on CPU."""
+
+import numpy as np
+import torch
+
+import generate_flax
+
+# Non-square and not a power of two, so a swapped height/width axis cannot pass.
+SHAPE = dict(height=48, width=80, frames=9)
+STEPS = 4
+
+
+def _reference_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0):
+    """diffusers' WanPipeline.__call__, eager PyTorch on CPU: the independent reference."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae", dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(checkpoint, vae=vae, dtype=dtype)
+    pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config,
+                                                         flow_shift=flow_shift)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        out = pipe(
+            prompt=generate_flax.DEFAULTS["prompt"],
+            negative_prompt=generate_flax.DEFAULTS["negative_prompt"],
+            num_inference_steps=STEPS,
+            guidance_scale=guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            output_type="np",
+            **{"num_frames": SHAPE["frames"], "height": SHAPE["height"],
+               "width": SHAPE["width"]},
+        )
+    return out.frames[0]
+
+
+def _our_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0, extra=()):
+    args = generate_flax.validate_args(generate_flax.parse_args([
+        "--model_id", checkpoint, "--dtype", dtype, "--seed", str(seed),
+        "--flow_shift", str(flow_shift), "--guidance_scale", str(guidance_scale),
+        "--num_inference_steps", str(STEPS), "--num_iterations", "1",
+        "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
+        "--frames", str(SHAPE["frames"]), "--attention", "xla", *extra,
+    ]))
+    frames, report = generate_flax.generate(args)
+    return frames, report
+
+
+def test_float32_frames_match_diffusers(tiny_checkpoint):
+    ref = _reference_frames(tiny_checkpoint, torch.float32, seed=7, flow_shift=5.0)
+    ours, report = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0)
+    assert ours.shape == ref.shape == (SHAPE["frames"], SHAPE["height"], SHAPE["width"], 3)
+    # Same math in float32 on both sides; what differs is XLA's vs ATen's summation order,
+    # which stays far below 1e-3 on [0, 1] frames.
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    # The run must not be trivially flat (e.g. all clipped), or the comparison proves nothing.
+    assert ref.std() > 0.01
+    assert report["devices"]["platform"] == "cpu"
+
+
+def test_seed_changes_video_and_is_reproduced(tiny_checkpoint):
+    ref = _reference_frames(tiny_checkpoint, torch.float32, seed=8, flow_shift=3.0)
+    ours, _ = _our_frames(tiny_checkpoint, "float32", seed=8, flow_shift=3.0)
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    other, _ = _our_frames(tiny_checkpoint, "float32", seed=9, flow_shift=3.0)
+    assert np.abs(other - ours).max() > 0.05
+
+
+def test_no_cfg_path_matches_diffusers(tiny_checkpoint):
+    # guidance <= 1 makes diffusers skip the unconditional pass; we must do the same.
+    ref = _reference_frames(tiny_checkpoint, torch.float32, seed=3, flow_shift=5.0,
+                            guidance_scale=1.0)
+    ours, report = _our_frames(tiny_checkpoint, "float32", seed=3, flow_shift=5.0,
+                               guidance_scale=1.0)
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    assert report["mesh"]["dp"] == 1
+
+
+def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
+    """bf16 is judged against float32 truth, with diffusers' own bf16 error as the yardstick.
+
+    End-to-end bf16 frames of a random tiny model amplify rounding chaotically (diffusers' own
+    bf16 and float32 runs differ by up to 0.34 on [0, 1] pixels), so frames are not compared to
+    each other at bf16 resolution. One CFG model call is: ours must be about as close to the
+    float32 result as diffusers' eager bf16 call is.
+    """
+    import jax.numpy as jnp
+    from diffusers import WanTransformer3DModel
+
+    args = generate_flax.validate_args(generate_flax.parse_args([
+        "--model_id", tiny_checkpoint, "--dtype", "bfloat16", "--attention", "xla",
+        "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
+        "--frames", str(SHAPE["frames"]), "--dp", "1", "--tp", "1", "--sp", "8"]))
+    pipe = generate_flax.load_pipeline(args)
+    pos, neg = generate_flax.encode_prompts(pipe, args)
+    latents = generate_flax.prepare_latents(pipe, args)
+    t = torch.tensor([999])
+
+    def torch_cfg(model, dtype):
+        with torch.no_grad():
+            kw = dict(hidden_states=latents.to(dtype), timestep=t, return_dict=False)
+            cond = model(encoder_hidden_states=pos.to(dtype), **kw)[0]
+            uncond = model(encoder_hidden_states=neg.to(dtype), **kw)[0]
+        return (uncond + 5.0 * (cond - uncond)).float().numpy()
+
+    m32 = WanTransformer3DModel.from_pretrained(tiny_checkpoint, subfolder="transformer",
+                                                dtype=torch.float32).eval()
+    truth = torch_cfg(m32, torch.float32)
+    theirs = torch_cfg(pipe.transformer, torch.bfloat16)
+
+    import jax
+    import torchax
+
+    from custom_splash_attention import install_sdpa_override
+
+    mesh = generate_flax.make_mesh(generate_flax.MeshShape(1, 1, 8))
+    install_sdpa_override(torchax.default_env(), attention="xla")
+    weights = generate_flax.shard_weights(pipe, mesh)
+    embeds = jnp.asarray(torch.cat([pos, neg]).float().numpy()).astype(jnp.bfloat16)
+    lat, ts = jnp.asarray(latents.numpy()), jnp.asarray([999], jnp.int32)
+    step, _ = generate_flax.compile_transformer_step(weights, mesh, args, lat, ts, embeds)
+    w = weights["transformer"]
+    ours = np.asarray(jax.device_get(step(w["params"], w["buffers"], lat, ts, embeds)),
+                      dtype=np.float32)
+
+    err_theirs = np.abs(theirs - truth).mean()
+    err_ours = np.abs(ours - truth).mean()
+    assert err_theirs > 0  # bf16 really was used on the reference side
+    # Measured here: 0.0130 (ours) vs 0.0113 (diffusers) on outputs of mean magnitude 0.48.
+    assert err_ours < 1.5 * err_theirs, (err_ours, err_theirs)
+
+
+def test_bfloat16_frames_stay_near_float32_truth(tiny_checkpoint):
+    truth = _reference_frames(tiny_checkpoint, torch.float32, seed=7, flow_shift=5.0)
+    ours, _ = _our_frames(tiny_checkpoint, "bfloat16", seed=7, flow_shift=5.0)
+    # Measured here: mean |bf16 - f32| is 0.0011 for diffusers and 0.0033 for us (chaotic
+    # amplification in a random model, see above); a layout or kernel bug gives > 0.05.
+    assert np.abs(ours - truth).mean() < 1e-2

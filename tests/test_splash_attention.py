@@ -1,0 +1,406 @@
+"""Numerics of the splash kernel in Pallas interpret mode on CPU.
+
+Every kernel call here runs ``interpret=True``: Pallas executes the kernel body with XLA
+on the host, grid step by grid step, and pads partial blocks with NaN, so a padded key or
+query that leaks into a valid output shows up as a NaN or a large error.
+
+References are float64 NumPy softmax attention computed from the very inputs the kernel
+sees (for bf16: the bf16-rounded values), so the tolerances measure the kernel, not the
+input quantisation:
+
+* f32: ``atol = rtol = 2e-5``. f32 unit roundoff is 6e-8; the score dot products
+  (head_dim <= 128 terms), the folded ``scale * log2(e)``, exp2 and the sums over <= 512
+  keys add up to a few 1e-7 relative (observed max ~1e-6), so 2e-5 leaves >10x margin
+  while an unmasked padded key, a wrong max shift or a dropped tile is >1e-3.
+* bf16: ``atol = rtol = 1.5e-2``. bf16 has 8 significant bits (unit roundoff 2^-9 =
+  2e-3). q is rounded after the scale fold, P is rounded to bf16 for the MXU and the
+  output is rounded once more: ~3 roundings of 2e-3 on values of O(1) (observed max
+  ~6e-3). 1.5e-2 is bf16 resolution with margin; errors from masking bugs are O(0.1).
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import math  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import custom_splash_attention as csa  # noqa: E402
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+SMALL = csa.BlockSizes(block_q=128, block_kv=256, block_kv_compute=128)
+
+
+def _inputs(shape_q, kv_len, dtype, seed=0, k_offset=0.0):
+    rng = np.random.default_rng(seed)
+    b, h, _, d = shape_q
+    q = rng.standard_normal(shape_q)
+    k = rng.standard_normal((b, h, kv_len, d)) + k_offset
+    v = rng.standard_normal((b, h, kv_len, d))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _ref64(q, k, v, *, scale=None, valid=None):
+    """float64 softmax attention; rows with no valid key give zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if valid is not None:
+        s = np.where(valid, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    denom = p.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bhkd->bhqd", p, v)
+    return np.where(denom > 0, o / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+def _check(out, want, dtype, what=""):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert out.shape == want.shape
+    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
+    tol = TOL[dtype]
+    err = np.max(np.abs(out - want))
+    np.testing.assert_allclose(out, want, atol=tol, rtol=tol, err_msg=f"{what} max err {err}")
+    return err
+
+
+def _window_valid(q_len, kv_len, w):
+    i = np.arange(q_len)[:, None]
+    j = np.arange(kv_len)[None, :]
+    return np.abs(i - j) <= w
+
+
+# ---------------------------------------------------------------------------------------
+# Plain attention over lengths, head dims, block sizes and dtypes
+# ---------------------------------------------------------------------------------------
+
+CASES = [
+    # (batch, heads, q_len, kv_len, head_dim, block_sizes)
+    pytest.param(1, 2, 256, 256, 128, csa.BlockSizes(128, 128, 128), id="multiple-d128"),
+    pytest.param(2, 1, 300, 300, 64, SMALL, id="ragged300-d64"),
+    pytest.param(1, 2, 300, 512, 128, SMALL, id="cross512-d128"),
+    pytest.param(1, 1, 200, 77, 64, None, id="kv77-shorter-than-block-default-blocks"),
+    pytest.param(1, 1, 260, 700, 128, csa.BlockSizes(256, 512, 256), id="ragged-700-2blocks"),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("b,h,q_len,kv_len,d,bs", CASES)
+def test_matches_float64_reference(b, h, q_len, kv_len, d, bs, dtype):
+    q, k, v = _inputs((b, h, q_len, d), kv_len, dtype, seed=q_len + kv_len)
+    out = csa.splash_attention(q, k, v, block_sizes=bs, interpret=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    _check(out, _ref64(q, k, v), dtype, "splash")
+
+
+def test_custom_scale():
+    q, k, v = _inputs((1, 1, 130, 64), 130, jnp.float32, seed=3)
+    out = csa.splash_attention(q, k, v, scale=0.3, block_sizes=SMALL, interpret=True)
+    _check(out, _ref64(q, k, v, scale=0.3), jnp.float32, "scale=0.3")
+
+
+# ---------------------------------------------------------------------------------------
+# Padded keys
+# ---------------------------------------------------------------------------------------
+
+
+def test_padded_keys_are_masked():
+    """Zero-padding K/V without a mask (a known port's bug) is far off; ours is exact.
+
+    kv_len = 300 with block_kv = 256 leaves 212 padded keys in the last block. Zero keys
+    score 0, so unmasked they take a share of the softmax and pull the output towards 0.
+    """
+    q, k, v = _inputs((1, 2, 300, 64), 300, jnp.float32, seed=11)
+    want = _ref64(q, k, v)
+    pad = ((0, 0), (0, 0), (0, 512 - 300), (0, 0))
+    unmasked = _ref64(q, np.pad(np.asarray(k), pad), np.pad(np.asarray(v), pad))
+    unmasked_err = np.max(np.abs(unmasked - want))
+    ours = csa.splash_attention(q, k, v, block_sizes=SMALL, interpret=True)
+    ours_err = _check(ours, want, jnp.float32, "padded keys")
+    assert unmasked_err > 100 * TOL[jnp.float32], unmasked_err
+    assert ours_err < TOL[jnp.float32] < unmasked_err / 100
+
+
+# ---------------------------------------------------------------------------------------
+# Segment ids, window, k smoothing
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_segment_ids_with_empty_row(dtype):
+    """Segments, incl. queries whose id no key has: those rows are zeros, not NaN."""
+    b, h, q_len, kv_len, d = 2, 1, 200, 300, 64
+    q, k, v = _inputs((b, h, q_len, d), kv_len, dtype, seed=5)
+    q_ids = np.zeros((b, q_len), np.int32)
+    q_ids[:, 60:] = 1
+    q_ids[0, 150:170] = 7  # no key has id 7: empty rows
+    kv_ids = np.zeros((b, kv_len), np.int32)
+    kv_ids[:, 100:] = 1
+    kv_ids[1, 250:] = 2
+    valid = (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    want = _ref64(q, k, v, valid=valid)
+    for seg in ((jnp.asarray(q_ids), jnp.asarray(kv_ids)),
+                csa.SegmentIds(jnp.asarray(q_ids), jnp.asarray(kv_ids))):
+        out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=SMALL,
+                                   interpret=True)
+        _check(out, want, dtype, "segments")
+        assert np.all(np.asarray(out[0, :, 150:170], np.float32) == 0.0)
+
+
+@pytest.mark.parametrize("window", [0, 40, 200])
+def test_window(window):
+    q_len = kv_len = 390
+    q, k, v = _inputs((1, 2, q_len, 64), kv_len, jnp.float32, seed=window)
+    bs = csa.BlockSizes(128, 128, 128)
+    out = csa.splash_attention(q, k, v, window_size=window, block_sizes=bs, interpret=True)
+    want = _ref64(q, k, v, valid=_window_valid(q_len, kv_len, window))
+    _check(out, want, jnp.float32, f"window {window}")
+
+
+def test_window_with_segments_bf16():
+    q_len = kv_len = 300
+    q, k, v = _inputs((1, 1, q_len, 128), kv_len, jnp.bfloat16, seed=9)
+    ids = np.where(np.arange(q_len) < 170, 0, 1).astype(np.int32)[None]
+    valid = _window_valid(q_len, kv_len, 64) & (ids[0][:, None] == ids[0][None, :])
+    out = csa.splash_attention(q, k, v, window_size=64, segment_ids=(ids, ids),
+                               block_sizes=SMALL, interpret=True)
+    _check(out, _ref64(q, k, v, valid=valid), jnp.bfloat16, "window+segments")
+
+
+def test_k_smoothing_is_exact_f32():
+    # A large common offset on K: smoothing removes it, the result must not change.
+    q, k, v = _inputs((1, 2, 200, 64), 300, jnp.float32, seed=4, k_offset=3.0)
+    out = csa.splash_attention(q, k, v, k_smoothing=True, block_sizes=SMALL, interpret=True)
+    _check(out, _ref64(q, k, v), jnp.float32, "k_smoothing")
+
+
+@pytest.mark.parametrize("offset", [8.0, 512.0])
+def test_k_smoothing_bf16_within_tolerance(offset):
+    """A large component shared by all keys: smoothed bf16 stays at bf16 resolution.
+
+    The reference is the exact attention of the bf16 inputs. Scores are f32 in the
+    kernel and the rounding of q times the shared component is a per-row constant that
+    softmax cancels, so smoothing does not have to (and does not measurably) lower the
+    error here; it must not raise it past bf16 resolution either, even though it re-rounds
+    K after the f32 subtraction.
+    """
+    rng = np.random.default_rng(int(offset))
+    q, k, v = (rng.standard_normal((1, 2, 256, 128)) for _ in range(3))
+    k = k + offset * rng.standard_normal((1, 2, 1, 128))
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    out = csa.splash_attention(q, k, v, k_smoothing=True, block_sizes=SMALL, interpret=True)
+    _check(out, _ref64(q, k, v), jnp.bfloat16, f"k_smoothing offset {offset}")
+
+
+def test_k_smoothing_mean_over_attendable_keys_only():
+    """Keys in a segment no query has (e.g. padding) must not move the mean."""
+    q, k, v = _inputs((1, 1, 128, 64), 200, jnp.float32, seed=12)
+    k = k.at[:, :, 150:].set(1e4)  # huge padding keys, never attended
+    q_ids = jnp.zeros((1, 128), jnp.int32)
+    kv_ids = jnp.where(jnp.arange(200) < 150, 0, 5)[None].astype(jnp.int32)
+    smoothed = csa._smooth_keys(k, csa.SegmentIds(q_ids, kv_ids))
+    real_mean = np.asarray(k[:, :, :150]).mean(axis=2, keepdims=True)
+    np.testing.assert_allclose(np.asarray(smoothed[:, :, :150]),
+                               np.asarray(k[:, :, :150]) - real_mean, atol=1e-4)
+    valid = np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]
+    out = csa.splash_attention(q, k, v, k_smoothing=True, segment_ids=(q_ids, kv_ids),
+                               block_sizes=SMALL, interpret=True)
+    _check(out, _ref64(q, k, v, valid=valid), jnp.float32, "k_smoothing+segments")
+
+
+# ---------------------------------------------------------------------------------------
+# Second reference: JAX's stock splash kernel
+# ---------------------------------------------------------------------------------------
+
+
+def test_matches_stock_splash_kernel():
+    from jax.experimental.pallas.ops.tpu import splash_attention as stock
+
+    b, h, s, d = 2, 2, 256, 128
+    q, k, v = _inputs((b, h, s, d), s, jnp.float32, seed=21)
+    scale = 1.0 / math.sqrt(d)
+    stock_bs = stock.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128)
+    for window in (None, 50):
+        if window is None:
+            mask = stock.MultiHeadMask([stock.FullMask((s, s))] * h)
+        else:
+            mask = stock.MultiHeadMask(
+                [stock.LocalMask((s, s), window_size=(window, window), offset=0)] * h)
+        kernel = stock.make_splash_mha(mask, block_sizes=stock_bs, head_shards=1,
+                                       q_seq_shards=1, interpret=True)
+        # The stock kernel takes (heads, len, head_dim) and applies no softmax scale.
+        want = jax.vmap(kernel)(q * scale, k, v)
+        ours = csa.splash_attention(q, k, v, window_size=window,
+                                    block_sizes=csa.BlockSizes(128, 128, 128),
+                                    interpret=True)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Block sizes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_q=0), "block_q: expected a positive int, got 0"),
+    (dict(block_q=100), "block_q: expected a multiple of 128, got 100"),
+    (dict(block_kv=384, block_kv_compute=256),
+     "block_kv: expected a multiple of block_kv_compute=256, got 384"),
+    (dict(block_kv_compute=-128), "block_kv_compute: expected a positive int, got -128"),
+])
+def test_block_sizes_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        csa.BlockSizes(**kwargs)
+
+
+def test_block_size_fitting():
+    fit = csa._fit_block_sizes
+    # Wan 14B 720p: the defaults are already the balanced blocks for 75,600 tokens.
+    assert fit(csa.BlockSizes(), 75600, 75600) == csa.BlockSizes(3328, 2816, 256)
+    # Short sequences clamp every block.
+    assert fit(csa.BlockSizes(), 200, 77) == csa.BlockSizes(256, 128, 128)
+    # Cross-attention with 512 text tokens: one KV block of two compute tiles.
+    assert fit(csa.BlockSizes(), 75600, 512) == csa.BlockSizes(3328, 512, 256)
+    # Same block count, less padding: 1000 tokens in 2 blocks of 512.
+    assert fit(csa.BlockSizes(768, 768, 256), 1000, 1000) == csa.BlockSizes(512, 512, 256)
+
+
+def test_input_validation():
+    q, k, v = _inputs((1, 1, 128, 64), 128, jnp.float32)
+    with pytest.raises(ValueError, match="window_size"):
+        csa.splash_attention(q, k, v, window_size=-1, interpret=True)
+    with pytest.raises(ValueError, match="segment_ids"):
+        csa.splash_attention(q, k, v, segment_ids=(jnp.zeros((1, 5), jnp.int32),
+                                                   jnp.zeros((1, 128), jnp.int32)))
+    with pytest.raises(ValueError, match="v: expected the shape of k"):
+        csa.splash_attention(q, k, v[:, :, :64], interpret=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded wrapper on 8 CPU devices
+# ---------------------------------------------------------------------------------------
+
+
+def _mesh(dp, tp, sp):
+    devices = jax.devices()
+    if len(devices) < dp * tp * sp:
+        pytest.skip(f"needs {dp * tp * sp} devices (XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count=8), have {len(devices)}")
+    return Mesh(np.array(devices[:dp * tp * sp]).reshape(dp, tp, sp), ("dp", "tp", "sp"))
+
+
+@pytest.mark.parametrize("mesh_shape,heads,window", [
+    ((2, 2, 2), 4, None),  # heads % (tp*sp) == 0: head-parallel
+    ((1, 4, 2), 4, None),  # heads % (tp*sp) != 0: q sequence over sp
+    ((1, 4, 2), 4, 30),  # sequence-parallel window needs each shard's q offset
+])
+def test_sharded_matches_unsharded(mesh_shape, heads, window):
+    mesh = _mesh(*mesh_shape)
+    q, k, v = _inputs((2, heads, 256, 64), 200, jnp.float32, seed=31)
+    bs = csa.BlockSizes(128, 128, 128)
+    want = csa.splash_attention(q, k, v, window_size=window, block_sizes=bs, interpret=True)
+    got = jax.jit(lambda q, k, v: csa.sharded_splash_attention(
+        q, k, v, mesh=mesh, window_size=window, block_sizes=bs, interpret=True))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
+def test_sharded_segment_ids():
+    mesh = _mesh(1, 4, 2)
+    q, k, v = _inputs((2, 4, 256, 64), 128, jnp.float32, seed=32)
+    q_ids = jnp.asarray(np.repeat([[0, 1]], 128, axis=1).repeat(2, axis=0), jnp.int32)
+    kv_ids = jnp.asarray(np.repeat([[0, 1]], 64, axis=1).repeat(2, axis=0), jnp.int32)
+    want = _ref64(q, k, v, valid=np.asarray(q_ids)[:, None, :, None]
+                  == np.asarray(kv_ids)[:, None, None, :])
+    got = csa.sharded_splash_attention(q, k, v, mesh=mesh, segment_ids=(q_ids, kv_ids),
+                                       block_sizes=csa.BlockSizes(128, 128, 128),
+                                       interpret=True)
+    _check(got, want, jnp.float32, "sharded segments")
+
+
+def test_sharded_validation():
+    mesh = _mesh(1, 4, 2)
+    q, k, v = _inputs((1, 6, 128, 64), 128, jnp.float32)
+    with pytest.raises(ValueError, match="heads: expected a multiple of mesh axis tp=4, got 6"):
+        csa.sharded_splash_attention(q, k, v, mesh=mesh, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------
+# torch SDPA override through torchax
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torchax_env():
+    torch = pytest.importorskip("torch")
+    torchax = pytest.importorskip("torchax")
+    env = torchax.default_env()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    saved = env._ops.get(sdpa)
+    yield env
+    # The default env is shared by the whole test session: put the stock op back.
+    if saved is None:
+        env._ops.pop(sdpa, None)
+    else:
+        env._ops[sdpa] = saved
+
+
+def _torch_inputs(q_len, kv_len, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 4, n, 64, generator=g) for n in (q_len, kv_len, kv_len))
+
+
+def _run_sdpa(env, q, k, v, **kwargs):
+    import torch
+
+    with env:
+        qx, kx, vx = env.to_xla((q, k, v))
+        if "attn_mask" in kwargs and kwargs["attn_mask"] is not None:
+            kwargs["attn_mask"] = env.to_xla(kwargs["attn_mask"])
+        out = torch.nn.functional.scaled_dot_product_attention(qx, kx, vx, **kwargs)
+        return np.asarray(env.t2j_iso(out))
+
+
+@pytest.mark.parametrize("attention,mesh_shape", [
+    ("splash", None), ("splash", (2, 2, 2)), ("xla", None)])
+def test_sdpa_override_matches_torch(torchax_env, attention, mesh_shape):
+    import torch
+
+    mesh = None if mesh_shape is None else _mesh(*mesh_shape)
+    csa.install_sdpa_override(torchax_env, attention=attention, mesh=mesh,
+                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+    q, k, v = _torch_inputs(200, 150, seed=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2).numpy()
+    got = _run_sdpa(torchax_env, q, k, v, scale=0.2)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_sdpa_override_masked_fallback(torchax_env):
+    import torch
+
+    csa.install_sdpa_override(torchax_env, attention="splash", interpret=True)
+    q, k, v = _torch_inputs(64, 64, seed=2)
+    mask = torch.rand(64, 64, generator=torch.Generator().manual_seed(3)) > 0.3
+    F = torch.nn.functional
+    for kwargs in (dict(attn_mask=mask), dict(is_causal=True),
+                   dict(attn_mask=torch.randn(64, 64))):
+        want = F.scaled_dot_product_attention(q, k, v, **kwargs).numpy()
+        got = _run_sdpa(torchax_env, q, k, v, **kwargs)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_sdpa_override_rejects_unknown_backend(torchax_env):
+    with pytest.raises(ValueError, match="attention: expected one of"):
+        csa.install_sdpa_override(torchax_env, attention="flash")

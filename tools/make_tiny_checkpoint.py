@@ -1,0 +1,174 @@
+"""Build a tiny, randomly initialised Wan 2.1 text-to-video checkpoint in diffusers format.
+
+No model hub is reachable from CI or the developers' machines, so demos and tests run on this
+checkpoint. Every component is real: a ``WanTransformer3DModel``, an ``AutoencoderKLWan``, a
+``UMT5EncoderModel``, a T5 Unigram tokenizer trained offline with the ``tokenizers`` library,
+and the ``UniPCMultistepScheduler`` config that Wan 2.1 ships. They are written with
+``WanPipeline.save_pretrained`` (safetensors), so ``generate_flax.py`` loads them through the
+same ``from_pretrained`` path as the real ``Wan-AI/Wan2.1-T2V-*-Diffusers`` weights.
+
+The default architecture is the one diffusers' own Wan pipeline tests use (transformer with
+patch (1, 2, 2), 2 heads x 12 dims, 2 layers; VAE with base_dim 3, z_dim 16). ``--heads``,
+``--head_dim``, ``--layers`` and ``--ffn_dim`` widen it for benchmarks.
+
+Usage:
+    python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+# A small English corpus for the tokenizer; Wan prompts are English or Chinese prose.
+_CORPUS = """
+A cat walks on the grass, realistic style. A dog runs along the beach at sunset.
+Two anthropomorphic cats in comfy boxing gear and bright gloves fight intensely on a
+spotlighted stage. A red panda eats bamboo in a misty forest, cinematic lighting, 4k.
+A drone shot over snowy mountains at dawn, slow motion, high detail, film grain.
+Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings,
+images, static, overall gray, worst quality, low quality, JPEG compression residue, ugly,
+incomplete, extra fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured,
+misshapen limbs, fused fingers, still picture, messy background, three legs, many people
+in the background, walking backwards. The quick brown fox jumps over the lazy dog.
+A city street at night with neon lights and rain, people walking with umbrellas.
+An astronaut rides a horse on the moon, photorealistic, wide angle lens.
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", default="checkpoints/tiny-wan", help="output folder")
+    p.add_argument("--heads", type=int, default=2, help="transformer attention heads")
+    p.add_argument("--head_dim", type=int, default=12, help="transformer head dimension")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--ffn_dim", type=int, default=32, help="transformer FFN hidden size")
+    p.add_argument("--text_dim", type=int, default=32, help="UMT5 hidden size (d_model)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed for the random init")
+    p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
+    return p.parse_args(argv)
+
+
+def build_tokenizer(vocab_size: int = 400):
+    """Train a T5-style Unigram tokenizer on ``_CORPUS``; returns a ``T5Tokenizer``.
+
+    T5/UMT5 reserve ids 0, 1, 2 for <pad>, </s>, <unk>; the trainer is told so.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import T5Tokenizer
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        unk_token="<unk>",
+        shrinking_factor=0.75,
+    )
+    tok.train_from_iterator(_CORPUS.split("\n"), trainer=trainer)
+    return T5Tokenizer(vocab=_unigram_vocab(tok), extra_ids=0)
+
+
+def _unigram_vocab(tok) -> list[tuple[str, float]]:
+    """Read the (piece, log-prob) list out of a trained Unigram model, in id order."""
+    import json
+
+    model = json.loads(tok.to_str())["model"]
+    return [(piece, float(score)) for piece, score in model["vocab"]]
+
+
+def build_pipeline(args: argparse.Namespace):
+    """Instantiate every Wan 2.1 component with random weights; returns a ``WanPipeline``."""
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer()
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=args.text_dim,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    ).eval()
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=args.heads,
+        attention_head_dim=args.head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=args.text_dim,
+        freq_dim=256,
+        ffn_dim=args.ffn_dim,
+        num_layers=args.layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ).eval()
+    # Wan 2.1's shipped scheduler config: UniPC in flow-prediction mode with flow sigmas.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        num_train_timesteps=1000,
+        flow_shift=3.0,
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = os.path.abspath(args.output)
+    if os.path.exists(os.path.join(out, "model_index.json")) and not args.force:
+        print(f"tiny checkpoint already at {out}")
+        return 0
+    pipe = build_pipeline(args)
+    # Write beside the target, then rename, so an interrupted build leaves no half checkpoint.
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-wan-", dir=parent)
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    n_params = sum(p.numel() for p in pipe.transformer.parameters())
+    print(f"wrote tiny Wan 2.1 checkpoint to {out} (transformer: {n_params:,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
