@@ -23,3 +23,15 @@ def tiny_checkpoint(tmp_path_factory):
         check=True, capture_output=True, text=True,
     )
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_8h(tmp_path_factory):
+    """A tiny checkpoint with 8 heads, so tensor parallelism up to 8 ways divides them."""
+    path = tmp_path_factory.mktemp("ckpt8") / "tiny-wan-8h"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"),
+         "--output", str(path), "--heads", "8", "--head_dim", "12", "--ffn_dim", "64"],
+        check=True, capture_output=True, text=True,
+    )
+    return str(path)

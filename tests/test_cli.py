@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "generate_flax.py")
-SMALL = ["--height", "48", "--width", "80", "--frames", "9", "--num_inference_steps", "2"]
+SMALL = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2"]
 
 
 def run(args, timeout=600, devices=8):
@@ -35,7 +35,7 @@ def test_cli_writes_playable_mp4_and_json_report(tiny_checkpoint, tmp_path):
     assert re.fullmatch(r"\d{8}_\d{6}\.mp4", mp4) and js == mp4[:-4] + ".json"
 
     frames = np.asarray(iio.imread(out / mp4))
-    assert frames.shape == (9, 48, 80, 3)
+    assert frames.shape == (9, 64, 96, 3)
     assert frames.std() > 1  # a real picture, not a constant
 
     report = json.loads((out / js).read_text())

@@ -6,7 +6,7 @@ import torch
 import generate_flax
 
 # Non-square and not a power of two, so a swapped height/width axis cannot pass.
-SHAPE = dict(height=48, width=80, frames=9)
+SHAPE = dict(height=64, width=96, frames=9)
 STEPS = 4
 
 

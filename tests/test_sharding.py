@@ -1,0 +1,126 @@
+"""Mesh layouts: sharded runs equal the unsharded run; rules really shard; collectives pinned."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import generate_flax as gf
+
+FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",
+         "--num_iterations", "1", "--dtype", "float32", "--attention", "xla"]
+
+
+def _frames(checkpoint, mesh, extra=()):
+    dp, tp, sp = mesh
+    args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS, "--dp", str(dp),
+                                           "--tp", str(tp), "--sp", str(sp), *extra]))
+    frames, report = gf.generate(args, devices=jax.devices()[: dp * tp * sp])
+    assert report["mesh"] == dict(dp=dp, tp=tp, sp=sp)
+    return frames
+
+
+@pytest.fixture(scope="module")
+def unsharded(tiny_checkpoint_8h):
+    return _frames(tiny_checkpoint_8h, (1, 1, 1))
+
+
+@pytest.mark.parametrize("mesh", [(2, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)],
+                         ids=lambda m: "dp{}-tp{}-sp{}".format(*m))
+def test_sharded_frames_equal_unsharded(tiny_checkpoint_8h, unsharded, mesh):
+    frames = _frames(tiny_checkpoint_8h, mesh)
+    # float32 end to end; only the order of partial sums across devices changes.
+    np.testing.assert_allclose(frames, unsharded, atol=1e-4, rtol=0)
+
+
+def test_fsdp_and_replicated_row_parallel_equal_unsharded(tiny_checkpoint_8h, unsharded):
+    frames = _frames(tiny_checkpoint_8h, (2, 2, 2), ["--fsdp", "--replicate_row_parallel"])
+    np.testing.assert_allclose(frames, unsharded, atol=1e-4, rtol=0)
+
+
+def _tiny_transformer(checkpoint, num_layers=None):
+    from diffusers import WanTransformer3DModel
+
+    if num_layers is None:
+        return WanTransformer3DModel.from_pretrained(checkpoint, subfolder="transformer").eval()
+    cfg = {k: v for k, v in WanTransformer3DModel.load_config(checkpoint, subfolder="transformer")
+           .items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    return WanTransformer3DModel(**{**cfg, "num_layers": num_layers}).eval()
+
+
+def test_every_rule_matches_and_weights_are_really_sharded(tiny_checkpoint_8h):
+    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
+    placed = gf.place_module(_tiny_transformer(tiny_checkpoint_8h), mesh,
+                             gf.transformer_sharding_rules())
+    for rx, n in placed["rule_counts"].items():
+        assert n > 0, f"rule {rx} matched nothing"
+    q = placed["params"]["blocks.0.attn1.to_q.weight"]  # (out=96, in=96), column-parallel
+    assert q.sharding.spec == P("tp", None)
+    assert {s.data.shape for s in q.addressable_shards} == {(24, 96)}
+    o = placed["params"]["blocks.1.ffn.net.2.weight"]  # (out=96, in=64), row-parallel
+    assert {s.data.shape for s in o.addressable_shards} == {(96, 16)}
+    assert placed["params"]["proj_out.weight"].sharding.is_fully_replicated
+    assert "proj_out.weight" in placed["unmatched"]
+    # Nothing that should be a parameter hid among the buffers (torchax files parameters
+    # with requires_grad=False as buffers, where no rule sees them).
+    assert not any(k.endswith(".weight") for k in placed["buffers"])
+
+
+def test_fsdp_shards_what_tensor_parallelism_leaves(tiny_checkpoint_8h):
+    mesh = gf.make_mesh(gf.MeshShape(2, 2, 2), jax.devices())
+    specs, _, _ = gf.sharding_specs(
+        {"blocks.0.attn1.to_q.weight": (96, 96), "proj_out.weight": (64, 96),
+         "blocks.0.norm2.weight": (96,)},
+        gf.transformer_sharding_rules(), mesh, fsdp=True)
+    assert specs["blocks.0.attn1.to_q.weight"] == P("tp", ("dp", "sp"))
+    assert specs["proj_out.weight"] == P(None, ("dp", "tp", "sp"))
+    assert all(a is None for a in specs["blocks.0.norm2.weight"])  # vectors stay replicated
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+
+
+def _collectives(checkpoint, layers, mesh_shape, attention):
+    import torchax
+
+    from custom_splash_attention import install_sdpa_override
+
+    model = _tiny_transformer(checkpoint, layers)
+    mesh = gf.make_mesh(gf.MeshShape(*mesh_shape), jax.devices())
+    args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS]))
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh, interpret=True)
+    weights = {"transformer": gf.place_module(model, mesh, gf.transformer_sharding_rules())}
+    hooks = gf.add_sequence_parallel_hooks(model, mesh) if mesh_shape[2] > 1 else []
+    rep = NamedSharding(mesh, P())
+    latents = jax.device_put(np.zeros((1, 16, 3, 8, 12), np.float32), rep)
+    embeds = jax.device_put(np.zeros((2, 512, 32), np.float32), NamedSharding(mesh, P("dp")))
+    t = jax.device_put(np.array([999], np.int32), rep)
+    compiled, _ = gf.compile_transformer_step(weights, mesh, args, latents, t, embeds)
+    for h in hooks:
+        h.remove()
+    hlo = compiled.as_text()
+    return {op: len(re.findall(rf"= \S+ {op}(-start)?\(", hlo)) for op in COLLECTIVES}
+
+
+# Collectives per transformer block in the compiled CPU HLO (block count 2 minus block count 1).
+# Megatron TP: the attention-out, cross-attention-out and FFN-down all-reduces (XLA's combiner
+# folds the per-head RMSNorm reductions into them). Sequence parallel with the Splash wrapper:
+# one all-reduce and six all-gathers (K/V and q/out re-shards around the head-parallel kernel).
+EXPECTED_PER_BLOCK = {
+    ((2, 4, 1), "xla"): {"all-reduce": 3},
+    ((2, 2, 2), "splash"): {"all-reduce": 1, "all-gather": 6},
+}
+
+
+@pytest.mark.parametrize("mesh_shape,attention", list(EXPECTED_PER_BLOCK),
+                         ids=["tp-xla", "sp-splash"])
+def test_collectives_per_block_are_pinned(tiny_checkpoint_8h, mesh_shape, attention):
+    one = _collectives(tiny_checkpoint_8h, 1, mesh_shape, attention)
+    two = _collectives(tiny_checkpoint_8h, 2, mesh_shape, attention)
+    per_block = {op: two[op] - one[op] for op in COLLECTIVES if two[op] - one[op]}
+    assert per_block == EXPECTED_PER_BLOCK[(mesh_shape, attention)]
