@@ -27,15 +27,20 @@ The softmax runs in base 2. ``scale * log2(e)`` is folded into ``q`` once, outsi
 kernel, so the kernel's scores are ``x = s * log2(e)`` for the true logits ``s`` and every
 exponential is an ``exp2``. That is exact: ``2^(s log2 e) = e^s``, so
 ``2^(x_j - m) / sum_i 2^(x_i - m) = e^(s_j) / sum_i e^(s_i)`` for any shift ``m`` (the
-max-shift cancels between numerator and denominator). It saves one multiply per score,
-and exp2 is the TPU's native transcendental (``exp`` is lowered to it plus a multiply).
+max-shift cancels between numerator and denominator). It saves one multiply per score
+(an ``exp`` is itself evaluated as ``2^(x log2 e)`` by base-2 exponential units), and the
+single rounding of ``q * scale * log2(e)`` to q's dtype moves each query's scores by a
+relative 2^-9 (bf16) at most; a shared component of that error is a per-row constant,
+which softmax cancels.
 
 Design
 ------
 * Grid ``(batch, heads, q_blocks, kv_blocks)``; the first three are "parallel", the KV axis
   is the sequential ("arbitrary") reduction axis. Each step loads a ``(block_q, head_dim)``
-  tile of Q and a ``(block_kv, head_dim)`` tile of K and V, and loops (statically
-  unrolled) over ``block_kv // block_kv_compute`` sub-tiles, so ``block_kv`` sets the DMA
+  tile of Q and a ``(block_kv, head_dim)`` tile of K and V, and loops over the
+  ``block_kv // block_kv_compute`` sub-tiles (11 at the defaults, a rolled
+  ``lax.fori_loop``: unrolling multiplied Mosaic compile time ~6x for a kernel whose
+  loop overhead is a few scalar ops per 256 x 3328 tile), so ``block_kv`` sets the DMA
   size and ``block_kv_compute`` the size of the live score tile.
 * Scores are computed transposed, ``S^T = K Q^T`` of shape ``(block_kv_compute, block_q)``:
   keys run along sublanes and queries along the 128 lanes, so the softmax max/sum
@@ -50,11 +55,15 @@ Design
 * Precision: bf16 Q/K/V feed the MXU as bf16 with f32 accumulation; the probabilities are
   cast to bf16 for ``P V`` (bf16 x bf16 -> f32), while ``m``, ``l`` and ``acc`` stay f32.
   f32 inputs use f32 matmuls at ``Precision.HIGHEST``. The output is cast to q.dtype.
-* Any length: Q and K/V are zero-padded to block multiples. Padded keys are masked
-  exactly, and only where they are: padding never exceeds one KV block, so only the last
-  KV block carries it; its fully padded sub-tiles are statically skipped and the single
-  sub-tile that straddles ``kv_len`` gets an iota mask. All other tiles run unmasked.
-  Padded query rows are computed and sliced off.
+* Any length, no padding copies: the grid is ``ceil(len / block)`` and Pallas hands the
+  kernel partial last blocks whose out-of-range part holds unspecified values (NaN in
+  interpret mode, which the tests exploit); out-of-range output rows are discarded on
+  write. Out-of-range ("padded") keys are masked exactly, and only where they are: they
+  never span more than the last KV block, whose sub-tiles wholly past ``kv_len`` are
+  skipped statically and whose one straddling sub-tile gets an iota mask on the scores
+  and zeroes V's garbage columns (``0 * NaN`` would poison ``acc``). Every other tile runs
+  unmasked. Out-of-range queries only touch their own score columns and output rows.
+  (A known port zero-padded K without a mask, which skews outputs by up to 3%.)
 * Masked scores are set to ``-inf`` while the running max starts at a finite floor, so
   ``2^(-inf - m) = 0`` with no NaN, and a query whose keys are all masked ends with
   ``l = 0``; the final normalisation maps that row to zeros.
@@ -64,9 +73,17 @@ Design
   self-attention). The KV grid axis shrinks to the blocks that can intersect a q block's
   window (the index map slides it), and sub-tiles outside the window are skipped.
 * ``k_smoothing``: K minus its mean over the real keys (per batch and head) before the
-  kernel. Each query's scores shift by the constant ``q . mean``, which softmax cancels
-  exactly, and the smaller magnitudes of K lose less in bf16 (the SageAttention trick).
-  With ``segment_ids`` the mean is over keys that some query can attend to.
+  kernel, the K smoothing of SageAttention (Zhang et al. 2024,
+  arXiv:2410.02367). Each query's scores shift by the constant ``q . mean``, which softmax
+  cancels exactly. With ``segment_ids`` the mean is over keys whose id some query has, so
+  padding marked by its own id does not move it. The mean is rounded to K's dtype first,
+  so that when a shared component dominates K the subtraction is (nearly) exact. Measured
+  effect here (bf16, float64 reference, 3 seeds, shared offsets 0/8/64/512): no gain, RMS
+  error 2.8e-4 without and 2.8-3.2e-4 with, max error within bf16 resolution either way.
+  Scores are exact bf16 x bf16 products summed in f32, and the rounding of
+  ``q * scale`` against a shared K component is a per-row constant that softmax cancels,
+  so there is nothing for smoothing to remove; it pays off for kernels that quantise K
+  (int8/fp8 scores). Off by default.
 
 Block sizes
 -----------
@@ -74,19 +91,31 @@ Block sizes
 sizes a public Wan 2.1 port tuned on v6e for head_dim 128 at 75,600 tokens. They are upper
 bounds: for a sequence of length ``n`` the kernel keeps the number of blocks
 ``ceil(n / block)`` and shrinks each block to the smallest aligned size that covers ``n``
-(this shortens padding; at 75,600 tokens it reproduces 3328 and 2816 exactly), and short
-sequences clamp all blocks to the (padded) sequence. The kernel asks Mosaic for a scoped
-VMEM limit sized from the blocks (about 26 MiB at the defaults, well inside the 128 MiB of
-v5e and v6e).
+(this shortens the ragged tail; at 75,600 tokens it reproduces 3328 and 2816 exactly),
+and short sequences clamp all blocks to the sequence rounded up to 128. At the defaults
+Mosaic needs 8.9 MiB of scoped VMEM (bisected with deviceless v6e compiles); the kernel
+requests a limit sized from the blocks (``_vmem_limit_bytes``, 37 MiB at the defaults),
+far inside the 128 MiB of VMEM on v5e and v6e.
 
 Cross-attention
 ---------------
 Wan's cross-attention has 75,600 queries against 512 text keys. The kernel handles it
-(one KV block of 512, two 256-key sub-tiles), and it is the route used: deviceless TPU
-compiles (``tests/test_tpu_compile.py``, v5e and v6e, 8 chips, B=2, 40 heads) show plain
-XLA attention materialising the ``(q_len, 512)`` f32 score matrix for all local heads as
-HBM temporaries (hundreds of MB per chip), while the kernel needs no temporaries beyond
-its output; both do the same matmul FLOPs. See the test output for the numbers.
+(one KV block of 512, two 256-key sub-tiles, no masking), and it is the route used, by
+compiler evidence: deviceless TPU compiles of Wan 14B cross-attention (B=2, 40 heads,
+head_dim 128, bf16, mesh dp=2 x tp=4, ``tests/test_tpu_compile.py``) give per chip, on
+both v5e and v6e:
+
+=========  ============  ==================  ========================
+path       temporaries   HBM bytes accessed  HLO flops
+=========  ============  ==================  ========================
+kernel     184.6 MiB     0.85 GB             2.01e11
+XLA        1476.7 MiB    5.07 GB             2.01e11 (v6e 2.02e11)
+=========  ============  ==================  ========================
+
+XLA materialises the f32 ``(q_len, 512)`` scores of all 10 local heads in HBM (1477 MiB,
+8x the output); the kernel keeps them in VMEM and reads 6x fewer bytes for the same
+FLOPs. Its one temporary is ``q * scale * log2(e)``, which fuses into q's producer when
+the whole transformer is jitted.
 
 Sharding
 --------
@@ -209,16 +238,21 @@ def _fit_block_sizes(block_sizes: BlockSizes, q_len: int, kv_len: int) -> BlockS
 
 
 def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
-    """Scoped VMEM request for the kernel: buffers plus live tiles, with headroom."""
+    """Scoped VMEM to request from Mosaic: an upper estimate of the kernel's need, x2.
+
+    Mosaic's actual need, bisected with deviceless v6e compiles at head_dim 128 and bf16,
+    is 8.9 MiB at the default blocks (3328, 2816, 256), 15.3 MiB at (3328, 3072, 512) and
+    18.7 MiB at (6656, 2816, 256); this estimate is 1.5-2x those. The request is floored at
+    32 MiB (v6e's default scoped limit; v5e's is 16 MiB) and capped at 100 MiB, below the
+    128 MiB of VMEM on v5e and v6e.
+    """
     d = _round_up(head_dim, NUM_LANES)
-    io = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # double-buffered Q, O, K, V
-    ids = 2 * 4 * NUM_LANES * (NUM_SUBLANES + bs.block_kv)  # segment ids, double-buffered
-    scratch = 4 * (d * bs.block_q + 2 * NUM_SUBLANES * bs.block_q)  # acc, m, l
-    tiles = 4 * 4 * bs.block_kv_compute * bs.block_q  # scores, probabilities, masks
-    need = io + ids + scratch + tiles + 4 * d * bs.block_q  # + the transposed output
-    # 1.5x headroom for Mosaic's internal scratch, floor at the 32 MiB v6e default, and
-    # stay well below the 128 MiB of VMEM on v5e/v6e.
-    return int(min(max(need * 3 // 2, 32 << 20), 100 << 20))
+    buffers = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # Q, O, K, V^T x2
+    ids = 2 * 4 * NUM_LANES * (NUM_SUBLANES + bs.block_kv)  # segment ids x2
+    scratch = 4 * bs.block_q * (2 * d + 2 * NUM_SUBLANES)  # acc^T, its transpose, m, l
+    tiles = 2 * 4 * bs.block_kv_compute * bs.block_q  # f32 scores and probabilities
+    need = buffers + ids + scratch + tiles
+    return int(min(max(2 * need, 32 << 20), 100 << 20))
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,16 +308,17 @@ def _splash_kernel(
     if window_size is None:
         kv_block = kv_step
     else:
-        kv_block = _window_kv_block(q_start, kv_step, block_q, block_kv, num_kv_blocks,
-                                    num_kv_steps, window_size)
+        kv_block = _window_kv_block(
+            q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps, window_size
+        )
 
     def sub_tile(c, mask_kinds: tuple[str, ...]):
         """Online-softmax update with keys [c, c + 1) * block_kv_compute of this block."""
-        keys = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute),
-                     block_kv_compute)
+        keys = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
         # S^T = K Q^T: (block_kv_compute, block_q), keys along sublanes.
-        s = lax.dot_general(k_ref[keys, :], q_ref[...], _NT, precision=precision,
-                            preferred_element_type=jnp.float32)
+        s = lax.dot_general(
+            k_ref[keys, :], q_ref[...], _NT, precision=precision, preferred_element_type=jnp.float32
+        )
         vt = vt_ref[:, keys]
         if mask_kinds:
             k_first = kv_block * block_kv + c * block_kv_compute
@@ -308,13 +343,15 @@ def _splash_kernel(
         m_ref[...] = m_next
         # acc^T += V^T P^T: (head_dim, block_q). Probabilities in V's dtype (bf16 x bf16
         # on the MXU for bf16 inputs), f32 accumulation.
-        pv = lax.dot_general(vt, p.astype(vt.dtype), _NN, precision=precision,
-                             preferred_element_type=jnp.float32)
+        pv = lax.dot_general(
+            vt, p.astype(vt.dtype), _NN, precision=precision, preferred_element_type=jnp.float32
+        )
         acc_ref[...] = alpha * acc_ref[...] + pv
 
     def sub_tiles(start: int, stop: int, mask_kinds: tuple[str, ...]):
-        # A rolled loop: unrolling 10+ sub-tiles of (256, 3328) multiplies Mosaic's code
-        # size and compile time for no measurable gain at these tile sizes.
+        # A rolled loop: fully unrolling the 11 default sub-tiles of (256, 3328) made the
+        # deviceless v6e compile take 37 s instead of 6 s (and bloated the code), while
+        # the loop costs a few scalar ops per 0.85M-element tile.
         if stop - start == 1:
             sub_tile(start, mask_kinds)
         elif stop > start:
@@ -327,6 +364,7 @@ def _splash_kernel(
         if tail == block_kv:
             sub_tiles(0, num_sub, base_masks)
         else:
+
             @pl.when(kv_block < num_kv_blocks - 1)
             def _body():
                 sub_tiles(0, num_sub, base_masks)
@@ -344,22 +382,24 @@ def _splash_kernel(
         def windowed(c, _):
             k_lo = kv_block * block_kv + c * block_kv_compute
             k_hi = k_lo + block_kv_compute - 1
-            overlaps = ((k_lo <= q_start + block_q - 1 + window_size)
-                        & (k_hi >= q_start - window_size) & (k_lo < kv_len))
+            overlaps = (
+                (k_lo <= q_start + block_q - 1 + window_size)
+                & (k_hi >= q_start - window_size)
+                & (k_lo < kv_len)
+            )
             pl.when(overlaps)(functools.partial(sub_tile, c, masks))
 
         lax.fori_loop(0, num_sub, windowed, None)
 
     @pl.when(kv_step == num_kv_steps - 1)
     def _finish():
-        l = l_ref[...]
+        denom = l_ref[...]
         # A query with no valid key has l == 0 and acc == 0: return zeros, not NaN.
-        inv = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
+        inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)
         o_ref[...] = jnp.transpose(acc_ref[...] * inv).astype(o_ref.dtype)
 
 
-def _window_kv_block(q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps,
-                     window_size):
+def _window_kv_block(q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps, window_size):
     """KV block visited at ``kv_step`` by the q block starting at ``q_start`` (window)."""
     first = jnp.maximum(q_start - window_size, 0) // block_kv
     return jnp.minimum(first, num_kv_blocks - num_kv_steps) + kv_step
@@ -370,8 +410,9 @@ def _as_segment_ids(segment_ids) -> SegmentIds | None:
         return None
     if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
         raise ValueError(f"segment_ids: expected a pair (q_ids, kv_ids), got {segment_ids!r}")
-    return SegmentIds(jnp.asarray(segment_ids[0], jnp.int32),
-                      jnp.asarray(segment_ids[1], jnp.int32))
+    return SegmentIds(
+        jnp.asarray(segment_ids[0], jnp.int32), jnp.asarray(segment_ids[1], jnp.int32)
+    )
 
 
 def _attendable_keys(segment_ids: SegmentIds) -> jax.Array:
@@ -386,7 +427,11 @@ def _attendable_keys(segment_ids: SegmentIds) -> jax.Array:
 
 
 def _smooth_keys(k, segment_ids: SegmentIds | None):
-    """K minus its per-(batch, head) mean over real (attendable) keys, in f32."""
+    """K minus its per-(batch, head) mean over real (attendable) keys, in K's dtype.
+
+    Any constant vector would be exact for softmax; rounding the mean to K's dtype keeps
+    ``k - mean`` exact (Sterbenz) wherever the shared component dominates K.
+    """
     kf = k.astype(jnp.float32)
     if segment_ids is None:
         mean = jnp.mean(kf, axis=2, keepdims=True)
@@ -395,24 +440,37 @@ def _smooth_keys(k, segment_ids: SegmentIds | None):
         total = jnp.einsum("bs,bhsd->bhd", w, kf, precision=lax.Precision.HIGHEST)
         count = jnp.maximum(jnp.sum(w, axis=1), 1.0)[:, None, None]
         mean = (total / count)[:, :, None, :]
+    mean = mean.astype(k.dtype).astype(jnp.float32)
     return (kf - mean).astype(k.dtype)
 
 
 def _check_shapes(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v: expected rank-4 (batch, heads, len, head_dim) arrays, "
-                         f"got shapes {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"q, k, v: expected rank-4 (batch, heads, len, head_dim) arrays, "
+            f"got shapes {q.shape}, {k.shape}, {v.shape}"
+        )
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {k.shape}, got {v.shape}")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k: expected (batch, heads, kv_len, head_dim) = "
-                         f"({q.shape[0]}, {q.shape[1]}, kv_len, {q.shape[3]}), got {k.shape}")
+        raise ValueError(
+            f"k: expected (batch, heads, kv_len, head_dim) = "
+            f"({q.shape[0]}, {q.shape[1]}, kv_len, {q.shape[3]}), got {k.shape}"
+        )
 
 
-def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = None,
-                     window_size: int | None = None, k_smoothing: bool = False,
-                     segment_ids=None, interpret: bool = False,
-                     _q_offset=None) -> jax.Array:
+def splash_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    block_sizes: BlockSizes | None = None,
+    window_size: int | None = None,
+    k_smoothing: bool = False,
+    segment_ids=None,
+    interpret: bool = False,
+) -> jax.Array:
     """Softmax attention with the Pallas TPU flash kernel (forward only).
 
     Args:
@@ -428,7 +486,7 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
             ``i`` attends key position ``j`` iff ``|i - j| <= w`` (symmetric; positions in
             the unpadded q and kv sequences; meant for self-attention).
         k_smoothing: subtract the mean of K over real keys (per batch and head) first;
-            exact for softmax, smaller bf16 error.
+            exact for softmax (see the module docstring for its measured bf16 effect).
         segment_ids: ``None``, a ``SegmentIds(q, kv)`` or a pair ``(q_ids, kv_ids)`` of
             int32 arrays (batch, q_len) and (batch, kv_len); a query attends only to keys
             with an equal id. A query with no such key returns zeros.
@@ -441,6 +499,37 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
         ValueError: shapes disagree, ``window_size`` is negative, or ``segment_ids`` has
             the wrong form or shape.
     """
+    return _splash_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        block_sizes=block_sizes,
+        window_size=window_size,
+        k_smoothing=k_smoothing,
+        segment_ids=segment_ids,
+        interpret=interpret,
+    )
+
+
+def _splash_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    block_sizes: BlockSizes | None = None,
+    window_size: int | None = None,
+    k_smoothing: bool = False,
+    segment_ids=None,
+    interpret: bool = False,
+    q_offset=None,
+) -> jax.Array:
+    """``splash_attention`` with ``q_offset``: the global position of q's first row.
+
+    ``q_offset`` (int or traced int32 scalar, default 0) shifts query positions for the
+    window mask, for q shards of a longer sequence (``sharded_splash_attention``).
+    """
     _check_shapes(q, k, v)
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
@@ -449,11 +538,14 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
     if window_size is not None and (int(window_size) != window_size or window_size < 0):
         raise ValueError(f"window_size: expected None or an int >= 0, got {window_size!r}")
     segment_ids = _as_segment_ids(segment_ids)
-    if segment_ids is not None and (segment_ids.q.shape != (batch, q_len)
-                                    or segment_ids.kv.shape != (batch, kv_len)):
-        raise ValueError(f"segment_ids: expected shapes {(batch, q_len)} and "
-                         f"{(batch, kv_len)}, got {segment_ids.q.shape} and "
-                         f"{segment_ids.kv.shape}")
+    if segment_ids is not None and (
+        segment_ids.q.shape != (batch, q_len) or segment_ids.kv.shape != (batch, kv_len)
+    ):
+        raise ValueError(
+            f"segment_ids: expected shapes {(batch, q_len)} and "
+            f"{(batch, kv_len)}, got {segment_ids.q.shape} and "
+            f"{segment_ids.kv.shape}"
+        )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     bs = _fit_block_sizes(block_sizes or BlockSizes(), q_len, kv_len)
     bq, bkv = bs.block_q, bs.block_kv
@@ -472,21 +564,24 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
     # copies of q, k and v and a slice of the output.
     qs = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
     vt = jnp.swapaxes(v, 2, 3)  # (batch, heads, head_dim, kv_len): MXU-native P V
-    q_offset = jnp.zeros((1,), jnp.int32) if _q_offset is None else \
-        jnp.reshape(jnp.asarray(_q_offset, jnp.int32), (1,))
+    # Scalar-prefetched into SMEM: the window's index map and mask read it.
+    q_offset = jnp.reshape(jnp.asarray(0 if q_offset is None else q_offset, jnp.int32), (1,))
 
     def kv_index(i, j, q_offset_ref):
         if window_size is None:
             return j
-        return _window_kv_block(q_offset_ref[0] + i * bq, j, bq, bkv, num_kv_blocks,
-                                num_kv_steps, window_size)
+        return _window_kv_block(
+            q_offset_ref[0] + i * bq, j, bq, bkv, num_kv_blocks, num_kv_steps, window_size
+        )
 
     in_specs = [
         pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0)),
-        pl.BlockSpec((None, None, bkv, head_dim),
-                     lambda b, h, i, j, off: (b, h, kv_index(i, j, off), 0)),
-        pl.BlockSpec((None, None, head_dim, bkv),
-                     lambda b, h, i, j, off: (b, h, 0, kv_index(i, j, off))),
+        pl.BlockSpec(
+            (None, None, bkv, head_dim), lambda b, h, i, j, off: (b, h, kv_index(i, j, off), 0)
+        ),
+        pl.BlockSpec(
+            (None, None, head_dim, bkv), lambda b, h, i, j, off: (b, h, 0, kv_index(i, j, off))
+        ),
     ]
     if segment_ids is None:
         q_ids = kv_ids = None
@@ -498,20 +593,31 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
         kv_ids = jnp.broadcast_to(segment_ids.kv[:, :, None], (batch, kv_len, NUM_LANES))
         in_specs += [
             pl.BlockSpec((None, 1, bq), lambda b, h, i, j, off: (b, 0, i)),
-            pl.BlockSpec((None, bkv, NUM_LANES),
-                         lambda b, h, i, j, off: (b, kv_index(i, j, off), 0)),
+            pl.BlockSpec(
+                (None, bkv, NUM_LANES), lambda b, h, i, j, off: (b, kv_index(i, j, off), 0)
+            ),
         ]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _splash_kernel, block_q=bq, block_kv=bkv, block_kv_compute=bs.block_kv_compute,
-        kv_len=kv_len, num_kv_blocks=num_kv_blocks, window_size=window_size,
-        precision=precision)
+        _splash_kernel,
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bs.block_kv_compute,
+        kv_len=kv_len,
+        num_kv_blocks=num_kv_blocks,
+        window_size=window_size,
+        precision=precision,
+    )
     itemsize = jnp.dtype(q.dtype).itemsize
     cost = pl.CostEstimate(
         flops=4 * batch * heads * q_pad * num_kv_steps * bkv * head_dim,
         transcendentals=batch * heads * q_pad * num_kv_steps * bkv,
-        bytes_accessed=itemsize * batch * heads * head_dim
-        * (2 * q_pad + 2 * num_q_blocks * num_kv_steps * bkv))
+        bytes_accessed=itemsize
+        * batch
+        * heads
+        * head_dim
+        * (2 * q_pad + 2 * num_q_blocks * num_kv_steps * bkv),
+    )
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, heads, q_len, head_dim), q.dtype),
@@ -519,8 +625,9 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
             num_scalar_prefetch=1,
             grid=(batch, heads, num_q_blocks, num_kv_steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, bq, head_dim),
-                                   lambda b, h, i, j, off: (b, h, i, 0)),
+            out_specs=pl.BlockSpec(
+                (None, None, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0)
+            ),
             scratch_shapes=[
                 pltpu.VMEM((1, bq), jnp.float32),  # running max m (base 2)
                 pltpu.VMEM((1, bq), jnp.float32),  # running denominator l
@@ -543,10 +650,19 @@ def splash_attention(q, k, v, *, scale=None, block_sizes: BlockSizes | None = No
 # ---------------------------------------------------------------------------------------
 
 
-def sharded_splash_attention(q, k, v, *, mesh, scale=None,
-                             block_sizes: BlockSizes | None = None,
-                             window_size: int | None = None, k_smoothing: bool = False,
-                             segment_ids=None, interpret: bool = False) -> jax.Array:
+def sharded_splash_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    scale=None,
+    block_sizes: BlockSizes | None = None,
+    window_size: int | None = None,
+    k_smoothing: bool = False,
+    segment_ids=None,
+    interpret: bool = False,
+) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
 
     Layout: batch is sharded over "dp". Heads are sharded over ("tp", "sp") when
@@ -585,8 +701,10 @@ def sharded_splash_attention(q, k, v, *, mesh, scale=None,
         q_ids_spec = kv_ids_spec = P("dp", None)
     else:
         if q_len % sp:
-            raise ValueError(f"q_len: expected a multiple of mesh axis sp={sp} when heads "
-                             f"({heads}) are not divisible by tp*sp={tp * sp}, got {q_len}")
+            raise ValueError(
+                f"q_len: expected a multiple of mesh axis sp={sp} when heads "
+                f"({heads}) are not divisible by tp*sp={tp * sp}, got {q_len}"
+            )
         q_spec, kv_spec = P("dp", "tp", "sp", None), P("dp", "tp", None, None)
         q_ids_spec, kv_ids_spec = P("dp", "sp"), P("dp", None)
     segment_ids = _as_segment_ids(segment_ids)
@@ -595,13 +713,25 @@ def sharded_splash_attention(q, k, v, *, mesh, scale=None,
     def local(q, k, v, seg):
         # Window masks use global query positions: offset this shard's rows.
         offset = 0 if head_parallel else lax.axis_index("sp") * local_q_len
-        return splash_attention(q, k, v, scale=scale, block_sizes=block_sizes,
-                                window_size=window_size, k_smoothing=k_smoothing,
-                                segment_ids=seg, interpret=interpret, _q_offset=offset)
+        return _splash_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            block_sizes=block_sizes,
+            window_size=window_size,
+            k_smoothing=k_smoothing,
+            segment_ids=seg,
+            interpret=interpret,
+            q_offset=offset,
+        )
 
     seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        out_specs=q_spec,
         check_vma=False,  # pallas_call carries no varying-manual-axes annotations
     )(q, k, v, segment_ids)
 
@@ -628,8 +758,15 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     """
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST) * scale
+    s = (
+        jnp.einsum(
+            "bhqd,bhkd->bhqk",
+            q.astype(jnp.float32),
+            k.astype(jnp.float32),
+            precision=lax.Precision.HIGHEST,
+        )
+        * scale
+    )
     valid = jnp.ones(s.shape, dtype=bool)
     if mask is not None:
         if mask.dtype == jnp.bool_:
@@ -644,8 +781,7 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)
+    o = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
     return o.astype(q.dtype)
 
@@ -669,12 +805,25 @@ def xla_attention(q, k, v, *, scale=None):
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False, *, env, attention, options):
+def _sdpa(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    env,
+    attention,
+    options,
+):
     """torch SDPA signature; runs on the JAX arrays behind torchax tensors."""
     if dropout_p != 0.0:
-        raise ValueError(f"scaled_dot_product_attention: expected dropout_p=0.0 for "
-                         f"inference, got {dropout_p}")
+        raise ValueError(
+            f"scaled_dot_product_attention: expected dropout_p=0.0 for inference, got {dropout_p}"
+        )
     if enable_gqa:
         raise ValueError("scaled_dot_product_attention: enable_gqa=True is not supported")
     q, k, v = env.t2j_iso((query, key, value))
@@ -685,8 +834,12 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     elif attention == "xla":
         out = xla_attention(q, k, v, scale=scale)
     elif attention == "splash":
-        kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
-                      k_smoothing=options["k_smoothing"], interpret=options["interpret"])
+        kwargs = dict(
+            scale=scale,
+            block_sizes=options["block_sizes"],
+            k_smoothing=options["k_smoothing"],
+            interpret=options["interpret"],
+        )
         if options["mesh"] is not None:
             out = sharded_splash_attention(q, k, v, mesh=options["mesh"], **kwargs)
         else:
@@ -696,8 +849,15 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return env.j2t_iso(out)
 
 
-def install_sdpa_override(env, *, attention: str, mesh=None, block_sizes=None,
-                          interpret: bool = False, k_smoothing: bool = False) -> None:
+def install_sdpa_override(
+    env,
+    *,
+    attention: str,
+    mesh=None,
+    block_sizes=None,
+    interpret: bool = False,
+    k_smoothing: bool = False,
+) -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
 
     Calls with ``attn_mask``, ``is_causal=True`` take ``reference_attention`` (exact)
@@ -720,8 +880,7 @@ def install_sdpa_override(env, *, attention: str, mesh=None, block_sizes=None,
 
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
-    options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret,
-                   k_smoothing=k_smoothing)
+    options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret, k_smoothing=k_smoothing)
     env.override_op_definition(
         torch.nn.functional.scaled_dot_product_attention,
         functools.partial(_sdpa, env=env, attention=attention, options=options),

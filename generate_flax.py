@@ -58,6 +58,10 @@ DEFAULTS = dict(
     dtype="bfloat16",
     max_sequence_length=512,
     attention="auto",
+    # Splash blocks for head_dim 128 at Wan's 75,600 tokens, as tuned on v6e by a public port.
+    bq=3328,
+    bkv=2816,
+    bkv_compute=256,
 )
 
 # Wan 2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
@@ -121,8 +125,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="text tokens the prompt embeddings are padded to")
     p.add_argument("--attention", choices=("auto", "splash", "xla"), default=d["attention"],
                    help="SDPA backend: auto = splash on TPU, xla elsewhere")
+    p.add_argument("--bq", type=int, default=d["bq"],
+                   help="Splash block_q: queries per kernel grid step (multiple of 128)")
+    p.add_argument("--bkv", type=int, default=d["bkv"],
+                   help="Splash block_kv: keys per grid step (multiple of --bkv_compute)")
+    p.add_argument("--bkv_compute", type=int, default=d["bkv_compute"],
+                   help="Splash block_kv_compute: keys per score tile (multiple of 128)")
     p.add_argument("--compilation_cache_dir", default=default_cache_dir(),
                    help="JAX persistent compilation cache; 'none' disables it")
+    p.add_argument("--vae_tiling", action="store_true",
+                   help="decode with diffusers' spatial tiling in one program instead of the "
+                        "default frame-chunked decode")
     p.add_argument("--replicate_row_parallel", action="store_true",
                    help="replicate attention-out and FFN-down weights (drops their all-reduce)")
     p.add_argument("--fsdp", action="store_true",
@@ -167,9 +180,25 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         v = getattr(args, flag)
         if v is not None and v < 1:
             _fail(f"--{flag}", v, "must be >= 1")
+    block_sizes(args)
     _validate_model_id(args.model_id)
     _validate_output_dir(args.output_dir)
     return args
+
+
+def block_sizes(args):
+    """``custom_splash_attention.BlockSizes`` from --bq/--bkv/--bkv_compute; raises
+    ``UsageError`` naming the flag when the kernel's rules reject them."""
+    from custom_splash_attention import BlockSizes
+
+    try:
+        return BlockSizes(block_q=args.bq, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
+    except ValueError as e:
+        flag = {"block_q": "--bq", "block_kv_compute": "--bkv_compute", "block_kv": "--bkv"}
+        name = str(e).split(":")[0].removeprefix("BlockSizes.")
+        value = getattr(args, flag.get(name, "--bq").lstrip("-"))
+        raise UsageError(f"{flag.get(name, '--bq')}={value!r}: {str(e).split(': ', 1)[1]}") \
+            from None
 
 
 def _looks_local(model_id: str) -> bool:
@@ -570,39 +599,192 @@ def compile_transformer_step(weights, mesh, args, latents, timestep, embeds):
     return compiled, time.perf_counter() - t0
 
 
-def _vae_decode_fn(jm):
+def _vae_full_fn(jm):
     """Torch function: normalised latents (1, 16, F', H/8, W/8) -> video (1, 3, F, H, W) in
-    [-1, 1], float32; undoes the latent normalisation exactly as ``WanPipeline`` does."""
+    [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
     import torch
 
     def decode(params, buffers, latents, mean, inv_std):
-        z = latents.to(torch.float32)
-        z = z / inv_std + mean
+        z = latents.to(torch.float32) / inv_std + mean
         return jm.functional_call("decode", params, buffers, z, return_dict=False)[0]
 
     return decode
 
 
-def compile_vae_decode(weights, mesh, vae_config, latents):
-    """JIT and AOT-compile the VAE decode; returns (callable(latents) -> video, seconds)."""
+def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
+    """Torch function decoding ONE latent frame with the causal-conv cache as explicit state.
+
+    diffusers' ``AutoencoderKLWan._decode`` loops over latent frames in Python, keeping each
+    causal conv's last input frames in a list (``feat_cache``) whose entries are None, the
+    string "Rep" (an upsampler's first chunk) or a tensor. Jitting that whole loop unrolls it:
+    at 720p x 81 frames XLA then needs 88 GB of temporaries per v6e chip. Here one call decodes
+    one latent frame; the tensor entries go in and out as arrays and the None/"Rep" pattern
+    (``kinds``) is static, so the decode compiles to three programs (first frame, second
+    frame, every later frame) whose memory is one frame's worth.
+
+    ``record[(kinds, first)]`` receives the kinds of the cache this call returns. ``spatial``
+    (a ``NamedSharding``) splits the frame's width over the mesh: GSPMD then partitions every
+    conv spatially, exchanging halos, so each chip decodes 1/n of the width instead of all chips
+    decoding the same frame.
+    Signature of the returned function:
+        (params, buffers, z (1, 16, 1, h, w), mean, inv_std, cache list)
+        -> (video chunk (1, 3, 1 or 4, 8h, 8w) float32 in [-1, 1], new cache list)
+    """
     import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    import torch
     from torchax import interop
 
-    w = weights["vae"]
-    z = vae_config["z_dim"]
-    mean = np.asarray(vae_config["latents_mean"], np.float32).reshape(1, z, 1, 1, 1)
-    inv_std = 1.0 / np.asarray(vae_config["latents_std"], np.float32).reshape(1, z, 1, 1, 1)
-    replicated = NamedSharding(mesh, P())
-    mean, inv_std = jax.device_put((mean, inv_std), replicated)
-    jitted = jax.jit(interop.jax_view(_vae_decode_fn(w["module"])),
-                     out_shardings=replicated)
-    t0 = time.perf_counter()
-    compiled = jitted.lower(w["params"], w["buffers"], latents, mean, inv_std).compile()
-    seconds = time.perf_counter() - t0
-    return (lambda lat: compiled(w["params"], w["buffers"], lat, mean, inv_std)), seconds
+    def run(model, z, feat):
+        x = model.post_quant_conv(z)
+        return model.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first)
+
+    def chunk(params, buffers, z, mean, inv_std, cache):
+        if spatial is not None:
+            z = interop.call_jax(jax.lax.with_sharding_constraint, z, spatial)
+        z = z.to(torch.float32) / inv_std + mean
+        tensors = iter(cache)
+        feat = [None if k == "none" else "Rep" if k == "rep" else next(tensors) for k in kinds]
+        out = jm.functional_call(run, params, buffers, z, feat)
+        record[(kinds, first)] = tuple(
+            "none" if f is None else "rep" if isinstance(f, str) else "tensor" for f in feat)
+        new_cache = [f for f in feat if f is not None and not isinstance(f, str)]
+        out = torch.clamp(out, min=-1.0, max=1.0)
+        if spatial is not None:
+            # Keep the carried cache and the frames width-sharded too, or they come back
+            # replicated: at 720p the cache alone is ~8 GB per chip.
+            out, *new_cache = (interop.call_jax(jax.lax.with_sharding_constraint, t, spatial)
+                               for t in (out, *new_cache))
+        return out, list(new_cache)
+
+    return chunk
+
+
+class VaeDecoder:
+    """The Wan VAE decode on JAX: frame-chunked with an explicit cache (default) or, with
+    ``tiling=True``, diffusers' spatially tiled ``decode`` in one program.
+
+    ``compile(latents)`` AOT-compiles every program the decode needs and returns seconds
+    (``latents`` and the placed weights may be ``ShapeDtypeStruct``s with ``abstract=True``, for
+    a deviceless TPU compile); ``memory()`` reports the compiled programs' HBM; calling the
+    object decodes (1, 16, F', H/8, W/8) float32 latents to a (1, 3, F, H, W)
+    float32 video in [-1, 1] that stays on device.
+    """
+
+    def __init__(self, placed: dict, vae, mesh, *, tiling: bool = False,
+                 abstract: bool = False):
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        if vae.config.patch_size is not None:
+            raise GenerationError("VAE with patch_size (Wan 2.2) is not supported yet")
+        self.placed, self.vae, self.tiling = placed, vae, tiling
+        self.replicated = NamedSharding(mesh, P())
+        z = vae.config.z_dim
+        mean = np.asarray(vae.config.latents_mean, np.float32).reshape(1, z, 1, 1, 1)
+        inv_std = 1.0 / np.asarray(vae.config.latents_std, np.float32).reshape(1, z, 1, 1, 1)
+        if abstract:  # deviceless AOT compile (dry run): shapes only
+            mean, inv_std = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated)
+                             for a in (mean, inv_std))
+        else:
+            mean, inv_std = jax.device_put((mean, inv_std), self.replicated)
+        self.mean, self.inv_std = mean, inv_std
+        self.num_convs = vae._cached_conv_counts["decoder"]
+        self.kinds_out: dict = {}
+        self.programs: dict = {}  # (kinds, first, cache shapes) -> (compiled, out cache avals)
+        self._slicers: dict = {}
+
+    def _frame(self, latents, i):
+        """Latent frame i as (1, 16, 1, h, w), laid out as the chunk programs expect."""
+        import jax
+
+        sharding = self._spatial(latents.shape) or self.replicated
+        if sharding not in self._slicers:
+            self._slicers[sharding] = jax.jit(
+                lambda z, i: jax.lax.dynamic_slice_in_dim(z, i, 1, axis=2),
+                out_shardings=sharding)
+        return self._slicers[sharding](latents, i)
+
+    def _spatial(self, shape):
+        """Width sharding over every mesh device when the latent width allows it, else None."""
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        mesh = self.replicated.mesh
+        if mesh.size == 1 or shape[-1] % mesh.size:
+            return None
+        return NamedSharding(mesh, P(None, None, None, None, mesh.axis_names))
+
+    def _args(self, z, cache):
+        p = self.placed
+        return (p["params"], p["buffers"], z, self.mean, self.inv_std, cache)
+
+    def _program(self, kinds, first, z, cache):
+        import jax
+        from torchax import interop
+
+        key = (kinds, first, tuple((c.shape, str(c.dtype)) for c in cache))
+        if key not in self.programs:
+            fn = _vae_chunk_fn(self.placed["module"], kinds, first, self.kinds_out,
+                               self._spatial(z.shape))
+            lowered = jax.jit(interop.jax_view(fn)).lower(*self._args(z, cache))
+            cache_out = lowered.out_info[1]
+            spatial = self._spatial(z.shape)
+            if spatial is not None:
+                cache_out = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=spatial)
+                             for c in cache_out]
+            self.programs[key] = (lowered.compile(), cache_out)
+        return self.programs[key]
+
+    def compile(self, latents) -> float:
+        import jax
+        from torchax import interop
+
+        t0 = time.perf_counter()
+        if self.tiling:
+            self.vae.enable_tiling()
+            self.full = jax.jit(interop.jax_view(_vae_full_fn(self.placed["module"])),
+                                out_shardings=self.replicated).lower(
+                *self._args(latents, [])[:5]).compile()
+            return time.perf_counter() - t0
+        b, c, f, h, w = latents.shape
+        z = jax.ShapeDtypeStruct((b, c, 1, h, w), latents.dtype,
+                                 sharding=self._spatial(latents.shape) or self.replicated)
+        kinds, cache = ("none",) * self.num_convs, []
+        for i in range(f):
+            _, cache = self._program(kinds, i == 0, z, cache)
+            kinds = self.kinds_out[(kinds, i == 0)]
+        return time.perf_counter() - t0
+
+    def memory(self) -> dict:
+        """Peak per-device bytes over the compiled programs (they run one at a time).
+
+        Returns dict(argument_bytes, output_bytes, temp_bytes, peak_bytes, programs).
+        """
+        programs = [self.full] if self.tiling else [c for c, _ in self.programs.values()]
+        stats = [c.memory_analysis() for c in programs]
+        peak = max(stats, key=lambda m: m.argument_size_in_bytes + m.output_size_in_bytes
+                   + m.temp_size_in_bytes - m.alias_size_in_bytes)
+        return dict(argument_bytes=peak.argument_size_in_bytes,
+                    output_bytes=peak.output_size_in_bytes, temp_bytes=peak.temp_size_in_bytes,
+                    peak_bytes=peak.argument_size_in_bytes + peak.output_size_in_bytes
+                    + peak.temp_size_in_bytes - peak.alias_size_in_bytes,
+                    programs=len(programs))
+
+    def __call__(self, latents):
+        import jax.numpy as jnp
+
+        if self.tiling:
+            return self.full(*self._args(latents, [])[:5])
+        kinds, cache, chunks = ("none",) * self.num_convs, [], []
+        for i in range(latents.shape[2]):
+            z = self._frame(latents, i)
+            compiled, _ = self._program(kinds, i == 0, z, cache)
+            out, cache = compiled(*self._args(z, cache))
+            kinds = self.kinds_out[(kinds, i == 0)]
+            chunks.append(out)
+        return jnp.concatenate(chunks, axis=2)
 
 
 def prepare_latents(pipe, args):
@@ -882,6 +1064,7 @@ def generate(args, devices=None):
 
     mesh = make_mesh(mesh_shape, devices)
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          block_sizes=block_sizes(args),
                           interpret=jax.default_backend() != "tpu")
     weights = shard_weights(pipe, mesh, args)
 
@@ -903,8 +1086,8 @@ def generate(args, devices=None):
     def step(latents, t, emb):
         return step_compiled(w["params"], w["buffers"], latents, t, emb)
 
-    vae_decode, timings["compile_vae_s"] = compile_vae_decode(
-        weights, mesh, dict(pipe.vae.config), latents0)
+    vae_decode = VaeDecoder(weights["vae"], pipe.vae, mesh, tiling=args.vae_tiling)
+    timings["compile_vae_s"] = vae_decode.compile(latents0)
 
     frames, runs = run_benchmark(pipe, step, vae_decode, embeds, latents0, args, mesh)
 

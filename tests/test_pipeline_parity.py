@@ -135,3 +135,13 @@ def test_bfloat16_frames_stay_near_float32_truth(tiny_checkpoint):
     # Measured here: mean |bf16 - f32| is 0.0011 for diffusers and 0.0033 for us (chaotic
     # amplification in a random model, see above); a layout or kernel bug gives > 0.05.
     assert np.abs(ours - truth).mean() < 1e-2
+
+
+def test_splash_kernel_in_pipeline_matches_xla_attention(tiny_checkpoint):
+    # The Pallas kernel runs in interpret mode on CPU, sharded by its shard_map wrapper.
+    xla, _ = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0)
+    splash, report = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0,
+                                 extra=("--attention", "splash"))
+    assert report["settings"]["attention"] == "splash"
+    # float32 kernel vs XLA softmax: both within ~1e-6 of exact attention per call.
+    np.testing.assert_allclose(splash, xla, atol=1e-4, rtol=0)

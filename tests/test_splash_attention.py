@@ -22,8 +22,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -148,12 +149,13 @@ def test_segment_ids_with_empty_row(dtype):
     kv_ids = np.zeros((b, kv_len), np.int32)
     kv_ids[:, 100:] = 1
     kv_ids[1, 250:] = 2
-    valid = (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    valid = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
     want = _ref64(q, k, v, valid=valid)
-    for seg in ((jnp.asarray(q_ids), jnp.asarray(kv_ids)),
-                csa.SegmentIds(jnp.asarray(q_ids), jnp.asarray(kv_ids))):
-        out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=SMALL,
-                                   interpret=True)
+    for seg in (
+        (jnp.asarray(q_ids), jnp.asarray(kv_ids)),
+        csa.SegmentIds(jnp.asarray(q_ids), jnp.asarray(kv_ids)),
+    ):
+        out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=SMALL, interpret=True)
         _check(out, want, dtype, "segments")
         assert np.all(np.asarray(out[0, :, 150:170], np.float32) == 0.0)
 
@@ -173,8 +175,9 @@ def test_window_with_segments_bf16():
     q, k, v = _inputs((1, 1, q_len, 128), kv_len, jnp.bfloat16, seed=9)
     ids = np.where(np.arange(q_len) < 170, 0, 1).astype(np.int32)[None]
     valid = _window_valid(q_len, kv_len, 64) & (ids[0][:, None] == ids[0][None, :])
-    out = csa.splash_attention(q, k, v, window_size=64, segment_ids=(ids, ids),
-                               block_sizes=SMALL, interpret=True)
+    out = csa.splash_attention(
+        q, k, v, window_size=64, segment_ids=(ids, ids), block_sizes=SMALL, interpret=True
+    )
     _check(out, _ref64(q, k, v, valid=valid), jnp.bfloat16, "window+segments")
 
 
@@ -211,11 +214,13 @@ def test_k_smoothing_mean_over_attendable_keys_only():
     kv_ids = jnp.where(jnp.arange(200) < 150, 0, 5)[None].astype(jnp.int32)
     smoothed = csa._smooth_keys(k, csa.SegmentIds(q_ids, kv_ids))
     real_mean = np.asarray(k[:, :, :150]).mean(axis=2, keepdims=True)
-    np.testing.assert_allclose(np.asarray(smoothed[:, :, :150]),
-                               np.asarray(k[:, :, :150]) - real_mean, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(smoothed[:, :, :150]), np.asarray(k[:, :, :150]) - real_mean, atol=1e-4
+    )
     valid = np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]
-    out = csa.splash_attention(q, k, v, k_smoothing=True, segment_ids=(q_ids, kv_ids),
-                               block_sizes=SMALL, interpret=True)
+    out = csa.splash_attention(
+        q, k, v, k_smoothing=True, segment_ids=(q_ids, kv_ids), block_sizes=SMALL, interpret=True
+    )
     _check(out, _ref64(q, k, v, valid=valid), jnp.float32, "k_smoothing+segments")
 
 
@@ -236,14 +241,16 @@ def test_matches_stock_splash_kernel():
             mask = stock.MultiHeadMask([stock.FullMask((s, s))] * h)
         else:
             mask = stock.MultiHeadMask(
-                [stock.LocalMask((s, s), window_size=(window, window), offset=0)] * h)
-        kernel = stock.make_splash_mha(mask, block_sizes=stock_bs, head_shards=1,
-                                       q_seq_shards=1, interpret=True)
+                [stock.LocalMask((s, s), window_size=(window, window), offset=0)] * h
+            )
+        kernel = stock.make_splash_mha(
+            mask, block_sizes=stock_bs, head_shards=1, q_seq_shards=1, interpret=True
+        )
         # The stock kernel takes (heads, len, head_dim) and applies no softmax scale.
         want = jax.vmap(kernel)(q * scale, k, v)
-        ours = csa.splash_attention(q, k, v, window_size=window,
-                                    block_sizes=csa.BlockSizes(128, 128, 128),
-                                    interpret=True)
+        ours = csa.splash_attention(
+            q, k, v, window_size=window, block_sizes=csa.BlockSizes(128, 128, 128), interpret=True
+        )
         np.testing.assert_allclose(np.asarray(ours), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -252,13 +259,18 @@ def test_matches_stock_splash_kernel():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(block_q=0), "block_q: expected a positive int, got 0"),
-    (dict(block_q=100), "block_q: expected a multiple of 128, got 100"),
-    (dict(block_kv=384, block_kv_compute=256),
-     "block_kv: expected a multiple of block_kv_compute=256, got 384"),
-    (dict(block_kv_compute=-128), "block_kv_compute: expected a positive int, got -128"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_q=0), "block_q: expected a positive int, got 0"),
+        (dict(block_q=100), "block_q: expected a multiple of 128, got 100"),
+        (
+            dict(block_kv=384, block_kv_compute=256),
+            "block_kv: expected a multiple of block_kv_compute=256, got 384",
+        ),
+        (dict(block_kv_compute=-128), "block_kv_compute: expected a positive int, got -128"),
+    ],
+)
 def test_block_sizes_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         csa.BlockSizes(**kwargs)
@@ -281,8 +293,9 @@ def test_input_validation():
     with pytest.raises(ValueError, match="window_size"):
         csa.splash_attention(q, k, v, window_size=-1, interpret=True)
     with pytest.raises(ValueError, match="segment_ids"):
-        csa.splash_attention(q, k, v, segment_ids=(jnp.zeros((1, 5), jnp.int32),
-                                                   jnp.zeros((1, 128), jnp.int32)))
+        csa.splash_attention(
+            q, k, v, segment_ids=(jnp.zeros((1, 5), jnp.int32), jnp.zeros((1, 128), jnp.int32))
+        )
     with pytest.raises(ValueError, match="v: expected the shape of k"):
         csa.splash_attention(q, k, v[:, :, :64], interpret=True)
 
@@ -295,23 +308,31 @@ def test_input_validation():
 def _mesh(dp, tp, sp):
     devices = jax.devices()
     if len(devices) < dp * tp * sp:
-        pytest.skip(f"needs {dp * tp * sp} devices (XLA_FLAGS="
-                    f"--xla_force_host_platform_device_count=8), have {len(devices)}")
-    return Mesh(np.array(devices[:dp * tp * sp]).reshape(dp, tp, sp), ("dp", "tp", "sp"))
+        pytest.skip(
+            f"needs {dp * tp * sp} devices (XLA_FLAGS="
+            f"--xla_force_host_platform_device_count=8), have {len(devices)}"
+        )
+    return Mesh(np.array(devices[: dp * tp * sp]).reshape(dp, tp, sp), ("dp", "tp", "sp"))
 
 
-@pytest.mark.parametrize("mesh_shape,heads,window", [
-    ((2, 2, 2), 4, None),  # heads % (tp*sp) == 0: head-parallel
-    ((1, 4, 2), 4, None),  # heads % (tp*sp) != 0: q sequence over sp
-    ((1, 4, 2), 4, 30),  # sequence-parallel window needs each shard's q offset
-])
+@pytest.mark.parametrize(
+    "mesh_shape,heads,window",
+    [
+        ((2, 2, 2), 4, None),  # heads % (tp*sp) == 0: head-parallel
+        ((1, 4, 2), 4, None),  # heads % (tp*sp) != 0: q sequence over sp
+        ((1, 4, 2), 4, 30),  # sequence-parallel window needs each shard's q offset
+    ],
+)
 def test_sharded_matches_unsharded(mesh_shape, heads, window):
     mesh = _mesh(*mesh_shape)
     q, k, v = _inputs((2, heads, 256, 64), 200, jnp.float32, seed=31)
     bs = csa.BlockSizes(128, 128, 128)
     want = csa.splash_attention(q, k, v, window_size=window, block_sizes=bs, interpret=True)
-    got = jax.jit(lambda q, k, v: csa.sharded_splash_attention(
-        q, k, v, mesh=mesh, window_size=window, block_sizes=bs, interpret=True))(q, k, v)
+    got = jax.jit(
+        lambda q, k, v: csa.sharded_splash_attention(
+            q, k, v, mesh=mesh, window_size=window, block_sizes=bs, interpret=True
+        )
+    )(q, k, v)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
 
 
@@ -320,11 +341,18 @@ def test_sharded_segment_ids():
     q, k, v = _inputs((2, 4, 256, 64), 128, jnp.float32, seed=32)
     q_ids = jnp.asarray(np.repeat([[0, 1]], 128, axis=1).repeat(2, axis=0), jnp.int32)
     kv_ids = jnp.asarray(np.repeat([[0, 1]], 64, axis=1).repeat(2, axis=0), jnp.int32)
-    want = _ref64(q, k, v, valid=np.asarray(q_ids)[:, None, :, None]
-                  == np.asarray(kv_ids)[:, None, None, :])
-    got = csa.sharded_splash_attention(q, k, v, mesh=mesh, segment_ids=(q_ids, kv_ids),
-                                       block_sizes=csa.BlockSizes(128, 128, 128),
-                                       interpret=True)
+    want = _ref64(
+        q, k, v, valid=np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]
+    )
+    got = csa.sharded_splash_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        segment_ids=(q_ids, kv_ids),
+        block_sizes=csa.BlockSizes(128, 128, 128),
+        interpret=True,
+    )
     _check(got, want, jnp.float32, "sharded segments")
 
 
@@ -373,14 +401,20 @@ def _run_sdpa(env, q, k, v, **kwargs):
         return np.asarray(env.t2j_iso(out))
 
 
-@pytest.mark.parametrize("attention,mesh_shape", [
-    ("splash", None), ("splash", (2, 2, 2)), ("xla", None)])
+@pytest.mark.parametrize(
+    "attention,mesh_shape", [("splash", None), ("splash", (2, 2, 2)), ("xla", None)]
+)
 def test_sdpa_override_matches_torch(torchax_env, attention, mesh_shape):
     import torch
 
     mesh = None if mesh_shape is None else _mesh(*mesh_shape)
-    csa.install_sdpa_override(torchax_env, attention=attention, mesh=mesh,
-                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+    csa.install_sdpa_override(
+        torchax_env,
+        attention=attention,
+        mesh=mesh,
+        block_sizes=csa.BlockSizes(128, 128, 128),
+        interpret=True,
+    )
     q, k, v = _torch_inputs(200, 150, seed=1)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2).numpy()
     got = _run_sdpa(torchax_env, q, k, v, scale=0.2)
@@ -394,8 +428,7 @@ def test_sdpa_override_masked_fallback(torchax_env):
     q, k, v = _torch_inputs(64, 64, seed=2)
     mask = torch.rand(64, 64, generator=torch.Generator().manual_seed(3)) > 0.3
     F = torch.nn.functional
-    for kwargs in (dict(attn_mask=mask), dict(is_causal=True),
-                   dict(attn_mask=torch.randn(64, 64))):
+    for kwargs in (dict(attn_mask=mask), dict(is_causal=True), dict(attn_mask=torch.randn(64, 64))):
         want = F.scaled_dot_product_attention(q, k, v, **kwargs).numpy()
         got = _run_sdpa(torchax_env, q, k, v, **kwargs)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
