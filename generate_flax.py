@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 # Defaults in one place (Wan 2.1 model card: 720p uses flow_shift 5.0, 480p uses 3.0; 50 UniPC
 # steps, CFG 5.0, 16 fps, 512 text tokens).
 DEFAULTS = dict(
@@ -58,6 +60,8 @@ DEFAULTS = dict(
     dtype="bfloat16",
     max_sequence_length=512,
     attention="auto",
+    stage="all",
+    work_dir="work",
     # Splash blocks for head_dim 128 at Wan's 75,600 tokens, as tuned on v6e by a public port.
     bq=3328,
     bkv=2816,
@@ -133,6 +137,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Splash block_kv_compute: keys per score tile (multiple of 128)")
     p.add_argument("--compilation_cache_dir", default=default_cache_dir(),
                    help="JAX persistent compilation cache; 'none' disables it")
+    p.add_argument("--stage", choices=("all", "encode", "denoise", "decode"),
+                   default=d["stage"],
+                   help="all = one shot; encode / denoise / decode run one stage each, with "
+                        "intermediates in --work_dir")
+    p.add_argument("--work_dir", default=d["work_dir"],
+                   help="folder for embeddings.safetensors, generation_config.json and "
+                        "latents.safetensors")
     p.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
@@ -231,6 +242,16 @@ def _validate_output_dir(path: str) -> None:
         _fail("--output_dir", path, f"must be a writable directory ({e.strerror or e})")
 
 
+def read_vae_config(model_id: str) -> dict:
+    """The VAE's config.json as diffusers resolves it (local folder or Hub cache)."""
+    from diffusers import AutoencoderKLWan
+
+    try:
+        return dict(AutoencoderKLWan.load_config(model_id, subfolder="vae"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model_id={model_id!r}: no VAE config ({e})") from None
+
+
 def read_transformer_config(model_id: str) -> dict | None:
     """The transformer's config.json for a local folder, else None (Hub ids resolve later)."""
     path = os.path.join(model_id, "transformer", "config.json")
@@ -298,14 +319,23 @@ def configure_jax_platform() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_pipeline(args):
-    """Load the diffusers ``WanPipeline`` on CPU from safetensors only.
+STAGE_COMPONENTS = {
+    "all": ("text_encoder", "transformer", "vae"),
+    "encode": ("text_encoder",),
+    "denoise": ("transformer",),
+    "decode": ("vae",),
+}
+
+
+def load_pipeline(args, components=STAGE_COMPONENTS["all"]):
+    """Load the diffusers ``WanPipeline`` on CPU from safetensors only, with only
+    ``components`` (of "text_encoder", "transformer", "vae"); the others are None.
 
     The transformer and text encoder use ``--dtype``; the VAE stays float32 as in diffusers' Wan
     examples (a bf16 Wan VAE under torchax fails with a conv2d input/bias dtype mismatch).
 
     Returns:
-        ``diffusers.WanPipeline`` with every component on CPU in eval mode.
+        ``diffusers.WanPipeline`` with the requested components on CPU in eval mode.
 
     Raises:
         GenerationError: the weights could not be found or read.
@@ -314,11 +344,16 @@ def load_pipeline(args):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
     dtype = getattr(torch, args.dtype)
+    skip = {name: None for name in ("text_encoder", "transformer", "vae")
+            if name not in components}
+    if "text_encoder" not in components:
+        skip["tokenizer"] = None
     try:
-        vae = AutoencoderKLWan.from_pretrained(
-            args.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
-        pipe = WanPipeline.from_pretrained(
-            args.model_id, vae=vae, dtype=dtype, use_safetensors=True)
+        if "vae" in components:
+            skip["vae"] = AutoencoderKLWan.from_pretrained(
+                args.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
+        pipe = WanPipeline.from_pretrained(args.model_id, dtype=dtype, use_safetensors=True,
+                                           **skip)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GenerationError(
@@ -329,7 +364,8 @@ def load_pipeline(args):
     # eval() only: torchax treats parameters with requires_grad=False as buffers, which would
     # hide them from the sharding rules.
     for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
-        m.eval()
+        if m is not None:
+            m.eval()
     return pipe
 
 
@@ -349,10 +385,10 @@ def encode_prompts(pipe, args):
         prompt_embeds, negative_embeds = pipe.encode_prompt(
             prompt=args.prompt,
             negative_prompt=args.negative_prompt,
-            do_classifier_free_guidance=use_cfg(args),
+            do_classifier_free_guidance=use_cfg(args) or args.stage == "encode",
             max_sequence_length=args.max_sequence_length,
             device=torch.device("cpu"),
-            dtype=pipe.transformer.dtype,
+            dtype=getattr(torch, args.dtype),  # the transformer's dtype, as WanPipeline casts
         )
     pipe.text_encoder = None  # UMT5-XXL is ~11 GB in bf16; nothing needs it after this.
     return prompt_embeds, negative_embeds
@@ -511,13 +547,12 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False) -> dict:
 
 
 def shard_weights(pipe, mesh, args):
-    """Move transformer and VAE weights to JAX on ``mesh``: the transformer by the Megatron
-    table (plus FSDP with ``--fsdp``), the VAE replicated. Logs what each rule matched and, at
-    debug level, every weight left replicated. Returns {"transformer": ..., "vae": ...} as
-    ``place_module`` returns them."""
+    """Move the transformer's weights to JAX on ``mesh`` by the Megatron table (plus FSDP with
+    ``--fsdp``); the VAE is placed replicated by ``place_module`` and sharded by activation
+    (see ``VaeDecoder``). Logs what each rule matched and, at debug level, every weight left
+    replicated. Returns {"transformer": ...} as ``place_module`` returns it."""
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
-    out = dict(transformer=place_module(pipe.transformer, mesh, rules, fsdp=args.fsdp),
-               vae=place_module(pipe.vae, mesh))
+    out = dict(transformer=place_module(pipe.transformer, mesh, rules, fsdp=args.fsdp))
     t = out["transformer"]
     for rx, n in t["rule_counts"].items():
         log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
@@ -934,83 +969,112 @@ def peak_tflops(device_kind: str) -> float | None:
     return None
 
 
-def run_benchmark(pipe, step, vae_decode, embeds, latents0, args, mesh):
-    """Warmup then timed runs of denoise + decode; returns (frames, per-run timings).
+def run_benchmark(args, *, latents0, step=None, scheduler_config=None, embeds=None,
+                  vae_decode=None, timesteps_sharding=None):
+    """Warmup then timed runs of the selected stages; returns (latents, video, runs).
 
-    Every timing blocks on the device result (``block_until_ready``), never on dispatch.
+    ``step`` (with ``scheduler_config``, ``embeds``) runs the denoising loop from ``latents0``;
+    ``vae_decode`` decodes its result (or ``latents0`` when there is no ``step``). Every
+    timing blocks on the device result (``block_until_ready``), never on dispatch.
     """
     import jax
     from diffusers import UniPCMultistepScheduler
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    replicated = NamedSharding(mesh, P())
-    runs, video = [], None
+    runs, latents, video = [], latents0, None
     for i in range(args.num_iterations):
         desc = "warmup" if i == 0 else f"run {i}/{args.num_iterations - 1}"
-        scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
-        scheduler.set_timesteps(args.num_inference_steps)
-        timesteps = [jax.device_put(timestep_array(t), replicated) for t in scheduler.timesteps]
+        run = {}
         t0 = time.perf_counter()
-        latents = denoise(step, scheduler, latents0, timesteps, embeds, desc=desc)
-        latents.block_until_ready()
-        t1 = time.perf_counter()
-        check_finite(latents, "denoising (transformer + UniPC)")
-        video = decode(vae_decode, latents)
-        t2 = time.perf_counter()
-        runs.append(dict(total_s=t2 - t0, denoise_s=t1 - t0, vae_decode_s=t2 - t1,
-                         s_per_step=(t1 - t0) / args.num_inference_steps))
-        print(f"{desc}: {t2 - t0:.2f} s (denoise {t1 - t0:.2f} s, "
-              f"{(t1 - t0) / args.num_inference_steps:.3f} s/step; VAE decode {t2 - t1:.2f} s)")
-    check_finite(video, "VAE decode")
-    return to_frames(pipe, video), runs
+        latents = latents0
+        if step is not None:
+            scheduler = UniPCMultistepScheduler.from_config(scheduler_config)
+            scheduler.set_timesteps(args.num_inference_steps)
+            timesteps = [jax.device_put(timestep_array(t), timesteps_sharding)
+                         for t in scheduler.timesteps]
+            t0 = time.perf_counter()
+            latents = denoise(step, scheduler, latents0, timesteps, embeds, desc=desc)
+            latents.block_until_ready()
+            run["denoise_s"] = time.perf_counter() - t0
+            run["s_per_step"] = run["denoise_s"] / args.num_inference_steps
+            check_finite(latents, "denoising (transformer + UniPC)")
+        if vae_decode is not None:
+            t1 = time.perf_counter()
+            video = decode(vae_decode, latents)
+            run["vae_decode_s"] = time.perf_counter() - t1
+        run["total_s"] = time.perf_counter() - t0
+        runs.append(run)
+        parts = []
+        if "denoise_s" in run:
+            parts.append(f"denoise {run['denoise_s']:.2f} s, {run['s_per_step']:.3f} s/step")
+        if "vae_decode_s" in run:
+            parts.append(f"VAE decode {run['vae_decode_s']:.2f} s")
+        print(f"{desc}: {run['total_s']:.2f} s ({'; '.join(parts)})")
+    if video is not None:
+        check_finite(video, "VAE decode")
+    return latents, video, runs
 
 
-def summarize(runs, timings: dict, flops_per_step: float, device_kind: str, n_devices: int):
-    """Steady-state statistics and throughput; returns a dict for the report."""
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def summarize(runs, timings: dict, flops_per_step: float | None, device_kind: str,
+              n_devices: int):
+    """Compile, warmup and steady-state statistics and throughput, for the report.
+
+    Steady state is every run after the first; the first run after the explicit compiles is
+    the warmup (remaining one-time costs such as the eager scheduler ops' own compiles).
+    """
+    out = dict(timings)
+    compile_s = sum(v for k, v in timings.items() if k.startswith("compile_"))
+    if runs:
+        out.update(warmup_run_s=runs[0]["total_s"],
+                   first_run_with_compile_s=runs[0]["total_s"] + compile_s, runs=runs)
     steady = runs[1:]
-    out = dict(
-        text_encode_s=timings["text_encode_s"],
-        compile_transformer_s=timings["compile_transformer_s"],
-        compile_vae_s=timings["compile_vae_s"],
-        warmup_run_s=runs[0]["total_s"],
-        first_run_with_compile_s=(runs[0]["total_s"] + timings["compile_transformer_s"]
-                                  + timings["compile_vae_s"]),
-        runs=runs,
-        transformer_flops_per_step=flops_per_step,
-    )
     if steady:
         totals = [r["total_s"] for r in steady]
-        s_step = sum(r["s_per_step"] for r in steady) / len(steady)
-        out.update(
-            steady_mean_s=sum(totals) / len(totals), steady_min_s=min(totals),
-            steady_max_s=max(totals), steady_s_per_step=s_step,
-            steady_vae_decode_s=sum(r["vae_decode_s"] for r in steady) / len(steady),
-        )
-        achieved = flops_per_step / s_step / 1e12
-        out["achieved_tflops"] = achieved
-        peak = peak_tflops(device_kind)
-        # MFU = achieved FLOP/s / (chips * per-chip bf16 peak); analytic FLOPs, model call only.
-        out["mfu"] = achieved / (peak * n_devices) if peak else None
+        out.update(steady_mean_s=_mean(totals), steady_min_s=min(totals),
+                   steady_max_s=max(totals))
+        if "vae_decode_s" in steady[0]:
+            out["steady_vae_decode_s"] = _mean([r["vae_decode_s"] for r in steady])
+        if "s_per_step" in steady[0]:
+            s_step = _mean([r["s_per_step"] for r in steady])
+            out["steady_s_per_step"] = s_step
+            out["transformer_flops_per_step"] = flops_per_step
+            achieved = flops_per_step / s_step / 1e12
+            out["achieved_tflops"] = achieved
+            peak = peak_tflops(device_kind)
+            # MFU = achieved FLOP/s / (chips * per-chip bf16 peak), analytic FLOPs of the
+            # model call only (scheduler and VAE excluded), as nanoGPT estimates it.
+            out["mfu"] = achieved / (peak * n_devices) if peak else None
     return out
 
 
 def print_summary(s: dict, device_kind: str, n_devices: int) -> None:
     print(f"\n== Summary ({n_devices} x {device_kind}) ==")
-    print(f"text encode (CPU, once):      {s['text_encode_s']:8.2f} s")
-    print(f"compile transformer step:     {s['compile_transformer_s']:8.2f} s")
-    print(f"compile VAE decode:           {s['compile_vae_s']:8.2f} s")
-    print(f"first run (with compile):     {s['first_run_with_compile_s']:8.2f} s "
-          f"(warmup run {s['warmup_run_s']:.2f} s)")
-    if "steady_mean_s" in s:
-        print(f"steady state, {len(s['runs']) - 1} run(s):       {s['steady_mean_s']:8.2f} s mean "
-              f"(min {s['steady_min_s']:.2f}, max {s['steady_max_s']:.2f})")
-        print(f"  denoise:                    {s['steady_s_per_step']:8.3f} s/step")
-        print(f"  VAE decode:                 {s['steady_vae_decode_s']:8.2f} s")
+    rows = [("text encode (CPU, once)", "text_encode_s", "s"),
+            ("compile transformer step", "compile_transformer_s", "s"),
+            ("compile VAE decode", "compile_vae_s", "s")]
+    for label, key, unit in rows:
+        if key in s:
+            print(f"{label + ':':<30}{s[key]:8.2f} {unit}")
+    if "warmup_run_s" in s:
+        print(f"{'first run (with compile):':<30}{s['first_run_with_compile_s']:8.2f} s "
+              f"(warmup run {s['warmup_run_s']:.2f} s)")
+    if "steady_mean_s" not in s:
+        if "runs" in s:
+            print("steady state: none (--num_iterations 1 runs the warmup only)")
+        return
+    label = f"steady state, {len(s['runs']) - 1} run(s):"
+    print(f"{label:<30}{s['steady_mean_s']:8.2f} s mean (min {s['steady_min_s']:.2f}, "
+          f"max {s['steady_max_s']:.2f})")
+    if "steady_s_per_step" in s:
+        print(f"{'  denoise:':<30}{s['steady_s_per_step']:8.3f} s/step")
+    if "steady_vae_decode_s" in s:
+        print(f"{'  VAE decode:':<30}{s['steady_vae_decode_s']:8.2f} s")
+    if "achieved_tflops" in s:
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
-        print(f"  transformer throughput:     {s['achieved_tflops']:8.3f} TFLOP/s{mfu}")
-    else:
-        print("steady state: none (--num_iterations 1 runs the warmup only)")
+        print(f"{'  transformer throughput:':<30}{s['achieved_tflops']:8.3f} TFLOP/s{mfu}")
 
 
 def versions() -> dict:
@@ -1030,13 +1094,137 @@ def versions() -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# Staged intermediates (--stage encode | denoise | decode)
+# ---------------------------------------------------------------------------------------------
+
+EMBEDDINGS_FILE = "embeddings.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
+LATENTS_FILE = "latents.safetensors"
+
+
+def config_digest(config) -> str:
+    """sha256 of a diffusers config's architecture values (keys starting with "_" such as the
+    diffusers version are left out), so intermediates can name the model they came from."""
+    import hashlib
+
+    clean = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def save_tensors(tensors: dict, path: str, metadata: dict) -> None:
+    """Write CPU torch tensors as safetensors (bf16 round-trips exactly), atomically."""
+    from safetensors.torch import save_file
+
+    meta = {k: json.dumps(v) for k, v in metadata.items()}
+    _atomic_write(path, lambda tmp: save_file(
+        {k: v.detach().clone() for k, v in tensors.items()}, tmp, metadata=meta))
+
+
+def load_tensors(path: str, keys, produced_by: str):
+    """Read ``keys`` and the JSON metadata from a safetensors file.
+
+    Raises:
+        UsageError: one line naming the file when it is missing, truncated, corrupt or lacks a
+            tensor (never a traceback from inside safetensors).
+    """
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: not found; run --stage {produced_by} with the same "
+                         "--work_dir first")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+            missing = [k for k in keys if k not in f.keys()]
+            if missing:
+                raise UsageError(f"{path}: missing tensor(s) {', '.join(missing)}")
+            return {k: f.get_tensor(k) for k in keys}, meta
+    except UsageError:
+        raise
+    except Exception as e:  # safetensors raises several types for damaged files
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{path}: unreadable, truncated or corrupt safetensors file "
+                         f"({msg})") from None
+
+
+def save_embeddings(work_dir, prompt_embeds, negative_embeds, args) -> None:
+    os.makedirs(work_dir, exist_ok=True)
+    gen = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, model_id=args.model_id,
+               max_sequence_length=args.max_sequence_length, dtype=args.dtype)
+    save_tensors(dict(prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_embeds),
+                 os.path.join(work_dir, EMBEDDINGS_FILE), gen)
+    save_report(gen, os.path.join(work_dir, GENERATION_CONFIG_FILE))
+
+
+def load_embeddings(work_dir, transformer_config: dict | None, args):
+    """Prompt embeddings written by ``--stage encode``; checks their shape against the
+    transformer config. Returns (prompt_embeds, negative_embeds) CPU tensors (1, T, text_dim)
+    and sets ``args.prompt``/``negative_prompt``/``max_sequence_length`` from the file."""
+    path = os.path.join(work_dir, EMBEDDINGS_FILE)
+    t, meta = load_tensors(path, ("prompt_embeds", "negative_prompt_embeds"), "encode")
+    pos, neg = t["prompt_embeds"], t["negative_prompt_embeds"]
+    seq = meta.get("max_sequence_length")
+    if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape != neg.shape or pos.shape[1] != seq:
+        raise UsageError(f"{path}: expected two (1, {seq}, text_dim) tensors, got "
+                         f"{tuple(pos.shape)} and {tuple(neg.shape)}")
+    if transformer_config and pos.shape[2] != transformer_config["text_dim"]:
+        raise UsageError(f"{path}: embeddings have text_dim {pos.shape[2]}, the transformer of "
+                         f"--model_id={args.model_id!r} expects {transformer_config['text_dim']}")
+    args.prompt, args.negative_prompt = meta.get("prompt"), meta.get("negative_prompt")
+    args.max_sequence_length = seq
+    return pos, neg
+
+
+LATENT_SETTINGS = ("seed", "num_inference_steps", "height", "width", "frames", "flow_shift",
+                   "guidance_scale", "prompt", "negative_prompt", "model_id")
+
+
+def save_latents(work_dir, latents, args, vae_config: dict) -> None:
+    os.makedirs(work_dir, exist_ok=True)
+    meta = {k: getattr(args, k) for k in LATENT_SETTINGS}
+    meta["vae_config_sha256"] = config_digest(vae_config)
+    save_tensors(dict(latents=latents), os.path.join(work_dir, LATENTS_FILE), meta)
+
+
+def load_latents(work_dir, vae_config: dict, args):
+    """Final latents written by ``--stage denoise``; refuses latents made for another VAE or
+    whose shape disagrees with their recorded size. Sets ``args`` from the recorded settings.
+    Returns the float32 CPU tensor (1, z_dim, F', H/8, W/8)."""
+    path = os.path.join(work_dir, LATENTS_FILE)
+    t, meta = load_tensors(path, ("latents",), "denoise")
+    if meta.get("vae_config_sha256") != config_digest(vae_config):
+        raise UsageError(f"{path}: made for a different VAE config than --model_id="
+                         f"{args.model_id!r} (recorded model: {meta.get('model_id')!r})")
+    missing = [k for k in LATENT_SETTINGS if k not in meta]
+    if missing:
+        raise UsageError(f"{path}: metadata lacks {', '.join(missing)}")
+    for k in LATENT_SETTINGS:
+        setattr(args, k, meta[k])
+    expected = (1, vae_config["z_dim"], (args.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+                args.height // VAE_SPATIAL_SCALE, args.width // VAE_SPATIAL_SCALE)
+    lat = t["latents"]
+    if tuple(lat.shape) != expected:
+        raise UsageError(f"{path}: expected latents of shape {expected} for "
+                         f"{args.frames} frames at {args.height}x{args.width}, "
+                         f"got {tuple(lat.shape)}")
+    return lat.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
 def generate(args, devices=None):
-    """Run every stage after flag validation; returns (frames, report).
+    """Run the stages ``--stage`` selects; returns (frames or None, report).
 
-    ``devices`` (default: all of ``jax.devices()``) lets tests build smaller meshes.
+    ``all`` runs everything in memory; ``encode`` / ``denoise`` / ``decode`` each load only
+    their own component and read/write intermediates in ``--work_dir``. ``devices`` (default:
+    all of ``jax.devices()``) lets tests build smaller meshes.
 
-    frames: (F, H, W, 3) float32 in [0, 1]. report: the JSON report's content without the
-    output file names.
+    frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``). report: the JSON report's
+    content without output file names.
     """
     configure_jax_platform()
     quiet_known_warnings()
@@ -1048,64 +1236,87 @@ def generate(args, devices=None):
 
     from custom_splash_attention import default_attention_backend, install_sdpa_override
 
+    stage = args.stage
     cache_on = enable_compilation_cache(args.compilation_cache_dir)
     devices = jax.devices() if devices is None else list(devices)
     cfg = read_transformer_config(args.model_id)
-    mesh_shape = resolve_mesh_shape(args, len(devices), cfg)
+    timings: dict = {}
+    embeds_cpu = latents_cpu = None
+    if stage == "denoise":  # intermediates are checked before any weights load
+        embeds_cpu = load_embeddings(args.work_dir, cfg, args)
+    if stage == "decode":
+        latents_cpu = load_latents(args.work_dir, read_vae_config(args.model_id), args)
+    mesh_shape = resolve_mesh_shape(args, len(devices), cfg if stage != "decode" else None)
     args.dp, args.tp, args.sp = mesh_shape.dp, mesh_shape.tp, mesh_shape.sp
     attention = default_attention_backend() if args.attention == "auto" else args.attention
 
-    pipe = load_pipeline(args)
-    cfg = dict(pipe.transformer.config)
-    t0 = time.perf_counter()
-    prompt_embeds, negative_embeds = encode_prompts(pipe, args)
-    timings = dict(text_encode_s=time.perf_counter() - t0)
-    latents0 = prepare_latents(pipe, args)
+    pipe = load_pipeline(args, STAGE_COMPONENTS[stage])
+    if pipe.transformer is not None:
+        cfg = dict(pipe.transformer.config)
+    if stage in ("all", "encode"):
+        t0 = time.perf_counter()
+        embeds_cpu = encode_prompts(pipe, args)
+        timings["text_encode_s"] = time.perf_counter() - t0
+    report = dict(stage=stage, settings={**vars(args), "attention": attention},
+                  versions=versions())
+    if stage == "encode":
+        save_embeddings(args.work_dir, *embeds_cpu, args)
+        report["timings"] = timings
+        return None, report
 
     mesh = make_mesh(mesh_shape, devices)
-    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          block_sizes=block_sizes(args),
-                          interpret=jax.default_backend() != "tpu")
-    weights = shard_weights(pipe, mesh, args)
-
-    # Inputs are placed on the mesh explicitly: torchax does not shard them by itself, and an
-    # earlier port measured 54 vs 5.9 s/step without and with this.
     replicated = NamedSharding(mesh, P())
-    embeds = prompt_embeds if negative_embeds is None else torch.cat(
-        [prompt_embeds, negative_embeds])  # (B, T, text_dim): [cond, uncond]
-    embeds = jax.device_put(embeds.float().numpy(), NamedSharding(mesh, P("dp")))
-    embeds = embeds.astype(getattr(jax.numpy, args.dtype))
-    latents0 = jax.device_put(latents0.numpy(), replicated)
-    pipe.scheduler.set_timesteps(args.num_inference_steps)
-    t_example = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), replicated)
+    bench = dict(timesteps_sharding=replicated)
+    weights = {}
+    if stage in ("all", "denoise"):
+        install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                              block_sizes=block_sizes(args),
+                              interpret=jax.default_backend() != "tpu")
+        weights = shard_weights(pipe, mesh, args)
+        # Inputs are placed on the mesh explicitly: torchax does not shard them by itself,
+        # and an earlier port measured 54 vs 5.9 s/step without and with this.
+        pos, neg = embeds_cpu
+        embeds = pos if not use_cfg(args) else torch.cat([pos, neg])  # (B, T, D): [cond, uncond]
+        embeds = jax.device_put(embeds.float().numpy(), NamedSharding(mesh, P("dp")))
+        embeds = embeds.astype(getattr(jax.numpy, args.dtype))
+        latents0 = jax.device_put(prepare_latents(pipe, args).numpy(), replicated)
+        pipe.scheduler.set_timesteps(args.num_inference_steps)
+        t_example = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), replicated)
+        step_compiled, timings["compile_transformer_s"] = compile_transformer_step(
+            weights, mesh, args, latents0, t_example, embeds)
+        w = weights["transformer"]
+        bench.update(step=lambda lat, t, emb: step_compiled(w["params"], w["buffers"], lat, t,
+                                                            emb),
+                     scheduler_config=pipe.scheduler.config, embeds=embeds)
+    else:
+        latents0 = jax.device_put(latents_cpu.numpy(), replicated)
+    if stage in ("all", "decode"):
+        placed_vae = place_module(pipe.vae, mesh)
+        vae_decode = VaeDecoder(placed_vae, pipe.vae, mesh, tiling=args.vae_tiling)
+        timings["compile_vae_s"] = vae_decode.compile(latents0)
+        bench["vae_decode"] = vae_decode
 
-    step_compiled, timings["compile_transformer_s"] = compile_transformer_step(
-        weights, mesh, args, latents0, t_example, embeds)
-    w = weights["transformer"]
-
-    def step(latents, t, emb):
-        return step_compiled(w["params"], w["buffers"], latents, t, emb)
-
-    vae_decode = VaeDecoder(weights["vae"], pipe.vae, mesh, tiling=args.vae_tiling)
-    timings["compile_vae_s"] = vae_decode.compile(latents0)
-
-    frames, runs = run_benchmark(pipe, step, vae_decode, embeds, latents0, args, mesh)
+    latents, video, runs = run_benchmark(args, latents0=latents0, **bench)
 
     device_kind = devices[0].device_kind
-    summary = summarize(runs, timings, transformer_flops(cfg, args), device_kind, len(devices))
-    report = dict(
-        settings={**vars(args), "attention": attention},
+    flops = transformer_flops(cfg, args) if "step" in bench else None
+    report.update(
         mesh=dataclasses.asdict(mesh_shape),
         devices=dict(kind=device_kind, count=len(devices), platform=jax.default_backend()),
-        tokens=token_count(cfg, args),
         compilation_cache=args.compilation_cache_dir if cache_on else None,
-        timings=summary,
-        layout=dict(replicate_row_parallel=args.replicate_row_parallel, fsdp=args.fsdp,
-                    sequence_parallel=mesh_shape.sp > 1),
-        sharding_rule_matches=w["rule_counts"],
-        versions=versions(),
+        timings=summarize(runs, timings, flops, device_kind, len(devices)),
     )
-    return frames, report
+    if weights:
+        report.update(
+            tokens=token_count(cfg, args),
+            layout=dict(replicate_row_parallel=args.replicate_row_parallel, fsdp=args.fsdp,
+                        sequence_parallel=mesh_shape.sp > 1),
+            sharding_rule_matches=weights["transformer"]["rule_counts"])
+    if stage == "denoise":
+        save_latents(args.work_dir, torch.from_numpy(np.array(jax.device_get(latents))),
+                     args, read_vae_config(args.model_id))
+        return None, report
+    return to_frames(pipe, video), report
 
 
 def main(argv=None) -> int:
@@ -1113,12 +1324,18 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     frames, report = generate(args)
+    devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
+    if frames is None:  # encode or denoise stage: intermediates are in --work_dir
+        path = os.path.join(args.work_dir, f"{args.stage}_report.json")
+        save_report(report, path)
+        print_summary(report["timings"], devices["kind"], devices["count"])
+        print(f"\nwrote {args.stage} intermediates and {path}")
+        return 0
     stem = output_stem(args.output_dir)
     video_path = os.path.join(args.output_dir, stem + ".mp4")
     save_video(frames, video_path, args.fps)
     report = dict(video=os.path.basename(video_path), **report)
     save_report(report, os.path.join(args.output_dir, stem + ".json"))
-    devices = report["devices"]
     print_summary(report["timings"], devices["kind"], devices["count"])
     print(f"\nwrote {video_path} and {stem}.json")
     return 0
