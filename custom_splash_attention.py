@@ -840,10 +840,15 @@ def _sdpa(
             k_smoothing=options["k_smoothing"],
             interpret=options["interpret"],
         )
-        if options["mesh"] is not None:
-            out = sharded_splash_attention(q, k, v, mesh=options["mesh"], **kwargs)
-        else:
+        mesh = options["mesh"]
+        if mesh is None:
             out = splash_attention(q, k, v, **kwargs)
+        elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
+            # Calls the wrapper cannot split (the Wan VAE's single-head, batch-1 mid-block
+            # attention) go to XLA, which GSPMD partitions as it likes, instead of failing.
+            out = xla_attention(q, k, v, scale=scale)
+        else:
+            out = sharded_splash_attention(q, k, v, mesh=mesh, **kwargs)
     else:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
     return env.j2t_iso(out)

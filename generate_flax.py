@@ -144,6 +144,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work_dir", default=d["work_dir"],
                    help="folder for embeddings.safetensors, generation_config.json and "
                         "latents.safetensors")
+    p.add_argument("--dry_run", action="store_true",
+                   help="compile the denoising step and the VAE decode for --topology with the "
+                        "real TPU compiler, no TPU and no weights; print per-chip HBM; exit 0 "
+                        "if the run fits, 3 if not")
+    p.add_argument("--topology", default=None,
+                   help="TPU topology for --dry_run, e.g. v5e:2x4, v6e:2x4, v6e:4x4, v5p:2x2x1")
+    p.add_argument("--dry_run_layers", type=int, default=None,
+                   help="compile only this many transformer blocks in --dry_run (quick checks)")
     p.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
@@ -192,6 +200,17 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         if v is not None and v < 1:
             _fail(f"--{flag}", v, "must be >= 1")
     block_sizes(args)
+    if args.dry_run:
+        if not args.topology or not re.fullmatch(r"v\d+[a-z]*:\d+x\d+(x\d+)?", args.topology):
+            _fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4")
+        if args.dry_run_layers is not None and args.dry_run_layers < 1:
+            _fail("--dry_run_layers", args.dry_run_layers, "must be >= 1")
+        if model_config_dir(args.model_id) is None:
+            _fail("--model_id", args.model_id, "no local folder or shipped config under "
+                  "configs/ (shipped: Wan-AI/Wan2.1-T2V-14B-Diffusers, "
+                  "Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
+        _validate_output_dir(args.output_dir)
+        return args
     _validate_model_id(args.model_id)
     _validate_output_dir(args.output_dir)
     return args
@@ -240,6 +259,18 @@ def _validate_output_dir(path: str) -> None:
             pass
     except OSError as e:
         _fail("--output_dir", path, f"must be a writable directory ({e.strerror or e})")
+
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def model_config_dir(model_id: str) -> str | None:
+    """A folder holding transformer/ and vae/ config.json for ``model_id``: the local folder,
+    else the architecture configs this project ships for the public Wan 2.1 ids."""
+    for path in (model_id, os.path.join(CONFIGS_DIR, model_id)):
+        if os.path.isfile(os.path.join(path, "transformer", "config.json")):
+            return path
+    return None
 
 
 def read_vae_config(model_id: str) -> dict:
@@ -1216,6 +1247,189 @@ def load_latents(work_dir, vae_config: dict, args):
 # ---------------------------------------------------------------------------------------------
 
 
+# HBM per chip in bytes (Google Cloud TPU system architecture pages).
+HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+
+
+def _abstract(tensors: dict, mesh, specs=None, dtype=None) -> dict:
+    """torch tensors (meta or real) -> ``jax.ShapeDtypeStruct``s laid out on ``mesh``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax.ops import mappings
+
+    return {k: jax.ShapeDtypeStruct(
+        tuple(v.shape), dtype or mappings.t2j_dtype(v.dtype),
+        sharding=NamedSharding(mesh, (specs or {}).get(k, P()))) for k, v in tensors.items()}
+
+
+def _memory_row(name: str, compiled, seconds: float, capacity: int) -> dict:
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(program=name, argument_bytes=m.argument_size_in_bytes,
+                output_bytes=m.output_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                total_bytes=total, capacity_bytes=capacity, fits=total <= capacity,
+                flops=float((cost or {}).get("flops", 0.0)), compile_s=seconds)
+
+
+def _oom_row(name: str, error: Exception, seconds: float, capacity: int) -> dict:
+    """A compile that failed for memory: the compiler's own figure, as a table row."""
+    text = str(error)
+    used = re.search(r"[Uu]sed ([\d.]+)([KMGT])", text)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    need = float(used.group(1)) * scale[used.group(2)] if used else float("nan")
+    return dict(program=name, argument_bytes=None, output_bytes=None, temp_bytes=None,
+                total_bytes=need, capacity_bytes=capacity, fits=False, flops=None,
+                compile_s=seconds, error=text.strip().splitlines()[0][:300])
+
+
+def dry_run(args) -> tuple[int, dict]:
+    """Compile the denoising step and the VAE decode for ``--topology`` without a TPU.
+
+    The transformer is built from ``--model_id``'s config with meta-device parameters
+    (``accelerate.init_empty_weights``), so even 14B needs no RAM for weights; the parameters
+    enter ``jit(...).lower`` as ``ShapeDtypeStruct``s carrying the real shardings, and libtpu's
+    compiler (``jax.experimental.topologies``) compiles for the topology's chips.
+
+    Returns:
+        (exit code: 0 fits / 3 does not fit, report dict with a per-chip table).
+    """
+    for key, value in dict(TPU_ACCELERATOR_TYPE=args.topology.split(":")[0] + "-"
+                           + str(math.prod(int(x) for x in args.topology.split(":")[1]
+                                           .split("x"))),
+                           TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1",
+                           # No chip is opened, so concurrent compiles need not take the
+                           # libtpu lock (another dry run or test may hold it).
+                           ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
+        os.environ.setdefault(key, value)
+    configure_jax_platform()
+    quiet_known_warnings()
+    import jax
+    import torch
+    import torchax
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    from custom_splash_attention import install_sdpa_override
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
+    except Exception as e:  # libtpu missing or an unknown name
+        raise UsageError(f"--topology={args.topology!r}: {str(e).splitlines()[0]}") from None
+    devices = list(topo.devices)
+    chip = args.topology.split(":")[0]
+    capacity = HBM_BYTES.get(chip)
+    if capacity is None:
+        _fail("--topology", args.topology, f"unknown chip; known: {', '.join(HBM_BYTES)}")
+    folder = model_config_dir(args.model_id)
+    cfg = dict(WanTransformer3DModel.load_config(folder, subfolder="transformer"))
+    if args.dry_run_layers:
+        cfg["num_layers"] = min(args.dry_run_layers, cfg["num_layers"])
+    shape = resolve_mesh_shape(args, len(devices), cfg)
+    args.dp, args.tp, args.sp = shape.dp, shape.tp, shape.sp
+    mesh = make_mesh(shape, devices)
+    attention = "splash" if args.attention == "auto" else args.attention
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          block_sizes=block_sizes(args), interpret=False)
+    dtype = getattr(torch, args.dtype)
+    with init_empty_weights():  # parameters on the meta device; buffers (RoPE) stay real
+        transformer = WanTransformer3DModel.from_config(cfg)
+        transformer = transformer.to(dtype).eval()
+        # from_pretrained keeps these in float32 for a bf16 model; do the same.
+        keep = transformer._keep_in_fp32_modules or []
+        for name, module in transformer.named_modules():
+            if any(k in name.split(".") for k in keep):
+                module.float()
+        vae = AutoencoderKLWan.from_config(
+            AutoencoderKLWan.load_config(folder, subfolder="vae")).eval()
+    if args.sp > 1:
+        add_sequence_parallel_hooks(transformer, mesh)
+    rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
+    jm = interop.JittableModule(transformer)
+    specs, counts, _ = sharding_specs({k: v.shape for k, v in jm.params.items()}, rules, mesh,
+                                      fsdp=args.fsdp)
+    placed = dict(module=jm, specs=specs, params=_abstract(jm.params, mesh, specs),
+                  buffers=_abstract(jm.buffers, mesh))
+    rep = NamedSharding(mesh, P())
+    f = (args.frames - 1) // VAE_TEMPORAL_SCALE + 1
+    h, w = args.height // VAE_SPATIAL_SCALE, args.width // VAE_SPATIAL_SCALE
+    latents = jax.ShapeDtypeStruct((1, cfg["in_channels"], f, h, w), jax.numpy.float32,
+                                   sharding=rep)
+    batch = 2 if use_cfg(args) else 1
+    embeds = jax.ShapeDtypeStruct((batch, args.max_sequence_length, cfg["text_dim"]),
+                                  getattr(jax.numpy, args.dtype),
+                                  sharding=NamedSharding(mesh, P("dp")))
+    t = jax.ShapeDtypeStruct((1,), jax.numpy.int32, sharding=rep)
+
+    rows = []
+    t0 = time.perf_counter()
+    try:
+        compiled, seconds = compile_transformer_step(dict(transformer=placed), mesh, args,
+                                                     latents, t, embeds)
+        rows.append(_memory_row("transformer step", compiled, seconds, capacity))
+    except Exception as e:  # the compiler reports real OOMs as errors
+        rows.append(_oom_row("transformer step", e, time.perf_counter() - t0, capacity))
+    jv = interop.JittableModule(vae)
+    vae_placed = dict(module=jv, params=_abstract(jv.params, mesh),
+                      buffers=_abstract(jv.buffers, mesh))
+    decoder = VaeDecoder(vae_placed, vae, mesh, tiling=args.vae_tiling, abstract=True)
+    t0 = time.perf_counter()
+    try:
+        seconds = decoder.compile(latents)
+        mem = decoder.memory()
+        rows.append(dict(program=f"VAE decode ({mem['programs']} programs, peak)",
+                         argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
+                         temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
+                         capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
+                         flops=None, compile_s=seconds))
+    except Exception as e:
+        rows.append(_oom_row("VAE decode", e, time.perf_counter() - t0, capacity))
+    fits = all(r["fits"] for r in rows)
+    attention_flops = (4 * token_count(cfg, args) ** 2 * cfg["attention_head_dim"]
+                       * cfg["num_attention_heads"] * cfg["num_layers"] * batch)
+    report = dict(
+        dry_run=True, topology=args.topology, chips=len(devices), fits=fits,
+        settings={**vars(args), "attention": attention}, mesh=dataclasses.asdict(shape),
+        layers_compiled=cfg["num_layers"], tokens=token_count(cfg, args), per_chip=rows,
+        analytic_transformer_flops_per_step=transformer_flops(cfg, args),
+        analytic_self_attention_flops_per_step=float(attention_flops),
+        sharding_rule_matches=counts, versions=versions())
+    return (0 if fits else 3), report
+
+
+def print_dry_run(report: dict) -> None:
+    gib = lambda b: "-" if b is None else f"{b / 2**30:7.2f}"  # noqa: E731
+    print(f"\n== Dry run: {report['topology']} ({report['chips']} chips), mesh "
+          f"dp{report['mesh']['dp']} tp{report['mesh']['tp']} sp{report['mesh']['sp']}, "
+          f"{report['layers_compiled']} blocks, {report['tokens']} tokens ==")
+    print(f"{'program':<34}{'args GiB':>9}{'out GiB':>9}{'temp GiB':>9}{'total':>9}"
+          f"{'HBM':>9}  {'fits':<5}{'compile s':>10}")
+    for r in report["per_chip"]:
+        print(f"{r['program']:<34}{gib(r['argument_bytes']):>9}{gib(r['output_bytes']):>9}"
+              f"{gib(r['temp_bytes']):>9}{gib(r['total_bytes']):>9}"
+              f"{gib(r['capacity_bytes']):>9}  {'yes' if r['fits'] else 'NO':<5}"
+              f"{r['compile_s']:>10.1f}")
+    step = report["per_chip"][0]
+    if step.get("flops"):
+        print(f"XLA FLOPs per step per chip (Pallas kernels count 0): {step['flops']:.3e}")
+    print(f"analytic FLOPs per step (all chips): "
+          f"{report['analytic_transformer_flops_per_step']:.3e} "
+          f"(self-attention {report['analytic_self_attention_flops_per_step']:.3e})")
+    for r in report["per_chip"]:
+        if not r["fits"]:
+            need = r["total_bytes"] / 1e9
+            print(f"{r['program']}: does not fit: {need:.1f} GB needed, "
+                  f"{r['capacity_bytes'] / 1e9:.1f} GB available")
+    print("verdict:", "fits" if report["fits"] else "does not fit")
+
+
 def generate(args, devices=None):
     """Run the stages ``--stage`` selects; returns (frames or None, report).
 
@@ -1323,6 +1537,14 @@ def main(argv=None) -> int:
     args = validate_args(parse_args(argv))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
+    if args.dry_run:
+        code, report = dry_run(args)
+        print_dry_run(report)
+        stem = output_stem(args.output_dir)
+        path = os.path.join(args.output_dir, f"{stem}_dry_run.json")
+        save_report(report, path)
+        print(f"wrote {path}")
+        return code
     frames, report = generate(args)
     devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
     if frames is None:  # encode or denoise stage: intermediates are in --work_dir
