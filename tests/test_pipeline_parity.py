@@ -118,7 +118,7 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
 
     mesh = generate_flax.make_mesh(generate_flax.MeshShape(1, 1, 8))
     install_sdpa_override(torchax.default_env(), attention="xla")
-    weights = generate_flax.shard_weights(pipe, mesh)
+    weights = generate_flax.shard_weights(pipe, mesh, args)
     embeds = jnp.asarray(torch.cat([pos, neg]).float().numpy()).astype(jnp.bfloat16)
     lat, ts = jnp.asarray(latents.numpy()), jnp.asarray([999], jnp.int32)
     step, _ = generate_flax.compile_transformer_step(weights, mesh, args, lat, ts, embeds)
