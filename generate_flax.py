@@ -158,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
+    p.add_argument("--scan_layers", action="store_true",
+                   help="run the transformer blocks as one jax.lax.scan (one compiled block "
+                        "instead of 40: ~4.9x faster deviceless 14B compile measured here)")
     p.add_argument("--replicate_row_parallel", action="store_true",
                    help="replicate attention-out and FFN-down weights (drops their all-reduce)")
     p.add_argument("--fsdp", action="store_true",
@@ -556,6 +559,18 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
     return specs, counts, unmatched
 
 
+def module_sharding_specs(module, names_shapes: dict, rules, mesh, *, fsdp: bool = False):
+    """``sharding_specs`` for a module's weights; for blocks stacked by ``--scan_layers`` the
+    per-layer decisions are made on the unstacked view and get an unsharded layer axis."""
+    import scan_layers
+
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, scan_layers.ScannedBlocks):
+        return scan_layers.stacked_sharding_specs(sharding_specs, names_shapes, rules, mesh,
+                                                  num_layers=blocks.num_layers, fsdp=fsdp)
+    return sharding_specs(names_shapes, rules, mesh, fsdp=fsdp)
+
+
 def place_module(module, mesh, rules=(), *, fsdp: bool = False) -> dict:
     """Wrap a torch module for torchax and put its weights on ``mesh`` by ``rules``.
 
@@ -572,8 +587,8 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False) -> dict:
     env = torchax.default_env()
     jm = interop.JittableModule(module)
     params, buffers = env.t2j_copy(jm.params), env.t2j_copy(jm.buffers)
-    specs, counts, unmatched = sharding_specs({k: v.shape for k, v in params.items()}, rules,
-                                              mesh, fsdp=fsdp)
+    specs, counts, unmatched = module_sharding_specs(
+        module, {k: v.shape for k, v in params.items()}, rules, mesh, fsdp=fsdp)
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     buffers = jax.device_put(buffers, NamedSharding(mesh, P()))
     return dict(module=jm, params=params, buffers=buffers, specs=specs, rule_counts=counts,
@@ -586,6 +601,10 @@ def shard_weights(pipe, mesh, args):
     (see ``VaeDecoder``). Logs what each rule matched and, at debug level, every weight left
     replicated. Returns {"transformer": ...} as ``place_module`` returns it."""
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
+    if args.scan_layers:
+        import scan_layers
+
+        scan_layers.scan_blocks(pipe.transformer)  # before the sp hooks, which it keeps
     out = dict(transformer=place_module(pipe.transformer, mesh, rules, fsdp=args.fsdp))
     t = out["transformer"]
     for rx, n in t["rule_counts"].items():
@@ -1354,14 +1373,18 @@ def dry_run(args) -> tuple[int, dict]:
         for name, module in transformer.named_modules():
             if any(k in name.split(".") for k in keep):
                 module.float()
+    if args.scan_layers:
+        import scan_layers
+
+        scan_layers.scan_blocks(transformer)
         vae = AutoencoderKLWan.from_config(
             AutoencoderKLWan.load_config(folder, subfolder="vae")).eval()
     if args.sp > 1:
         add_sequence_parallel_hooks(transformer, mesh)
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
     jm = interop.JittableModule(transformer)
-    specs, counts, _ = sharding_specs({k: v.shape for k, v in jm.params.items()}, rules, mesh,
-                                      fsdp=args.fsdp)
+    specs, counts, _ = module_sharding_specs(
+        transformer, {k: v.shape for k, v in jm.params.items()}, rules, mesh, fsdp=args.fsdp)
     placed = dict(module=jm, specs=specs, params=_abstract(jm.params, mesh, specs),
                   buffers=_abstract(jm.buffers, mesh))
     rep = NamedSharding(mesh, P())

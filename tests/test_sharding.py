@@ -37,6 +37,11 @@ def test_sharded_frames_equal_unsharded(tiny_checkpoint_8h, unsharded, mesh):
     np.testing.assert_allclose(frames, unsharded, atol=1e-4, rtol=0)
 
 
+def test_scan_layers_equal_unsharded(tiny_checkpoint_8h, unsharded):
+    frames = _frames(tiny_checkpoint_8h, (2, 2, 2), ["--scan_layers"])
+    np.testing.assert_allclose(frames, unsharded, atol=1e-4, rtol=0)
+
+
 def test_fsdp_and_replicated_row_parallel_equal_unsharded(tiny_checkpoint_8h, unsharded):
     frames = _frames(tiny_checkpoint_8h, (2, 2, 2), ["--fsdp", "--replicate_row_parallel"])
     np.testing.assert_allclose(frames, unsharded, atol=1e-4, rtol=0)
