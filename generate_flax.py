@@ -1373,12 +1373,12 @@ def dry_run(args) -> tuple[int, dict]:
         for name, module in transformer.named_modules():
             if any(k in name.split(".") for k in keep):
                 module.float()
+        vae = AutoencoderKLWan.from_config(
+            AutoencoderKLWan.load_config(folder, subfolder="vae")).eval()
     if args.scan_layers:
         import scan_layers
 
         scan_layers.scan_blocks(transformer)
-        vae = AutoencoderKLWan.from_config(
-            AutoencoderKLWan.load_config(folder, subfolder="vae")).eval()
     if args.sp > 1:
         add_sequence_parallel_hooks(transformer, mesh)
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
