@@ -165,6 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="replicate attention-out and FFN-down weights (drops their all-reduce)")
     p.add_argument("--fsdp", action="store_true",
                    help="also shard weights over the mesh axes tensor parallelism leaves free")
+    p.add_argument("--profile_dir", default=None,
+                   help="capture a jax.profiler trace of one steady-state denoising step (model "
+                        "call + UniPC step) into this folder, for TensorBoard/XProf or Perfetto")
     p.add_argument("--verbose", action="store_true", help="debug logging (e.g. unsharded weights)")
     p.add_argument("--dp", type=int, default=None, help="mesh axis for the CFG/data batch")
     p.add_argument("--tp", type=int, default=None, help="mesh axis for tensor (head) parallelism")
@@ -206,6 +209,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         if v is not None and v < 1:
             _fail(f"--{flag}", v, "must be >= 1")
     block_sizes(args)
+    if args.profile_dir is not None:
+        if args.dry_run or args.stage in ("encode", "decode"):
+            _fail("--profile_dir", args.profile_dir, "needs a denoising run: --stage all or "
+                  "denoise, without --dry_run")
+        _validate_output_dir(args.profile_dir, flag="--profile_dir")
     if args.dry_run:
         if not args.topology or not re.fullmatch(r"v\d+[a-z]*:\d+x\d+(x\d+)?", args.topology):
             _fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4")
@@ -258,13 +266,13 @@ def _validate_model_id(model_id: str) -> None:
               "with 'huggingface-cli download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH'")
 
 
-def _validate_output_dir(path: str) -> None:
+def _validate_output_dir(path: str, flag: str = "--output_dir") -> None:
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        _fail("--output_dir", path, f"must be a writable directory ({e.strerror or e})")
+        _fail(flag, path, f"must be a writable directory ({e.strerror or e})")
 
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -895,11 +903,24 @@ def timestep_array(t):
     return a.astype(np.int32 if a.dtype.kind in "iu" else np.float32)
 
 
+def denoise_step(step, scheduler, latents, t_torch, t, embeds):
+    """One denoising step: the compiled model call, then diffusers' UniPC step run eagerly on
+    JAX arrays through torchax (its float32 math is exactly upstream's). Returns the next
+    float32 latents as a ``jax.Array`` (not yet synchronised)."""
+    import torchax
+
+    env = torchax.default_env()
+    noise_pred = step(latents, t, embeds)
+    with env:
+        out = scheduler.step(env.j2t_iso(noise_pred), t_torch, env.j2t_iso(latents),
+                             return_dict=False)[0]
+    return env.t2j_iso(out)
+
+
 def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str):
     """Run the UniPC loop: one compiled model call plus one scheduler step per timestep.
 
-    The scheduler is diffusers' own, run eagerly on JAX arrays through torchax, so its float32
-    math is exactly upstream's. Latents stay float32 between steps as in ``WanPipeline``.
+    Latents stay float32 between steps as in ``WanPipeline``.
 
     Args:
         step: compiled model call (params bound) latents, t, embeds -> noise prediction.
@@ -910,19 +931,54 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str):
     Returns:
         final latents, float32 ``jax.Array`` (not yet synchronised).
     """
-    import torchax
     from tqdm import tqdm
 
-    env = torchax.default_env()
     scheduler.set_begin_index(0)
     for t_torch, t in tqdm(list(zip(scheduler.timesteps, timesteps, strict=True)), desc=desc,
                            leave=False):
-        noise_pred = step(latents, t, embeds)
-        with env:
-            out = scheduler.step(env.j2t_iso(noise_pred), t_torch, env.j2t_iso(latents),
-                                 return_dict=False)[0]
-        latents = env.t2j_iso(out)
+        latents = denoise_step(step, scheduler, latents, t_torch, t, embeds)
     return latents
+
+
+def profile_step(profile_dir: str, *, step, scheduler_config, latents0, embeds,
+                 timesteps_sharding, num_inference_steps: int) -> dict:
+    """Capture a ``jax.profiler`` trace of one steady-state denoising step.
+
+    Called after the timed runs, so every program is compiled and warm. Step 0 runs untraced
+    because UniPC's first step is its first-order special case; the traced step is step 1 (the
+    predictor-corrector step every later step repeats), or step 0 when there is only one. The
+    trace is an XSpace ``*.xplane.pb`` for TensorBoard's profile plugin / XProf plus a
+    ``perfetto_trace.json.gz`` for ui.perfetto.dev, under ``profile_dir/plugins/profile/<run>/``.
+
+    Returns dict(dir, files (paths relative to ``profile_dir``), traced_step, seconds).
+    """
+    import jax
+    from diffusers import UniPCMultistepScheduler
+
+    scheduler = UniPCMultistepScheduler.from_config(scheduler_config)
+    scheduler.set_timesteps(num_inference_steps)
+    scheduler.set_begin_index(0)
+    steps = [(t, jax.device_put(timestep_array(t), timesteps_sharding))
+             for t in scheduler.timesteps[:2]]
+    latents = latents0
+    if len(steps) == 2:
+        latents = denoise_step(step, scheduler, latents, *steps[0], embeds)
+        latents.block_until_ready()
+    before = set(_files_under(profile_dir))
+    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+        with jax.profiler.StepTraceAnnotation("denoising_step", step_num=len(steps) - 1):
+            t0 = time.perf_counter()
+            latents = denoise_step(step, scheduler, latents, *steps[-1], embeds)
+            latents.block_until_ready()
+            seconds = time.perf_counter() - t0
+    files = sorted(set(_files_under(profile_dir)) - before)
+    return dict(dir=os.path.abspath(profile_dir), files=files, traced_step=len(steps) - 1,
+                seconds=seconds)
+
+
+def _files_under(root: str) -> list[str]:
+    return [os.path.relpath(os.path.join(d, f), root)
+            for d, _, names in os.walk(root) for f in names]
 
 
 def check_finite(x, stage: str) -> None:
@@ -1547,6 +1603,13 @@ def generate(args, devices=None):
         bench["vae_decode"] = vae_decode
 
     latents, video, runs = run_benchmark(args, latents0=latents0, **bench)
+    if args.profile_dir is not None:
+        report["profile"] = profile_step(
+            args.profile_dir, latents0=latents0, num_inference_steps=args.num_inference_steps,
+            **{k: bench[k] for k in ("step", "scheduler_config", "embeds", "timesteps_sharding")})
+        print(f"profile of denoising step {report['profile']['traced_step']} "
+              f"({report['profile']['seconds']:.3f} s traced) in {args.profile_dir}: open with "
+              "TensorBoard/XProf, or perfetto_trace.json.gz in ui.perfetto.dev")
 
     device_kind = devices[0].device_kind
     flops = transformer_flops(cfg, args) if "step" in bench else None

@@ -1,6 +1,7 @@
 """generate_flax.py as a user runs it: a subprocess, its files, its exit codes and messages."""
 
 import glob
+import gzip
 import json
 import os
 import re
@@ -25,9 +26,9 @@ def run(args, timeout=600, devices=8):
 
 
 def test_cli_writes_playable_mp4_and_json_report(tiny_checkpoint, tmp_path):
-    out = tmp_path / "out"
+    out, prof = tmp_path / "out", tmp_path / "prof"
     proc = run(["--model_id", tiny_checkpoint, *SMALL, "--num_iterations", "2",
-                "--output_dir", str(out)])
+                "--output_dir", str(out), "--profile_dir", str(prof)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(os.listdir(out))
     assert len(files) == 2, files  # no temporary or partial files left behind
@@ -53,6 +54,22 @@ def test_cli_writes_playable_mp4_and_json_report(tiny_checkpoint, tmp_path):
         assert report["versions"][pkg]
     assert "== Summary" in proc.stdout and "s/step" in proc.stdout
 
+    # --profile_dir: one steady-state step (step 1, UniPC's predictor-corrector) was traced,
+    # and the trace holds that step's annotation, the jitted model call and the UniPC update.
+    assert report["profile"]["traced_step"] == 1
+    xplane = [f for f in report["profile"]["files"] if f.endswith(".xplane.pb")]
+    perfetto = [f for f in report["profile"]["files"] if f.endswith("perfetto_trace.json.gz")]
+    assert len(xplane) == 1 and len(perfetto) == 1, report["profile"]["files"]
+    from jax.profiler import ProfileData
+
+    names = {ev.name for plane in ProfileData.from_file(str(prof / xplane[0])).planes
+             for line in plane.lines for ev in line.events}
+    assert "denoising_step" in names
+    assert any("multistep_uni_c_bh_update" in n for n in names)  # the UniPC corrector
+    assert any(n.startswith("PjitFunction(jit(") for n in names)
+    with gzip.open(prof / perfetto[0], "rt") as f:
+        assert any(e.get("name") == "denoising_step" for e in json.load(f)["traceEvents"])
+
 
 BAD = [
     (["--frames", "10"], "--frames=10", "4n+1"),
@@ -71,6 +88,8 @@ BAD = [
     (["--dp", "2", "--tp", "4", "--sp", "1"], "--tp=4", "head count 2"),
     (["--dp", "2", "--tp", "1", "--sp", "4", "--guidance_scale", "1"], "--dp=2",
      "must divide the transformer batch"),
+    (["--stage", "decode", "--profile_dir", "prof"], "--profile_dir='prof'",
+     "needs a denoising run"),
 ]
 
 
