@@ -1326,7 +1326,10 @@ def load_latents(work_dir, vae_config: dict, args):
 
 
 # HBM per chip in bytes (Google Cloud TPU system architecture pages).
-HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+# HBM per device that programs may use, as libtpu 0.0.42.1's compiler reports it ("exceeds
+# available HBM (31.25G)" on v6e), i.e. the chip's HBM minus the runtime's reservation.
+HBM_BYTES = {"v4": int(15.25 * 2**30), "v5e": int(15.75 * 2**30), "v5p": int(95.74 * 2**30),
+             "v6e": int(31.25 * 2**30)}
 
 
 class _Skipped(Exception):
@@ -1345,6 +1348,11 @@ def _abstract(tensors: dict, mesh, specs=None, dtype=None) -> dict:
         sharding=NamedSharding(mesh, (specs or {}).get(k, P()))) for k, v in tensors.items()}
 
 
+def _per_chip_bytes(structs) -> int:
+    """Bytes one chip holds of these sharded ``ShapeDtypeStruct``s."""
+    return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in structs)
+
+
 def _memory_row(name: str, compiled, seconds: float, capacity: int) -> dict:
     m = compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -1357,15 +1365,30 @@ def _memory_row(name: str, compiled, seconds: float, capacity: int) -> dict:
                 flops=float((cost or {}).get("flops", 0.0)), compile_s=seconds)
 
 
-def _oom_row(name: str, error: Exception, seconds: float, capacity: int) -> dict:
-    """A compile that failed for memory: the compiler's own figure, as a table row."""
+def _oom_row(name: str, error: Exception, seconds: float, capacity: int,
+             argument_bytes: int | None = None) -> dict:
+    """A compile that failed for memory, as a table row with the compiler's own figure.
+
+    libtpu words it either "... HLO temporaries (24.48G) exceeds available HBM (15.75G)"
+    (temporaries alone; ``argument_bytes``, known from the shardings, are added) or
+    "Used 40.1G of 31.25G hbm" (everything). Without a figure the total is NaN.
+    """
     text = str(error)
-    used = re.search(r"[Uu]sed ([\d.]+)([KMGT])", text)
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    need = float(used.group(1)) * scale[used.group(2)] if used else float("nan")
-    return dict(program=name, argument_bytes=None, output_bytes=None, temp_bytes=None,
-                total_bytes=need, capacity_bytes=capacity, fits=False, flops=None,
-                compile_s=seconds, error=text.strip().splitlines()[0][:300])
+    temp = re.search(r"temporaries \(([\d.]+)([KMGT])\)", text)
+    used = re.search(r"[Uu]sed ([\d.]+)([KMGT])", text)
+    temp_bytes = None
+    if temp:
+        temp_bytes = float(temp.group(1)) * scale[temp.group(2)]
+        need = temp_bytes + (argument_bytes or 0)
+    elif used:
+        need = float(used.group(1)) * scale[used.group(2)]
+    else:
+        need = float("nan")
+    return dict(program=name, argument_bytes=argument_bytes if temp else None,
+                output_bytes=None, temp_bytes=temp_bytes, total_bytes=need,
+                capacity_bytes=capacity, fits=False, flops=None, compile_s=seconds,
+                error=text.strip().splitlines()[0][:300])
 
 
 def dry_run(args) -> tuple[int, dict]:
@@ -1456,12 +1479,16 @@ def dry_run(args) -> tuple[int, dict]:
 
     rows = []
     t0 = time.perf_counter()
+    print(f"compiling the transformer step ({cfg['num_layers']} blocks) for {args.topology}...",
+          flush=True)
     try:
         compiled, seconds = compile_transformer_step(dict(transformer=placed), mesh, args,
                                                      latents, t, embeds)
         rows.append(_memory_row("transformer step", compiled, seconds, capacity))
     except Exception as e:  # the compiler reports real OOMs as errors
-        rows.append(_oom_row("transformer step", e, time.perf_counter() - t0, capacity))
+        rows.append(_oom_row("transformer step", e, time.perf_counter() - t0, capacity,
+                             _per_chip_bytes([*placed["params"].values(),
+                                              *placed["buffers"].values(), latents, embeds])))
     jv = interop.JittableModule(vae)
     vae_placed = dict(module=jv, params=_abstract(jv.params, mesh),
                       buffers=_abstract(jv.buffers, mesh))
@@ -1470,6 +1497,8 @@ def dry_run(args) -> tuple[int, dict]:
     try:
         if args.dry_run_skip_vae:
             raise _Skipped
+        print(f"compiling the VAE decode for {args.topology} (slow: the TPU compiler spends "
+              "5-70 s on each 3D conv)...", flush=True)
         seconds = decoder.compile(latents)
         mem = decoder.memory()
         rows.append(dict(program=f"VAE decode ({mem['programs']} programs, peak)",
@@ -1481,6 +1510,21 @@ def dry_run(args) -> tuple[int, dict]:
         pass
     except Exception as e:
         rows.append(_oom_row("VAE decode", e, time.perf_counter() - t0, capacity))
+    # In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
+    # weights while the transformer runs; the decoded chunks and their concatenation are
+    # held too. The compiler sees one program at a time, so add what the others keep.
+    video = 3 * args.frames * args.height * args.width * 4 // (
+        len(devices) if decoder._spatial(latents.shape) is not None else 1)
+    resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
+                                                     *vae_placed["buffers"].values()]),
+                "VAE decode": _per_chip_bytes([*placed["params"].values(),
+                                               *placed["buffers"].values(), embeds])
+                + 2 * video}
+    for r in rows:
+        r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
+        if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
+            r["total_bytes"] += r["resident_bytes"]
+            r["fits"] = r["fits"] and r["total_bytes"] <= capacity
     fits = all(r["fits"] for r in rows)
     attention_flops = (4 * token_count(cfg, args) ** 2 * cfg["attention_head_dim"]
                        * cfg["num_attention_heads"] * cfg["num_layers"] * batch)
@@ -1500,11 +1544,11 @@ def print_dry_run(report: dict) -> None:
     print(f"\n== Dry run: {report['topology']} ({report['chips']} chips), mesh "
           f"dp{report['mesh']['dp']} tp{report['mesh']['tp']} sp{report['mesh']['sp']}, "
           f"{report['layers_compiled']} blocks, {report['tokens']} tokens ==")
-    print(f"{'program':<34}{'args GiB':>9}{'out GiB':>9}{'temp GiB':>9}{'total':>9}"
-          f"{'HBM':>9}  {'fits':<5}{'compile s':>10}")
+    print(f"{'program':<34}{'args GiB':>9}{'out GiB':>9}{'temp GiB':>9}{'kept GiB':>9}"
+          f"{'total':>9}{'HBM':>9}  {'fits':<5}{'compile s':>10}")
     for r in report["per_chip"]:
         print(f"{r['program']:<34}{gib(r['argument_bytes']):>9}{gib(r['output_bytes']):>9}"
-              f"{gib(r['temp_bytes']):>9}{gib(r['total_bytes']):>9}"
+              f"{gib(r['temp_bytes']):>9}{gib(r['resident_bytes']):>9}{gib(r['total_bytes']):>9}"
               f"{gib(r['capacity_bytes']):>9}  {'yes' if r['fits'] else 'NO':<5}"
               f"{r['compile_s']:>10.1f}")
     step = report["per_chip"][0]
@@ -1515,9 +1559,10 @@ def print_dry_run(report: dict) -> None:
           f"(self-attention {report['analytic_self_attention_flops_per_step']:.3e})")
     for r in report["per_chip"]:
         if not r["fits"]:
-            need = r["total_bytes"] / 1e9
-            print(f"{r['program']}: does not fit: {need:.1f} GB needed, "
-                  f"{r['capacity_bytes'] / 1e9:.1f} GB available")
+            print(f"{r['program']}: does not fit: {r['total_bytes'] / 2**30:.1f} GiB needed, "
+                  f"{r['capacity_bytes'] / 2**30:.2f} GiB available"
+                  + (f" ({r['error']})" if r.get("error") else ""))
+    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
     print("verdict:", "fits" if report["fits"] else "does not fit",
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
 

@@ -9,25 +9,61 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_dry_run_prints_per_chip_table_and_exits_by_fit(tmp_path):
+V5E_USABLE_HBM = int(15.75 * 2**30)  # what libtpu's compiler says a v5e program may use
+
+
+def dry_run_1p3b(tmp_path, *flags):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "generate_flax.py"),
          "--model_id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--dry_run", "--topology", "v5e:2x2",
          "--dry_run_layers", "1", "--dry_run_skip_vae", "--height", "480", "--width", "832",
-         "--frames", "21", "--flow_shift", "3.0", "--output_dir", str(tmp_path)],
+         "--flow_shift", "3.0", "--output_dir", str(tmp_path), *flags],
         capture_output=True, text=True, timeout=900, env=env)
+    paths = glob.glob(str(tmp_path / "*_dry_run.json"))
+    return proc, json.loads(open(paths[0]).read()) if len(paths) == 1 else None
+
+
+def vae_bytes():
+    """float32 bytes of the Wan 2.1 VAE's weights, counted by diffusers itself."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLWan
+
+    folder = os.path.join(ROOT, "configs", "Wan-AI", "Wan2.1-T2V-1.3B-Diffusers")
+    with init_empty_weights():
+        vae = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(folder, subfolder="vae"))
+    return sum(t.numel() * 4 for t in [*vae.parameters(), *vae.buffers()])
+
+
+def test_dry_run_prints_per_chip_table_and_exits_by_fit(tmp_path):
+    proc, report = dry_run_1p3b(tmp_path, "--frames", "21")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== Dry run: v5e:2x2 (4 chips)" in proc.stdout and "verdict: fits" in proc.stdout
-    (path,) = glob.glob(str(tmp_path / "*_dry_run.json"))
-    report = json.loads(open(path).read())
     step = report["per_chip"][0]
     # One 1.3B block's bf16 weights split over tp=2 plus 1/2 of the replicated rest: well
-    # under a v5e chip's 16 GiB; the compiler's own accounting must say so.
+    # under a v5e chip's HBM; the compiler's own accounting must say so.
     assert step["program"] == "transformer step" and step["fits"]
-    assert 0 < step["total_bytes"] < step["capacity_bytes"] == 16 * 2**30
+    assert 0 < step["total_bytes"] < step["capacity_bytes"] == V5E_USABLE_HBM
+    # The replicated float32 VAE stays in HBM during the step and is counted.
+    assert step["resident_bytes"] == vae_bytes()
+    assert step["total_bytes"] >= step["argument_bytes"] + step["temp_bytes"] + vae_bytes()
     assert step["flops"] > 0 and report["mesh"] == {"dp": 2, "tp": 2, "sp": 1}
     assert report["tokens"] == 6 * 30 * 52 and report["fits"] is True
+
+
+def test_dry_run_reports_compiler_oom_and_exits_3(tmp_path):
+    # Plain XLA attention materialises the (6 heads, 32760, 32760) float32 scores per chip:
+    # 24 GiB of temporaries against 15.75 GiB. The compiler refuses; the table says so.
+    proc, report = dry_run_1p3b(tmp_path, "--frames", "81", "--attention", "xla")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    step = report["per_chip"][0]
+    assert not step["fits"] and not report["fits"]
+    assert 6 * 32760**2 * 4 <= step["temp_bytes"] < 2 * 6 * 32760**2 * 4
+    assert step["total_bytes"] > step["temp_bytes"] + step["argument_bytes"] > V5E_USABLE_HBM
+    need = step["total_bytes"] / 2**30
+    assert f"transformer step: does not fit: {need:.1f} GiB needed, 15.75 GiB available" \
+        in proc.stdout
+    assert "verdict: does not fit" in proc.stdout
 
 
 def test_dry_run_needs_a_topology(tmp_path):
