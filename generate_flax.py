@@ -62,6 +62,7 @@ DEFAULTS = dict(
     attention="auto",
     stage="all",
     work_dir="work",
+    scan_layers=True,
     # Splash blocks for head_dim 128 at Wan's 75,600 tokens, as tuned on v6e by a public port.
     bq=3328,
     bkv=2816,
@@ -155,12 +156,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry_run_skip_vae", action="store_true",
                    help="compile only the transformer step in --dry_run (the VAE decode's TPU "
                         "compile alone can take ~10 min on a 2-core host)")
+    p.add_argument("--dry_run_exact_convs", action="store_true",
+                   help="compile convolutions in --dry_run with the TPU compiler's default "
+                        "effort (about 10x slower VAE compile; same HBM figures measured here)")
     p.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
-    p.add_argument("--scan_layers", action="store_true",
+    p.add_argument("--scan_layers", action="store_true", default=d["scan_layers"],
                    help="run the transformer blocks as one jax.lax.scan (one compiled block "
-                        "instead of 40: ~4.9x faster deviceless 14B compile measured here)")
+                        "instead of 40: 4.9x faster 14B TPU compile, 30%% fewer temporaries)")
+    p.add_argument("--no_scan_layers", dest="scan_layers", action="store_false",
+                   default=argparse.SUPPRESS,
+                   help="unroll the blocks (diffusers' own loop), for comparison")
     p.add_argument("--replicate_row_parallel", action="store_true",
                    help="replicate attention-out and FFN-down weights (drops their all-reduce)")
     p.add_argument("--fsdp", action="store_true",
@@ -1410,6 +1417,13 @@ def dry_run(args) -> tuple[int, dict]:
                            # libtpu lock (another dry run or test may hold it).
                            ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
         os.environ.setdefault(key, value)
+    if not args.dry_run_exact_convs:
+        # libtpu spends 5-70 s searching for a fast emitter for every 3D conv, most of the
+        # VAE's compile. Dropping that performance target gave byte-identical VAE memory
+        # figures here (and transformer figures within 0.2 MiB) at a tenth of the compile
+        # time; a dry run needs the memory, not the fastest convs.
+        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                          " --xla_jf_convolution_performance_target=0").strip()
     configure_jax_platform()
     quiet_known_warnings()
     import jax
@@ -1497,8 +1511,9 @@ def dry_run(args) -> tuple[int, dict]:
     try:
         if args.dry_run_skip_vae:
             raise _Skipped
-        print(f"compiling the VAE decode for {args.topology} (slow: the TPU compiler spends "
-              "5-70 s on each 3D conv)...", flush=True)
+        print(f"compiling the VAE decode for {args.topology}"
+              + (" (slow: 5-70 s per 3D conv)" if args.dry_run_exact_convs else "") + "...",
+              flush=True)
         seconds = decoder.compile(latents)
         mem = decoder.memory()
         rows.append(dict(program=f"VAE decode ({mem['programs']} programs, peak)",
@@ -1530,6 +1545,7 @@ def dry_run(args) -> tuple[int, dict]:
                        * cfg["num_attention_heads"] * cfg["num_layers"] * batch)
     report = dict(
         dry_run=True, topology=args.topology, chips=len(devices), fits=fits,
+        libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
         vae_checked=not args.dry_run_skip_vae,
         settings={**vars(args), "attention": attention}, mesh=dataclasses.asdict(shape),
         layers_compiled=cfg["num_layers"], tokens=token_count(cfg, args), per_chip=rows,
