@@ -24,15 +24,17 @@ def dry_run_1p3b(tmp_path, *flags):
     return proc, json.loads(open(paths[0]).read()) if len(paths) == 1 else None
 
 
-def vae_bytes():
-    """float32 bytes of the Wan 2.1 VAE's weights, counted by diffusers itself."""
+def vae_bytes(prefixes=("",)):
+    """float32 bytes of the Wan 2.1 VAE's weights whose names start with one of ``prefixes``,
+    counted by diffusers itself."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLWan
 
     folder = os.path.join(ROOT, "configs", "Wan-AI", "Wan2.1-T2V-1.3B-Diffusers")
     with init_empty_weights():
         vae = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(folder, subfolder="vae"))
-    return sum(t.numel() * 4 for t in [*vae.parameters(), *vae.buffers()])
+    return sum(t.numel() * 4 for name, t in [*vae.named_parameters(), *vae.named_buffers()]
+               if name.startswith(prefixes))
 
 
 def test_dry_run_prints_per_chip_table_and_exits_by_fit(tmp_path):
@@ -71,3 +73,32 @@ def test_dry_run_needs_a_topology(tmp_path):
         [sys.executable, os.path.join(ROOT, "generate_flax.py"), "--dry_run",
          "--output_dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--topology=None" in proc.stderr
+
+
+def test_dry_run_compiles_the_chunked_vae_decode(tmp_path):
+    # 9 frames = 3 latent frames: the frame-chunked decode is three programs (first frame,
+    # second frame, every later one); latent width 32 splits over the 4 chips.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "generate_flax.py"),
+         "--model_id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--dry_run", "--topology", "v5e:2x2",
+         "--dry_run_layers", "1", "--height", "64", "--width", "256", "--frames", "9",
+         "--output_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "*_dry_run.json"))
+    report = json.loads(open(path).read())
+    step, vae = report["per_chip"]
+    assert vae["program"] == "VAE decode (3 programs, peak)" and vae["fits"]
+    assert report["vae_checked"] and report["fits"]
+    assert "--xla_jf_convolution_performance_target=0" in report["libtpu_init_args"]
+    # The replicated decoder weights are the decode's arguments, with one latent frame and the
+    # width-sharded conv cache; jit drops the unused encoder weights.
+    decoder = vae_bytes(("decoder.", "post_quant_conv."))
+    assert decoder < vae["argument_bytes"] < vae_bytes()
+    # While it decodes, the transformer's weights and embeddings stay in HBM (the step's
+    # arguments minus latents and timestep) plus the decoded frames twice (chunks + concat),
+    # width-sharded over 4 chips: 3 x 9 x 64 x 256 float32 / 4.
+    video = 3 * 9 * 64 * 256 * 4 // 4
+    assert abs(vae["resident_bytes"] - (step["argument_bytes"] + 2 * video)) < 2**20
+    assert vae["total_bytes"] >= vae["argument_bytes"] + vae["temp_bytes"] + vae["resident_bytes"]
