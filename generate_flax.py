@@ -318,20 +318,43 @@ def read_transformer_config(model_id: str) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 
 
+# Persistent-cache traffic of this process, from JAX's monitoring events.
+CACHE_STATS = {"hits": 0, "misses": 0, "compile_time_saved_s": 0.0}
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
+                 "/jax/compilation_cache/cache_misses": "misses"}
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event in _CACHE_EVENTS:
+        CACHE_STATS[_CACHE_EVENTS[event]] += 1
+
+
+def _count_cache_saving(event: str, seconds: float, **_) -> None:
+    if event == "/jax/compilation_cache/compile_time_saved_sec":
+        CACHE_STATS["compile_time_saved_s"] += seconds
+
+
 def enable_compilation_cache(path: str) -> bool:
     """Turn on JAX's persistent compilation cache at ``path``; returns whether it is on.
 
     Every compiled program is cached (no minimum compile time or size): the VAE decode and the
     transformer step are the slow ones, and a warm process then skips XLA compilation entirely.
+    Hits, misses and the compile seconds saved are counted in ``CACHE_STATS`` (the report's
+    ``compilation_cache``) through ``jax.monitoring`` listeners.
     """
     if path.lower() == "none":
         return False
     import jax
 
     os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if not getattr(enable_compilation_cache, "listening", False):
+        jax.monitoring.register_event_listener(_count_cache_event)
+        jax.monitoring.register_event_duration_secs_listener(_count_cache_saving)
+        enable_compilation_cache.listening = True
     return True
 
 
@@ -1605,6 +1628,7 @@ def generate(args, devices=None):
 
     stage = args.stage
     cache_on = enable_compilation_cache(args.compilation_cache_dir)
+    cache_before = dict(CACHE_STATS)
     devices = jax.devices() if devices is None else list(devices)
     cfg = read_transformer_config(args.model_id)
     timings: dict = {}
@@ -1677,7 +1701,9 @@ def generate(args, devices=None):
     report.update(
         mesh=dataclasses.asdict(mesh_shape),
         devices=dict(kind=device_kind, count=len(devices), platform=jax.default_backend()),
-        compilation_cache=args.compilation_cache_dir if cache_on else None,
+        compilation_cache=dict(dir=args.compilation_cache_dir,
+                               **{k: v - cache_before[k] for k, v in CACHE_STATS.items()})
+        if cache_on else None,
         timings=summarize(runs, timings, flops, device_kind, len(devices)),
     )
     if weights:

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -11,6 +12,9 @@ sys.path.insert(0, ROOT)
 
 # Tests run on CPU; the Makefile also gives JAX 8 host devices for the sharding tests.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The default --compilation_cache_dir lives under XDG_CACHE_HOME: keep the tests' compiled
+# programs out of the user's cache (subprocesses inherit this).
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="wan-flax-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -151,3 +151,24 @@ def test_nan_weights_fail_naming_the_stage_and_write_nothing(tiny_checkpoint, tm
     assert "denoising" in proc.stderr and "NaN" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert glob.glob(str(out / "*")) == []
+
+
+def test_second_process_hits_the_persistent_compilation_cache(tiny_checkpoint, tmp_path):
+    """torchax-jitted programs must be served from JAX's persistent cache in a new process."""
+    flags = ["--model_id", tiny_checkpoint, "--height", "32", "--width", "48", "--frames", "5",
+             "--num_inference_steps", "1", "--num_iterations", "1",
+             "--compilation_cache_dir", str(tmp_path / "cache")]
+    reports = []
+    for i in range(2):
+        out = tmp_path / f"out{i}"
+        proc = run([*flags, "--output_dir", str(out)], devices=1)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (js,) = glob.glob(str(out / "*.json"))
+        reports.append(json.loads(open(js).read())["compilation_cache"])
+    cold, warm = reports
+    assert cold["hits"] == 0 and cold["misses"] > 0
+    assert os.listdir(tmp_path / "cache")
+    # Everything the cold process compiled (transformer step, VAE programs, the scheduler's
+    # small ops) is now read back instead of compiled.
+    assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
+    assert warm["compile_time_saved_s"] > 0
