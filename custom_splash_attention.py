@@ -665,13 +665,23 @@ def sharded_splash_attention(
 ) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
 
-    Layout: batch is sharded over "dp". Heads are sharded over ("tp", "sp") when
-    ``heads % (tp * sp) == 0`` (head-parallel attention: every device holds whole
-    sequences; from the Megatron layout, heads on "tp", this is a local slice, and from a
-    sequence-sharded layout XLA inserts an all-to-all). Otherwise heads go over "tp",
-    q's sequence over "sp", and K, V (and kv segment ids) are replicated over "sp", so
-    each device attends its query rows to all keys. Axes of size 1 are fine. The output
-    has q's partitioning: P("dp", ("tp", "sp"), None, None) or P("dp", "tp", "sp", None).
+    Batch is sharded over "dp" and heads over "tp" (the Megatron layout the projections leave).
+    The "sp" axis is used in one of three ways, chosen from the shapes:
+
+    * ``sp == 1``, or q_len % sp != 0 with heads % (tp*sp) == 0: head-parallel. Heads go over
+      ("tp", "sp"), every device holds whole sequences. Layout P("dp", ("tp", "sp"), None,
+      None) in and out.
+    * Self-attention (q_len == kv_len), heads % (tp*sp) == 0 and q_len % sp == 0, sp > 1:
+      sequence-sharded in and out, P("dp", "tp", "sp", None), as the sequence-parallel
+      residual stream leaves q, k and v. Inside, one all-to-all over "sp" per tensor trades the
+      sequence shard for a head shard (DeepSpeed-Ulysses, Jacobs et al. 2023,
+      arXiv:2309.14509), the kernel attends whole sequences for H/(tp*sp) heads, and one
+      all-to-all trades back: 4 all-to-alls, each moving 1/sp of a tensor per device.
+    * Otherwise (cross-attention, or heads % (tp*sp) != 0): q's sequence over "sp", K and V
+      (and kv segment ids) whole on every "sp" device, so each device attends its query rows
+      to all keys with no communication. Layout P("dp", "tp", "sp", None) for q and the output.
+
+    Axes of size 1 are fine.
 
     Args:
         q, k, v, scale, block_sizes, window_size, k_smoothing, segment_ids, interpret:
@@ -682,8 +692,8 @@ def sharded_splash_attention(
         (batch, heads, q_len, head_dim) in q.dtype, sharded as described.
 
     Raises:
-        ValueError: the mesh lacks an axis, or batch % dp, heads % tp or (sequence
-            sharding) q_len % sp is not 0.
+        ValueError: the mesh lacks an axis, or batch % dp or heads % tp is not 0, or neither
+            heads % (tp*sp) nor q_len % sp is 0.
     """
     _check_shapes(q, k, v)
     missing = [a for a in ("dp", "tp", "sp") if a not in mesh.shape]
@@ -691,29 +701,46 @@ def sharded_splash_attention(
         raise ValueError(f"mesh: expected axes ('dp', 'tp', 'sp'), got {tuple(mesh.shape)}")
     dp, tp, sp = mesh.shape["dp"], mesh.shape["tp"], mesh.shape["sp"]
     batch, heads, q_len, _ = q.shape
+    kv_len = k.shape[2]
     if batch % dp:
         raise ValueError(f"batch: expected a multiple of mesh axis dp={dp}, got {batch}")
     if heads % tp:
         raise ValueError(f"heads: expected a multiple of mesh axis tp={tp}, got {heads}")
-    head_parallel = heads % (tp * sp) == 0
-    if head_parallel:
+    heads_split = heads % (tp * sp) == 0
+    if sp == 1 or (heads_split and q_len % sp):
+        layout = "heads"
+    elif heads_split and q_len == kv_len:
+        layout = "ulysses"
+    elif q_len % sp == 0:
+        layout = "q_sequence"
+    else:
+        raise ValueError(
+            f"q_len: expected a multiple of mesh axis sp={sp} when heads "
+            f"({heads}) are not divisible by tp*sp={tp * sp}, got {q_len}"
+        )
+    if layout == "heads":
         q_spec = kv_spec = P("dp", ("tp", "sp"), None, None)
         q_ids_spec = kv_ids_spec = P("dp", None)
+    elif layout == "ulysses":
+        q_spec = kv_spec = P("dp", "tp", "sp", None)
+        q_ids_spec = kv_ids_spec = P("dp", None)  # the kernel sees whole sequences
     else:
-        if q_len % sp:
-            raise ValueError(
-                f"q_len: expected a multiple of mesh axis sp={sp} when heads "
-                f"({heads}) are not divisible by tp*sp={tp * sp}, got {q_len}"
-            )
         q_spec, kv_spec = P("dp", "tp", "sp", None), P("dp", "tp", None, None)
         q_ids_spec, kv_ids_spec = P("dp", "sp"), P("dp", None)
     segment_ids = _as_segment_ids(segment_ids)
-    local_q_len = q_len if head_parallel else q_len // sp
 
     def local(q, k, v, seg):
-        # Window masks use global query positions: offset this shard's rows.
-        offset = 0 if head_parallel else lax.axis_index("sp") * local_q_len
-        return _splash_attention(
+        offset = 0
+        if layout == "q_sequence":  # window masks use global query positions
+            offset = lax.axis_index("sp") * (q_len // sp)
+        if layout == "ulysses":
+            # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
+            # receive every device's sequence shard of our head group, in sequence order.
+            q, k, v = (
+                lax.all_to_all(x, "sp", split_axis=1, concat_axis=2, tiled=True)
+                for x in (q, k, v)
+            )
+        out = _splash_attention(
             q,
             k,
             v,
@@ -725,6 +752,9 @@ def sharded_splash_attention(
             interpret=interpret,
             q_offset=offset,
         )
+        if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
+            out = lax.all_to_all(out, "sp", split_axis=2, concat_axis=1, tiled=True)
+        return out
 
     seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
     return jax.shard_map(

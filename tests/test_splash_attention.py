@@ -27,13 +27,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
@@ -316,16 +318,19 @@ def _mesh(dp, tp, sp):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,heads,window",
+    "mesh_shape,heads,kv_len,window",
     [
-        ((2, 2, 2), 4, None),  # heads % (tp*sp) == 0: head-parallel
-        ((1, 4, 2), 4, None),  # heads % (tp*sp) != 0: q sequence over sp
-        ((1, 4, 2), 4, 30),  # sequence-parallel window needs each shard's q offset
+        ((2, 4, 1), 4, 256, None),  # sp == 1: heads over tp
+        ((2, 2, 2), 4, 200, None),  # cross-attention shape: q sequence over sp, K/V whole
+        ((1, 4, 2), 4, 256, None),  # heads % (tp*sp) != 0: q sequence over sp
+        ((1, 4, 2), 4, 200, 30),  # sequence-parallel window needs each shard's q offset
+        ((2, 2, 2), 4, 256, None),  # self-attention: Ulysses all-to-all over sp
+        ((1, 2, 4), 8, 256, 30),  # Ulysses with a window (whole sequences: no offset)
     ],
 )
-def test_sharded_matches_unsharded(mesh_shape, heads, window):
+def test_sharded_matches_unsharded(mesh_shape, heads, kv_len, window):
     mesh = _mesh(*mesh_shape)
-    q, k, v = _inputs((2, heads, 256, 64), 200, jnp.float32, seed=31)
+    q, k, v = _inputs((2, heads, 256, 64), kv_len, jnp.float32, seed=31)
     bs = csa.BlockSizes(128, 128, 128)
     want = csa.splash_attention(q, k, v, window_size=window, block_sizes=bs, interpret=True)
     got = jax.jit(
@@ -336,11 +341,29 @@ def test_sharded_matches_unsharded(mesh_shape, heads, window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
 
 
-def test_sharded_segment_ids():
-    mesh = _mesh(1, 4, 2)
-    q, k, v = _inputs((2, 4, 256, 64), 128, jnp.float32, seed=32)
+def test_ulysses_layout_is_four_all_to_alls():
+    # Inputs laid out as the sequence-parallel residual stream leaves them: the wrapper must
+    # re-shard with all-to-alls only (no gathers of whole sequences).
+    mesh = _mesh(2, 2, 2)
+    spec = NamedSharding(mesh, P("dp", "tp", "sp", None))
+    q, k, v = (jax.device_put(x, spec) for x in _inputs((2, 4, 256, 64), 256, jnp.float32))
+    fn = jax.jit(lambda q, k, v: csa.sharded_splash_attention(
+        q, k, v, mesh=mesh, block_sizes=csa.BlockSizes(128, 128, 128), interpret=True))
+    hlo = fn.lower(q, k, v).compile().as_text()
+    count = {op: len(re.findall(rf" {op}(-start)?\(", hlo))
+             for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute")}
+    assert count == {"all-to-all": 4, "all-gather": 0, "all-reduce": 0,
+                     "collective-permute": 0}, count
+    assert fn(q, k, v).sharding.spec == P("dp", "tp", "sp", None)
+
+
+@pytest.mark.parametrize("mesh_shape,kv_len", [((1, 4, 2), 128), ((1, 2, 4), 256)],
+                         ids=["q-sequence", "ulysses"])
+def test_sharded_segment_ids(mesh_shape, kv_len):
+    mesh = _mesh(*mesh_shape)
+    q, k, v = _inputs((2, 8, 256, 64), kv_len, jnp.float32, seed=32)
     q_ids = jnp.asarray(np.repeat([[0, 1]], 128, axis=1).repeat(2, axis=0), jnp.int32)
-    kv_ids = jnp.asarray(np.repeat([[0, 1]], 64, axis=1).repeat(2, axis=0), jnp.int32)
+    kv_ids = jnp.asarray(np.repeat([[0, 1]], kv_len // 2, axis=1).repeat(2, axis=0), jnp.int32)
     want = _ref64(
         q, k, v, valid=np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]
     )
