@@ -42,7 +42,8 @@ def _our_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0, extra=(
         "--flow_shift", str(flow_shift), "--guidance_scale", str(guidance_scale),
         "--num_inference_steps", str(STEPS), "--num_iterations", "1",
         "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
-        "--frames", str(SHAPE["frames"]), "--attention", "xla", *extra,
+        "--frames", str(SHAPE["frames"]), "--attention", "xla",
+        "--compilation_cache_dir", "none", *extra,
     ]))
     frames, report = generate_flax.generate(args, devices=devices)
     return frames, report

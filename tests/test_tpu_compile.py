@@ -26,16 +26,6 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache():
-    """Deviceless executables cannot be reloaded from JAX's persistent cache (there is no TPU
-    client); in-process pipeline tests may have turned the cache on, so keep it off here."""
-    previous = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", previous)
-
 # libtpu reads these when it first initialises (at the first get_topology_desc on a CPU
 # host). Without them it probes the GCE metadata server and logs errors; with them it
 # sets up a local single-host view. The accelerator type does not pick the compile
