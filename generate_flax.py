@@ -520,11 +520,19 @@ def make_mesh(shape: MeshShape, devices=None):
     propagates shardings from the weights and inputs we place.
     """
     import jax
-    from jax.sharding import AxisType
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
 
-    axes = ("dp", "tp", "sp")
-    return jax.make_mesh((shape.dp, shape.tp, shape.sp), axes, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices)
+    axes, sizes, types = ("dp", "tp", "sp"), (shape.dp, shape.tp, shape.sp), (AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh(sizes, axes, axis_types=types, devices=devices)
+    except NotImplementedError:
+        # jax.make_mesh maps each logical axis onto whole physical torus axes, which some
+        # layouts cannot do (dp2 x tp4 x sp2 on a v6e 4x4 slice: after 4 and 4 nothing is left
+        # for the two 2s). Splitting a physical axis keeps ring neighbours adjacent.
+        grid = mesh_utils.create_device_mesh(sizes, devices or jax.devices(),
+                                             allow_split_physical_axes=True)
+        return Mesh(grid, axes, axis_types=types)
 
 
 # Megatron tensor parallelism for WanTransformer3DModel (torch Linear weights are (out, in)):

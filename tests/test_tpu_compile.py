@@ -170,3 +170,16 @@ def test_kernel_variants_lower_through_mosaic(variant):
     compiled, seconds = _compile(fn, mesh, [(b, h, s, d)] * 3, dtype=dtype)
     _report(f"v6e {variant} B{b} H{h} S{s} D{d} {jnp.dtype(dtype).name}", compiled, seconds)
     assert _has_mosaic_kernel(compiled)
+
+
+@pytest.mark.parametrize("topology,mesh_shape", [("v6e:2x4", (2, 4, 1)), ("v6e:4x4", (2, 4, 2)),
+                                                 ("v6e:4x4", (1, 16, 1))])
+def test_generate_flax_mesh_fits_the_torus(topology, mesh_shape):
+    # jax.make_mesh cannot map dp2 x tp4 x sp2 onto a 4x4 torus without splitting a physical
+    # axis; generate_flax.make_mesh must still build it, using every chip once.
+    import generate_flax as gf
+
+    devices = list(_topology_mesh(topology, (1, 1, -1)).devices.flat)
+    mesh = gf.make_mesh(gf.MeshShape(*mesh_shape), devices)
+    assert dict(mesh.shape) == dict(zip(("dp", "tp", "sp"), mesh_shape, strict=True))
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
