@@ -158,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "compile alone can take ~10 min on a 2-core host)")
     p.add_argument("--dry_run_exact_convs", action="store_true",
                    help="compile convolutions in --dry_run with the TPU compiler's default "
-                        "effort (about 10x slower VAE compile; same HBM figures measured here)")
+                        "effort (5-10x slower VAE compile; same HBM figures measured here)")
     p.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
@@ -1363,7 +1363,6 @@ def load_latents(work_dir, vae_config: dict, args):
 # ---------------------------------------------------------------------------------------------
 
 
-# HBM per chip in bytes (Google Cloud TPU system architecture pages).
 # HBM per device that programs may use, as libtpu 0.0.42.1's compiler reports it ("exceeds
 # available HBM (31.25G)" on v6e), i.e. the chip's HBM minus the runtime's reservation.
 HBM_BYTES = {"v4": int(15.25 * 2**30), "v5e": int(15.75 * 2**30), "v5p": int(95.74 * 2**30),
@@ -1450,9 +1449,9 @@ def dry_run(args) -> tuple[int, dict]:
         os.environ.setdefault(key, value)
     if not args.dry_run_exact_convs:
         # libtpu spends 5-70 s searching for a fast emitter for every 3D conv, most of the
-        # VAE's compile. Dropping that performance target gave byte-identical VAE memory
-        # figures here (and transformer figures within 0.2 MiB) at a tenth of the compile
-        # time; a dry run needs the memory, not the fastest convs.
+        # VAE's compile. Dropping that performance target gave byte-identical memory and FLOP
+        # figures for the full 14B step and 720p VAE decode here, at a fifth to a tenth of
+        # the compile time; a dry run needs the memory, not the fastest convs.
         os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
                                           " --xla_jf_convolution_performance_target=0").strip()
     configure_jax_platform()
@@ -1522,6 +1521,8 @@ def dry_run(args) -> tuple[int, dict]:
                                   sharding=NamedSharding(mesh, P("dp")))
     t = jax.ShapeDtypeStruct((1,), jax.numpy.int32, sharding=rep)
 
+    transformer_weights = _per_chip_bytes([*placed["params"].values(),
+                                           *placed["buffers"].values()])
     rows = []
     t0 = time.perf_counter()
     print(f"compiling the transformer step ({cfg['num_layers']} blocks) for {args.topology}...",
@@ -1532,8 +1533,7 @@ def dry_run(args) -> tuple[int, dict]:
         rows.append(_memory_row("transformer step", compiled, seconds, capacity))
     except Exception as e:  # the compiler reports real OOMs as errors
         rows.append(_oom_row("transformer step", e, time.perf_counter() - t0, capacity,
-                             _per_chip_bytes([*placed["params"].values(),
-                                              *placed["buffers"].values(), latents, embeds])))
+                             transformer_weights + _per_chip_bytes([latents, embeds])))
     jv = interop.JittableModule(vae)
     vae_placed = dict(module=jv, params=_abstract(jv.params, mesh),
                       buffers=_abstract(jv.buffers, mesh))
@@ -1563,9 +1563,7 @@ def dry_run(args) -> tuple[int, dict]:
         len(devices) if decoder._spatial(latents.shape) is not None else 1)
     resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
                                                      *vae_placed["buffers"].values()]),
-                "VAE decode": _per_chip_bytes([*placed["params"].values(),
-                                               *placed["buffers"].values(), embeds])
-                + 2 * video}
+                "VAE decode": transformer_weights + _per_chip_bytes([embeds]) + 2 * video}
     for r in rows:
         r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
         if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
