@@ -129,6 +129,8 @@ and V on every device. Either way each device runs the unsharded kernel on its s
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -142,7 +144,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-ATTENTION_BACKENDS = ("xla", "splash")
+ATTENTION_BACKENDS = ("xla", "splash", "stock_splash")
+# Kernels the Splash wrapper can run: ours, and JAX's own splash kernel as the trusted fallback.
+SPLASH_KERNELS = ("splash", "stock_splash")
 
 LOG2_E = math.log2(math.e)
 NUM_LANES = 128
@@ -662,6 +666,7 @@ def sharded_splash_attention(
     k_smoothing: bool = False,
     segment_ids=None,
     interpret: bool = False,
+    kernel: str = "splash",
 ) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
 
@@ -687,6 +692,8 @@ def sharded_splash_attention(
         q, k, v, scale, block_sizes, window_size, k_smoothing, segment_ids, interpret:
             as ``splash_attention``, for the global arrays.
         mesh: ``jax.sharding.Mesh`` with axis names "dp", "tp" and "sp".
+        kernel: "splash" (ours) or "stock_splash" (``stock_splash_attention``, JAX's kernel;
+            no ``window_size`` or ``k_smoothing``).
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype, sharded as described.
@@ -696,6 +703,10 @@ def sharded_splash_attention(
             heads % (tp*sp) nor q_len % sp is 0.
     """
     _check_shapes(q, k, v)
+    if kernel not in SPLASH_KERNELS:
+        raise ValueError(f"kernel: expected one of {SPLASH_KERNELS}, got {kernel!r}")
+    if kernel == "stock_splash" and (window_size is not None or k_smoothing):
+        raise ValueError("kernel='stock_splash': window_size and k_smoothing are ours only")
     missing = [a for a in ("dp", "tp", "sp") if a not in mesh.shape]
     if missing:
         raise ValueError(f"mesh: expected axes ('dp', 'tp', 'sp'), got {tuple(mesh.shape)}")
@@ -740,18 +751,24 @@ def sharded_splash_attention(
                 lax.all_to_all(x, "sp", split_axis=1, concat_axis=2, tiled=True)
                 for x in (q, k, v)
             )
-        out = _splash_attention(
-            q,
-            k,
-            v,
-            scale=scale,
-            block_sizes=block_sizes,
-            window_size=window_size,
-            k_smoothing=k_smoothing,
-            segment_ids=seg,
-            interpret=interpret,
-            q_offset=offset,
-        )
+        if kernel == "stock_splash":
+            out = stock_splash_attention(
+                q, k, v, scale=scale, block_sizes=block_sizes, segment_ids=seg,
+                interpret=interpret,
+            )
+        else:
+            out = _splash_attention(
+                q,
+                k,
+                v,
+                scale=scale,
+                block_sizes=block_sizes,
+                window_size=window_size,
+                k_smoothing=k_smoothing,
+                segment_ids=seg,
+                interpret=interpret,
+                q_offset=offset,
+            )
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
             out = lax.all_to_all(out, "sp", split_axis=2, concat_axis=1, tiled=True)
         return out
@@ -764,6 +781,134 @@ def sharded_splash_attention(
         out_specs=q_spec,
         check_vma=False,  # pallas_call carries no varying-manual-axes annotations
     )(q, k, v, segment_ids)
+
+
+# ---------------------------------------------------------------------------------------
+# JAX's stock splash kernel, the trusted fallback
+# ---------------------------------------------------------------------------------------
+
+
+def stock_splash_attention(
+    q, k, v, *, scale=None, block_sizes: BlockSizes | None = None, segment_ids=None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Softmax attention with JAX's own Pallas splash kernel (forward), any lengths.
+
+    ``jax.experimental.pallas.ops.tpu.splash_attention`` with a full mask: the kernel
+    JAX ships and tests, kept as the fallback for ours (``--attention stock_splash``). It
+    needs lengths that its blocks divide, so q, k and v are zero-padded to whole blocks and
+    the padded keys get a segment id no query has: they are masked exactly (never zero keys
+    left in the softmax denominator). Padded query rows are sliced off.
+
+    Args:
+        q: (batch, heads, q_len, head_dim), float32 or bfloat16.
+        k, v: (batch, heads, kv_len, head_dim), same dtype.
+        scale: softmax scale; ``None`` means 1/sqrt(head_dim). Folded into q (the stock
+            kernel does not scale).
+        block_sizes: our ``BlockSizes``, fitted to the lengths as ``splash_attention`` fits
+            them, then given to the stock kernel.
+        segment_ids: ``None`` or ``SegmentIds``/(q_ids, kv_ids) as ``splash_attention``.
+        interpret: Pallas interpret mode (CPU).
+
+    Returns:
+        (batch, heads, q_len, head_dim) in q.dtype.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as stock,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as stock_mask,
+    )
+
+    _check_shapes(q, k, v)
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    bs = _fit_block_sizes(block_sizes or BlockSizes(), q_len, kv_len)
+    q_pad, kv_pad = _round_up(q_len, bs.block_q), _round_up(kv_len, bs.block_kv)
+    segment_ids = _as_segment_ids(segment_ids)
+    if segment_ids is None:
+        segment_ids = SegmentIds(
+            jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32)
+        )
+    # Padded keys take an id below every query's, so no query attends them; padded query
+    # rows repeat the last real row's id (their output is discarded).
+    pad_id = jnp.min(segment_ids.q) - 1
+    q_ids = jnp.pad(segment_ids.q, ((0, 0), (0, q_pad - q_len)), mode="edge")
+    kv_ids = jnp.pad(segment_ids.kv, ((0, 0), (0, kv_pad - kv_len)), constant_values=0)
+    kv_ids = jnp.where(jnp.arange(kv_pad) < kv_len, kv_ids, pad_id)
+    qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, q_pad - q_len), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0))) for x in (k, v))
+    mask = stock_mask.MultiHeadMask([stock_mask.FullMask((q_pad, kv_pad))] * heads)
+    kernel = stock.make_splash_mha(
+        mask,
+        block_sizes=stock.BlockSizes(
+            block_q=bs.block_q, block_kv=bs.block_kv, block_kv_compute=bs.block_kv_compute
+        ),
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
+
+    def one(q, k, v, q_ids, kv_ids):  # (heads, len, head_dim) per batch element
+        return kernel(q, k, v, segment_ids=stock.SegmentIds(q_ids, kv_ids))
+
+    out = jax.vmap(one)(qs, k, v, q_ids, kv_ids)
+    return out[:, :, :q_len].astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Self-check: is this kernel right on this device?
+# ---------------------------------------------------------------------------------------
+
+# The interpret-mode tests' bf16 tolerance (tests/test_splash_attention.py): ~3 bf16
+# roundings of O(1) values; a masking or rescale bug is O(0.1).
+SELF_CHECK_TOLERANCE = 1e-2
+# Small enough to run in well under a second on a TPU, big enough to cover several q and
+# kv blocks, several sub-tiles per kv block and a ragged tail (600 = 2 * 256 + 88).
+SELF_CHECK_SHAPE = (1, 2, 600, 128)
+SELF_CHECK_BLOCKS = BlockSizes(block_q=256, block_kv=256, block_kv_compute=128)
+
+
+def kernel_self_check(kernel: str, *, interpret: bool = False, attention_fn=None) -> dict:
+    """Run a Splash kernel on the default device against the float32 reference.
+
+    A bf16 problem of ``SELF_CHECK_SHAPE`` (batch, heads, length, head_dim) with a ragged
+    tail, blocks ``SELF_CHECK_BLOCKS``, against ``reference_attention`` on the same
+    bf16-rounded inputs. It passes when every element satisfies
+    ``|out - ref| <= tol + tol * |ref|`` with ``tol = SELF_CHECK_TOLERANCE``.
+
+    Args:
+        kernel: "splash" or "stock_splash".
+        interpret: Pallas interpret mode (off TPU).
+        attention_fn: optional replacement ``f(q, k, v, *, block_sizes, interpret)`` (tests
+            inject a wrong kernel here).
+
+    Returns:
+        dict(backend, shape, dtype, max_abs_error, tolerance, passed, seconds).
+    """
+    import time
+
+    if attention_fn is None:
+        attention_fn = stock_splash_attention if kernel == "stock_splash" else splash_attention
+    b, h, n, d = SELF_CHECK_SHAPE
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (b, h, n, d), jnp.float32).astype(jnp.bfloat16)
+               for key in keys)
+    t0 = time.perf_counter()
+    out = attention_fn(q, k, v, block_sizes=SELF_CHECK_BLOCKS, interpret=interpret)
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    seconds = time.perf_counter() - t0
+    f32 = (x.astype(jnp.float32) for x in (q, k, v))  # the very bf16 values, in float32
+    ref = np.asarray(reference_attention(*f32))
+    err = np.abs(out - ref)
+    tol = SELF_CHECK_TOLERANCE
+    passed = bool(np.all(np.isfinite(out)) and np.all(err <= tol + tol * np.abs(ref)))
+    return dict(backend=kernel, shape=list(SELF_CHECK_SHAPE), dtype="bfloat16",
+                max_abs_error=float(np.max(err)) if np.all(np.isfinite(out)) else float("nan"),
+                tolerance=tol, passed=passed, seconds=seconds)
 
 
 # ---------------------------------------------------------------------------------------
@@ -835,6 +980,30 @@ def xla_attention(q, k, v, *, scale=None):
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
+# Backend forced for a scope (``forced_attention``): the Wan VAE's attention always takes XLA.
+_FORCED_ATTENTION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "forced_attention", default=None
+)
+
+
+@contextlib.contextmanager
+def forced_attention(attention: str):
+    """Route every SDPA call traced inside this block to ``attention``, whatever
+    ``install_sdpa_override`` chose.
+
+    The Wan VAE's mid-block attention is batch 1, one head, head_dim 384, float32: nothing
+    a flash kernel helps with (one tiny head), and a shape our Mosaic kernel was never tuned
+    or tested for. Its programs are traced under ``forced_attention("xla")``.
+    """
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
+    token = _FORCED_ATTENTION.set(attention)
+    try:
+        yield
+    finally:
+        _FORCED_ATTENTION.reset(token)
+
+
 def _sdpa(
     query,
     key,
@@ -856,6 +1025,7 @@ def _sdpa(
         )
     if enable_gqa:
         raise ValueError("scaled_dot_product_attention: enable_gqa=True is not supported")
+    attention = _FORCED_ATTENTION.get() or attention
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
     if mask is not None or is_causal:
@@ -863,21 +1033,27 @@ def _sdpa(
         out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
     elif attention == "xla":
         out = xla_attention(q, k, v, scale=scale)
-    elif attention == "splash":
-        kwargs = dict(
-            scale=scale,
-            block_sizes=options["block_sizes"],
-            k_smoothing=options["k_smoothing"],
-            interpret=options["interpret"],
-        )
+    elif attention in SPLASH_KERNELS:
         mesh = options["mesh"]
         if mesh is None:
-            out = splash_attention(q, k, v, **kwargs)
+            fn = stock_splash_attention if attention == "stock_splash" else splash_attention
+            out = fn(q, k, v, scale=scale, block_sizes=options["block_sizes"],
+                     interpret=options["interpret"])
         elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
-            # Calls the wrapper cannot split (the Wan VAE's single-head, batch-1 mid-block
-            # attention) go to XLA, which GSPMD partitions as it likes, instead of failing.
+            # The wrapper cannot split this call: XLA, which GSPMD partitions as it likes,
+            # instead of failing; reported, never silent.
+            if options["on_fallback"] is not None:
+                options["on_fallback"](
+                    "attention_to_xla",
+                    f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
+                    f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
+                )
             out = xla_attention(q, k, v, scale=scale)
         else:
+            kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
+                          interpret=options["interpret"], kernel=attention)
+            if attention == "splash":
+                kwargs["k_smoothing"] = options["k_smoothing"]
             out = sharded_splash_attention(q, k, v, mesh=mesh, **kwargs)
     else:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
@@ -892,6 +1068,7 @@ def install_sdpa_override(
     block_sizes=None,
     interpret: bool = False,
     k_smoothing: bool = False,
+    on_fallback=None,
 ) -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
 
@@ -900,13 +1077,16 @@ def install_sdpa_override(
 
     Args:
         env: a ``torchax.tensor.Environment`` (``torchax.default_env()``).
-        attention: "xla" (``xla_attention``) or "splash" (``splash_attention``, or
-            ``sharded_splash_attention`` when ``mesh`` is given).
+        attention: "xla" (``xla_attention``), "splash" (``splash_attention``, or
+            ``sharded_splash_attention`` when ``mesh`` is given) or "stock_splash" (the same
+            with ``stock_splash_attention``, JAX's kernel).
         mesh: optional ``jax.sharding.Mesh`` with axes ("dp", "tp", "sp") for the sharded
             kernel wrapper.
         block_sizes: optional kernel ``BlockSizes``.
         interpret: run the Pallas kernel in interpret mode (CPU).
         k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``).
+        on_fallback: optional ``f(kind, detail)`` told when a call the wrapper cannot split
+            goes to XLA instead.
 
     Raises:
         ValueError: unknown ``attention``.
@@ -915,7 +1095,8 @@ def install_sdpa_override(
 
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
-    options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret, k_smoothing=k_smoothing)
+    options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret,
+                   k_smoothing=k_smoothing, on_fallback=on_fallback)
     env.override_op_definition(
         torch.nn.functional.scaled_dot_product_attention,
         functools.partial(_sdpa, env=env, attention=attention, options=options),

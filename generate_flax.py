@@ -22,6 +22,7 @@ Example (CPU, tiny checkpoint):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import json
@@ -53,9 +54,10 @@ DEFAULTS = dict(
     fps=16,
     num_inference_steps=50,
     guidance_scale=5.0,
-    flow_shift=5.0,
+    flow_shift=None,  # resolved from the resolution: see resolve_flow_shift
     seed=42,
-    num_iterations=2,
+    warmup_steps=2,
+    num_iterations=1,
     output_dir="outputs",
     dtype="bfloat16",
     max_sequence_length=512,
@@ -73,9 +75,6 @@ DEFAULTS = dict(
 VAE_TEMPORAL_SCALE = 4
 VAE_SPATIAL_SCALE = 8
 PIXELS_PER_TOKEN_SIDE = 16
-
-# Dense bf16 peak per chip in TFLOP/s, from Google Cloud's TPU pages; used for MFU.
-PEAK_BF16_TFLOPS = {"v5e": 197.0, "v5 lite": 197.0, "v5p": 459.0, "v6e": 918.0, "v6 lite": 918.0}
 
 log = logging.getLogger("generate_flax")
 
@@ -117,19 +116,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--guidance_scale", type=float, default=d["guidance_scale"],
                    help="CFG scale; > 1 runs cond and uncond as one batch-2 call")
     p.add_argument("--flow_shift", type=float, default=d["flow_shift"],
-                   help="UniPC flow shift: 5.0 for 720p, 3.0 for 480p (Wan 2.1 model card)")
+                   help="UniPC flow shift; default by resolution as the Wan 2.1 model card "
+                        "says: 5.0 when the shorter side is >= 720 px, else 3.0 (480p class)")
     p.add_argument("--seed", type=int, default=d["seed"],
                    help="seed of the CPU torch.Generator that draws the initial latents")
+    p.add_argument("--warmup_steps", type=int, default=d["warmup_steps"],
+                   help="warmup: this many denoising steps plus one VAE decode run every "
+                        "compiled program once before timing; 0 skips the warmup")
     p.add_argument("--num_iterations", type=int, default=d["num_iterations"],
-                   help="full generations; the first is the warmup, the rest are timed")
+                   help="timed full generations after the warmup (steady state)")
     p.add_argument("--output_dir", default=d["output_dir"],
                    help="where YYYYMMDD_HHMMSS.mp4 and .json are written")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=d["dtype"],
                    help="transformer and text-encoder weights; the VAE always runs in float32")
     p.add_argument("--max_sequence_length", type=int, default=d["max_sequence_length"],
                    help="text tokens the prompt embeddings are padded to")
-    p.add_argument("--attention", choices=("auto", "splash", "xla"), default=d["attention"],
-                   help="SDPA backend: auto = splash on TPU, xla elsewhere")
+    p.add_argument("--attention", choices=("auto", "splash", "stock_splash", "xla"),
+                   default=d["attention"],
+                   help="SDPA backend: splash = our kernel, stock_splash = JAX's own splash "
+                        "kernel (the trusted fallback), xla = plain XLA attention (needs "
+                        "~228 GB per chip for 14B at 720p); auto = splash on TPU, else xla")
     p.add_argument("--bq", type=int, default=d["bq"],
                    help="Splash block_q: queries per kernel grid step (multiple of 128)")
     p.add_argument("--bkv", type=int, default=d["bkv"],
@@ -203,10 +209,13 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         _fail("--num_inference_steps", args.num_inference_steps, "must be >= 1")
     if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
         _fail("--guidance_scale", args.guidance_scale, "must be a finite number >= 0")
-    if not math.isfinite(args.flow_shift) or args.flow_shift <= 0:
+    if args.flow_shift is not None and (not math.isfinite(args.flow_shift)
+                                        or args.flow_shift <= 0):
         _fail("--flow_shift", args.flow_shift, "must be a finite number > 0")
     if args.num_iterations < 1:
         _fail("--num_iterations", args.num_iterations, "must be >= 1")
+    if args.warmup_steps < 0:
+        _fail("--warmup_steps", args.warmup_steps, "must be >= 0 (0 skips the warmup)")
     if args.fps < 1:
         _fail("--fps", args.fps, "must be >= 1")
     if args.max_sequence_length < 1:
@@ -216,14 +225,17 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         if v is not None and v < 1:
             _fail(f"--{flag}", v, "must be >= 1")
     block_sizes(args)
+    resolve_flow_shift(args)
     if args.profile_dir is not None:
         if args.dry_run or args.stage in ("encode", "decode"):
             _fail("--profile_dir", args.profile_dir, "needs a denoising run: --stage all or "
                   "denoise, without --dry_run")
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     if args.dry_run:
-        if not args.topology or not re.fullmatch(r"v\d+[a-z]*:\d+x\d+(x\d+)?", args.topology):
-            _fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4")
+        if not args.topology or not re.fullmatch(r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?",
+                                                 args.topology):
+            _fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 "
+                  "or tpu7x:2x2x1")
         if args.dry_run_layers is not None and args.dry_run_layers < 1:
             _fail("--dry_run_layers", args.dry_run_layers, "must be >= 1")
         if model_config_dir(args.model_id) is None:
@@ -234,6 +246,21 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         return args
     _validate_model_id(args.model_id)
     _validate_output_dir(args.output_dir)
+    return args
+
+
+def resolve_flow_shift(args) -> argparse.Namespace:
+    """Fill ``--flow_shift`` from the resolution when it was not given (in place).
+
+    Wan 2.1's model card samples 720p with flow_shift 5.0 and 480p with 3.0. The class is
+    read from the shorter side, so portrait and landscape agree: >= 720 px is 720p class.
+    ``args.flow_shift_source`` records "flag" or "resolution".
+    """
+    if args.flow_shift is None:
+        args.flow_shift = 5.0 if min(args.height, args.width) >= 720 else 3.0
+        args.flow_shift_source = "resolution"
+    else:
+        args.flow_shift_source = "flag"
     return args
 
 
@@ -252,6 +279,10 @@ def block_sizes(args):
             from None
 
 
+# The pinned huggingface_hub (2.4.0) installs only the `hf` command; `huggingface-cli` is gone.
+DOWNLOAD_HINT = "hf download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH"
+
+
 def _looks_local(model_id: str) -> bool:
     # A Hub id is exactly "org/name"; anything else (absolute, ./, ~, deeper paths) is a folder.
     return os.path.exists(model_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", model_id)
@@ -264,13 +295,13 @@ def _validate_model_id(model_id: str) -> None:
         _fail("--model_id", model_id,
               "local folder not found; build the tiny test checkpoint with "
               "'python tools/make_tiny_checkpoint.py --output PATH' or download real weights "
-              "with 'huggingface-cli download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH'")
+              f"with '{DOWNLOAD_HINT}'")
     missing = [f for f in ("model_index.json", "transformer/config.json", "vae/config.json")
                if not os.path.isfile(os.path.join(model_id, f))]
     if missing:
         _fail("--model_id", model_id,
               f"not a diffusers Wan folder, missing {', '.join(missing)}; download the weights "
-              "with 'huggingface-cli download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH'")
+              f"with '{DOWNLOAD_HINT}'")
 
 
 def _validate_output_dir(path: str, flag: str = "--output_dir") -> None:
@@ -617,48 +648,129 @@ def module_sharding_specs(module, names_shapes: dict, rules, mesh, *, fsdp: bool
     return sharding_specs(names_shapes, rules, mesh, fsdp=fsdp)
 
 
-def place_module(module, mesh, rules=(), *, fsdp: bool = False) -> dict:
-    """Wrap a torch module for torchax and put its weights on ``mesh`` by ``rules``.
+def undivided_weights(specs: dict, rules) -> list:
+    """Names a sharding rule matched but left replicated because the mesh does not divide
+    the rule's dimensions (``sharding_specs`` skips such a rule silently)."""
+    import scan_layers
+
+    out = []
+    for name, spec in specs.items():
+        probe, axes = name, tuple(spec)
+        if name.startswith(scan_layers.STACKED_PREFIX):  # judge on layer 0's unstacked name
+            probe, axes = "blocks.0." + name[len(scan_layers.STACKED_PREFIX):], axes[1:]
+        rule = next((tuple(r) for rx, r in rules if re.search(rx, probe)), None)
+        if rule is not None and tuple(axes[:len(rule)]) != rule:
+            out.append(name)
+    return out
+
+
+def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
+                 desc: str = "weights", on_placed=None) -> dict:
+    """Wrap a torch module for torchax and stream its weights into their shards on ``mesh``.
+
+    Every weight goes from host memory straight into its ``NamedSharding`` (see
+    ``placement.place_tensors``): no device holds a whole weight unless its spec replicates
+    it, and each torch tensor's storage is freed once it is placed. Buffers (RoPE tables)
+    are replicated.
+
+    Args:
+        module: a torch module on CPU.
+        mesh: the ("dp", "tp", "sp") mesh.
+        rules: ((regex, spec), ...) for ``sharding_specs``; no rule means replicated.
+        fsdp: see ``sharding_specs``.
+        include: optional ``f(name) -> bool``; only those weights are placed (the rest stay
+            on the host, unused by the program that gets these params).
+        desc: progress-bar label.
+        on_placed: optional ``f(name, jax.Array)`` after each weight (memory accounting).
 
     Returns:
         dict(module=JittableModule, params={name: jax.Array}, buffers={name: jax.Array},
-        specs={name: PartitionSpec}, rule_counts={regex: parameters}, unmatched=[names]).
+        specs={name: PartitionSpec}, rule_counts={regex: parameters}, unmatched=[names],
+        undivided=[names a rule matched but whose dims the mesh does not divide],
+        bytes=host bytes placed, seconds=placement wall time).
     """
-    import jax
-    import torchax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    env = torchax.default_env()
+    import placement
+
     jm = interop.JittableModule(module)
-    params, buffers = env.t2j_copy(jm.params), env.t2j_copy(jm.buffers)
+    keep = include or (lambda name: True)
+    params = {k: v for k, v in jm.params.items() if keep(k)}
+    buffers = {k: v for k, v in jm.buffers.items() if keep(k)}
     specs, counts, unmatched = module_sharding_specs(
         module, {k: v.shape for k, v in params.items()}, rules, mesh, fsdp=fsdp)
-    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-    buffers = jax.device_put(buffers, NamedSharding(mesh, P()))
-    return dict(module=jm, params=params, buffers=buffers, specs=specs, rule_counts=counts,
-                unmatched=unmatched)
+    shardings = {k: NamedSharding(mesh, specs[k]) for k in params}
+    shardings.update({k: NamedSharding(mesh, P()) for k in buffers})
+    nbytes = sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
+    t0 = time.perf_counter()
+    placed = placement.place_tensors({**params, **buffers}, shardings, desc=desc,
+                                     on_placed=on_placed)
+    return dict(module=jm, params={k: placed[k] for k in params},
+                buffers={k: placed[k] for k in buffers}, specs=specs, rule_counts=counts,
+                unmatched=unmatched, undivided=undivided_weights(specs, rules), bytes=nbytes,
+                seconds=time.perf_counter() - t0)
 
 
-def shard_weights(pipe, mesh, args):
-    """Move the transformer's weights to JAX on ``mesh`` by the Megatron table (plus FSDP with
-    ``--fsdp``); the VAE is placed replicated by ``place_module`` and sharded by activation
-    (see ``VaeDecoder``). Logs what each rule matched and, at debug level, every weight left
-    replicated. Returns {"transformer": ...} as ``place_module`` returns it."""
+def shard_weights(pipe, mesh, args, fallbacks=None):
+    """Stream the transformer's weights into their shards on ``mesh`` by the Megatron table
+    (plus FSDP with ``--fsdp``); see ``place_module``. Logs what each rule matched and, at
+    debug level, every weight no rule names; weights a rule matched but the mesh cannot
+    divide are reported to ``fallbacks``. Returns {"transformer": ...} as ``place_module``
+    returns it."""
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
     if args.scan_layers:
         import scan_layers
 
         scan_layers.scan_blocks(pipe.transformer)  # before the sp hooks, which it keeps
-    out = dict(transformer=place_module(pipe.transformer, mesh, rules, fsdp=args.fsdp))
+    out = dict(transformer=place_module(pipe.transformer, mesh, rules, fsdp=args.fsdp,
+                                        desc="transformer"))
     t = out["transformer"]
     for rx, n in t["rule_counts"].items():
         log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
     log.debug("replicated (no rule): %s", ", ".join(t["unmatched"]))
+    if t["undivided"] and fallbacks is not None:
+        fallbacks("weight_replicated",
+                  f"{len(t['undivided'])} weight(s) stay replicated: a sharding rule matches "
+                  f"but mesh {dict(mesh.shape)} does not divide their dims "
+                  f"({', '.join(t['undivided'][:3])}{', ...' if len(t['undivided']) > 3 else ''})")
     if args.sp > 1:
         add_sequence_parallel_hooks(pipe.transformer, mesh)
     return out
+
+
+# The VAE decode reads only these weights; the encoder (~0.2 GB float32) stays on the host.
+VAE_DECODE_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+def is_vae_decode_weight(name: str) -> bool:
+    return name.startswith(VAE_DECODE_PREFIXES)
+
+
+def place_vae(vae, mesh) -> dict:
+    """Stream the VAE's decoder weights onto every device (replicated: a conv net's weights
+    are small; its activations are what ``VaeDecoder`` shards). Returns as ``place_module``."""
+    return place_module(vae, mesh, include=is_vae_decode_weight, desc="VAE decoder")
+
+
+class Fallbacks:
+    """Every silent fallback made loud: each distinct one is logged once as a warning and
+    listed in the JSON report's ``fallbacks``.
+
+    Call it as ``fallbacks(kind, detail)``; kinds: "attention_to_xla" (a call the Splash
+    wrapper cannot split), "weight_replicated" (a rule the mesh cannot divide),
+    "vae_decode_replicated" (a latent width the devices do not divide).
+    """
+
+    def __init__(self):
+        self.items: list[dict] = []
+
+    def __call__(self, kind: str, detail: str) -> None:
+        item = dict(kind=kind, detail=detail)
+        if item not in self.items:
+            self.items.append(item)
+            log.warning("fallback (%s): %s", kind, detail)
 
 
 def add_sequence_parallel_hooks(transformer, mesh) -> list:
@@ -805,7 +917,7 @@ class VaeDecoder:
     """
 
     def __init__(self, placed: dict, vae, mesh, *, tiling: bool = False,
-                 abstract: bool = False):
+                 abstract: bool = False, fallbacks=None):
         import jax
         import numpy as np
         from jax.sharding import NamedSharding
@@ -814,6 +926,7 @@ class VaeDecoder:
         if vae.config.patch_size is not None:
             raise GenerationError("VAE with patch_size (Wan 2.2) is not supported yet")
         self.placed, self.vae, self.tiling = placed, vae, tiling
+        self.fallbacks = fallbacks
         self.replicated = NamedSharding(mesh, P())
         z = vae.config.z_dim
         mean = np.asarray(vae.config.latents_mean, np.float32).reshape(1, z, 1, 1, 1)
@@ -846,7 +959,13 @@ class VaeDecoder:
         from jax.sharding import PartitionSpec as P
 
         mesh = self.replicated.mesh
-        if mesh.size == 1 or shape[-1] % mesh.size:
+        if mesh.size == 1:
+            return None
+        if shape[-1] % mesh.size:
+            if self.fallbacks is not None:
+                self.fallbacks("vae_decode_replicated",
+                               f"latent width {shape[-1]} (--width / 8) does not divide over "
+                               f"{mesh.size} devices: every device decodes whole frames")
             return None
         return NamedSharding(mesh, P(None, None, None, None, mesh.axis_names))
 
@@ -858,11 +977,14 @@ class VaeDecoder:
         import jax
         from torchax import interop
 
+        from custom_splash_attention import forced_attention
+
         key = (kinds, first, tuple((c.shape, str(c.dtype)) for c in cache))
         if key not in self.programs:
             fn = _vae_chunk_fn(self.placed["module"], kinds, first, self.kinds_out,
                                self._spatial(z.shape))
-            lowered = jax.jit(interop.jax_view(fn)).lower(*self._args(z, cache))
+            with forced_attention("xla"):  # one float32 head of 384: see forced_attention
+                lowered = jax.jit(interop.jax_view(fn)).lower(*self._args(z, cache))
             cache_out = lowered.out_info[1]
             spatial = self._spatial(z.shape)
             if spatial is not None:
@@ -875,12 +997,15 @@ class VaeDecoder:
         import jax
         from torchax import interop
 
+        from custom_splash_attention import forced_attention
+
         t0 = time.perf_counter()
         if self.tiling:
             self.vae.enable_tiling()
-            self.full = jax.jit(interop.jax_view(_vae_full_fn(self.placed["module"])),
-                                out_shardings=self.replicated).lower(
-                *self._args(latents, [])[:5]).compile()
+            with forced_attention("xla"):
+                self.full = jax.jit(interop.jax_view(_vae_full_fn(self.placed["module"])),
+                                    out_shardings=self.replicated).lower(
+                    *self._args(latents, [])[:5]).compile()
             return time.perf_counter() - t0
         b, c, f, h, w = latents.shape
         z = jax.ShapeDtypeStruct((b, c, 1, h, w), latents.dtype,
@@ -964,7 +1089,8 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str):
         step: compiled model call (params bound) latents, t, embeds -> noise prediction.
         scheduler: a fresh ``UniPCMultistepScheduler`` with timesteps set.
         latents: (1, 16, F', H', W') float32 ``jax.Array``.
-        timesteps: list of (1,) ``jax.Array`` matching ``scheduler.timesteps``.
+        timesteps: [(torch timestep, (1,) ``jax.Array``)], ``scheduler.timesteps`` in order
+            (a prefix of them for the warmup).
 
     Returns:
         final latents, float32 ``jax.Array`` (not yet synchronised).
@@ -972,10 +1098,21 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str):
     from tqdm import tqdm
 
     scheduler.set_begin_index(0)
-    for t_torch, t in tqdm(list(zip(scheduler.timesteps, timesteps, strict=True)), desc=desc,
-                           leave=False):
+    for t_torch, t in tqdm(timesteps, desc=desc, leave=False):
         latents = denoise_step(step, scheduler, latents, t_torch, t, embeds)
     return latents
+
+
+def new_scheduler(scheduler_config, num_inference_steps: int, timesteps_sharding):
+    """A fresh UniPC scheduler with its timesteps set, and [(torch t, (1,) jax.Array t)]."""
+    import jax
+    from diffusers import UniPCMultistepScheduler
+
+    scheduler = UniPCMultistepScheduler.from_config(scheduler_config)
+    scheduler.set_timesteps(num_inference_steps)
+    timesteps = [(t, jax.device_put(timestep_array(t), timesteps_sharding))
+                 for t in scheduler.timesteps]
+    return scheduler, timesteps
 
 
 def profile_step(profile_dir: str, *, step, scheduler_config, latents0, embeds,
@@ -991,13 +1128,10 @@ def profile_step(profile_dir: str, *, step, scheduler_config, latents0, embeds,
     Returns dict(dir, files (paths relative to ``profile_dir``), traced_step, seconds).
     """
     import jax
-    from diffusers import UniPCMultistepScheduler
 
-    scheduler = UniPCMultistepScheduler.from_config(scheduler_config)
-    scheduler.set_timesteps(num_inference_steps)
+    scheduler, steps = new_scheduler(scheduler_config, num_inference_steps, timesteps_sharding)
     scheduler.set_begin_index(0)
-    steps = [(t, jax.device_put(timestep_array(t), timesteps_sharding))
-             for t in scheduler.timesteps[:2]]
+    steps = steps[:2]
     latents = latents0
     if len(steps) == 2:
         latents = denoise_step(step, scheduler, latents, *steps[0], embeds)
@@ -1108,36 +1242,58 @@ def token_count(cfg: dict, args) -> int:
         args.width // VAE_SPATIAL_SCALE // pw)
 
 
-def peak_tflops(device_kind: str) -> float | None:
-    kind = device_kind.lower()
-    for key, peak in PEAK_BF16_TFLOPS.items():
-        if key in kind:
-            return peak
-    return None
+def warmup(args, *, latents0, step=None, scheduler_config=None, embeds=None,
+           vae_decode=None, timesteps_sharding=None) -> dict:
+    """Run every compiled program once, so the timed runs measure steady state.
+
+    Both programs are compiled ahead of time, so the warmup needs no whole generation:
+    ``--warmup_steps`` denoising steps (UniPC's first-order step 0 and its predictor-
+    corrector step 1 cover every eager scheduler op) and one VAE decode of their latents.
+    At 720p on v6e-8 a whole-generation warmup would cost ~4 min per run.
+
+    Returns:
+        {} with ``--warmup_steps 0``, else dict(warmup_s, warmup_denoise_s, warmup_steps,
+        warmup_vae_decode_s), keys present for the stages that ran.
+    """
+    if args.warmup_steps == 0:
+        return {}
+    out, t0, latents = {}, time.perf_counter(), latents0
+    if step is not None:
+        scheduler, timesteps = new_scheduler(scheduler_config, args.num_inference_steps,
+                                             timesteps_sharding)
+        n = min(args.warmup_steps, len(timesteps))
+        latents = denoise(step, scheduler, latents0, timesteps[:n], embeds, desc="warmup")
+        latents.block_until_ready()
+        out.update(warmup_denoise_s=time.perf_counter() - t0, warmup_steps=n)
+    if vae_decode is not None:
+        t1 = time.perf_counter()
+        decode(vae_decode, latents)
+        out["warmup_vae_decode_s"] = time.perf_counter() - t1
+    out["warmup_s"] = time.perf_counter() - t0
+    print(f"warmup: {out['warmup_s']:.2f} s"
+          + (f" ({out['warmup_steps']} denoising steps" if "warmup_steps" in out else " (")
+          + ("; VAE decode)" if vae_decode is not None else ")"))
+    return out
 
 
 def run_benchmark(args, *, latents0, step=None, scheduler_config=None, embeds=None,
                   vae_decode=None, timesteps_sharding=None):
-    """Warmup then timed runs of the selected stages; returns (latents, video, runs).
+    """``--num_iterations`` timed generations of the selected stages (after ``warmup``);
+    returns (latents, video, runs).
 
     ``step`` (with ``scheduler_config``, ``embeds``) runs the denoising loop from ``latents0``;
     ``vae_decode`` decodes its result (or ``latents0`` when there is no ``step``). Every
     timing blocks on the device result (``block_until_ready``), never on dispatch.
     """
-    import jax
-    from diffusers import UniPCMultistepScheduler
-
     runs, latents, video = [], latents0, None
     for i in range(args.num_iterations):
-        desc = "warmup" if i == 0 else f"run {i}/{args.num_iterations - 1}"
+        desc = f"run {i + 1}/{args.num_iterations}"
         run = {}
-        t0 = time.perf_counter()
         latents = latents0
+        t0 = time.perf_counter()
         if step is not None:
-            scheduler = UniPCMultistepScheduler.from_config(scheduler_config)
-            scheduler.set_timesteps(args.num_inference_steps)
-            timesteps = [jax.device_put(timestep_array(t), timesteps_sharding)
-                         for t in scheduler.timesteps]
+            scheduler, timesteps = new_scheduler(scheduler_config, args.num_inference_steps,
+                                                 timesteps_sharding)
             t0 = time.perf_counter()
             latents = denoise(step, scheduler, latents0, timesteps, embeds, desc=desc)
             latents.block_until_ready()
@@ -1165,63 +1321,63 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def summarize(runs, timings: dict, flops_per_step: float | None, device_kind: str,
-              n_devices: int):
-    """Compile, warmup and steady-state statistics and throughput, for the report.
+def summarize(runs, timings: dict, flops_per_step: float | None, devices) -> dict:
+    """Placement, compile, warmup and steady-state statistics and throughput, for the report.
 
-    Steady state is every run after the first; the first run after the explicit compiles is
-    the warmup (remaining one-time costs such as the eager scheduler ops' own compiles).
+    Every timed run is steady state: the programs were compiled ahead of time and run once
+    by the warmup. ``cold_start_s`` is what a user waits before the first timed run starts:
+    text encode + placement + compiles + warmup.
     """
+    import chips
+
     out = dict(timings)
-    compile_s = sum(v for k, v in timings.items() if k.startswith("compile_"))
-    if runs:
-        out.update(warmup_run_s=runs[0]["total_s"],
-                   first_run_with_compile_s=runs[0]["total_s"] + compile_s, runs=runs)
-    steady = runs[1:]
-    if steady:
-        totals = [r["total_s"] for r in steady]
-        out.update(steady_mean_s=_mean(totals), steady_min_s=min(totals),
-                   steady_max_s=max(totals))
-        if "vae_decode_s" in steady[0]:
-            out["steady_vae_decode_s"] = _mean([r["vae_decode_s"] for r in steady])
-        if "s_per_step" in steady[0]:
-            s_step = _mean([r["s_per_step"] for r in steady])
-            out["steady_s_per_step"] = s_step
-            out["transformer_flops_per_step"] = flops_per_step
-            achieved = flops_per_step / s_step / 1e12
-            out["achieved_tflops"] = achieved
-            peak = peak_tflops(device_kind)
-            # MFU = achieved FLOP/s / (chips * per-chip bf16 peak), analytic FLOPs of the
-            # model call only (scheduler and VAE excluded), as nanoGPT estimates it.
-            out["mfu"] = achieved / (peak * n_devices) if peak else None
+    out["cold_start_s"] = sum(
+        v for k, v in timings.items()
+        if k in ("text_encode_s", "warmup_s") or (k.startswith(("compile_", "place_"))
+                                                  and k.endswith("_s")))
+    out["runs"] = runs
+    totals = [r["total_s"] for r in runs]
+    out.update(steady_mean_s=_mean(totals), steady_min_s=min(totals), steady_max_s=max(totals))
+    if "vae_decode_s" in runs[0]:
+        out["steady_vae_decode_s"] = _mean([r["vae_decode_s"] for r in runs])
+    if "s_per_step" in runs[0]:
+        s_step = _mean([r["s_per_step"] for r in runs])
+        out["steady_s_per_step"] = s_step
+        out["transformer_flops_per_step"] = flops_per_step
+        out["achieved_tflops"] = flops_per_step / s_step / 1e12
+        # MFU = analytic model-call FLOPs per step / s/step / (chips x bf16 peak per chip);
+        # the scheduler and the VAE are excluded (nanoGPT's definition).
+        out["mfu"] = chips.mfu(flops_per_step, s_step, devices)
     return out
 
 
 def print_summary(s: dict, device_kind: str, n_devices: int) -> None:
     print(f"\n== Summary ({n_devices} x {device_kind}) ==")
-    rows = [("text encode (CPU, once)", "text_encode_s", "s"),
-            ("compile transformer step", "compile_transformer_s", "s"),
-            ("compile VAE decode", "compile_vae_s", "s")]
-    for label, key, unit in rows:
+    rows = [("text encode (CPU, once)", "text_encode_s"),
+            ("place transformer weights", "place_transformer_s"),
+            ("place VAE weights", "place_vae_s"),
+            ("compile transformer step", "compile_transformer_s"),
+            ("compile VAE decode", "compile_vae_s"),
+            ("warmup", "warmup_s"),
+            ("cold start (all of the above)", "cold_start_s")]
+    for label, key in rows:
         if key in s:
-            print(f"{label + ':':<30}{s[key]:8.2f} {unit}")
-    if "warmup_run_s" in s:
-        print(f"{'first run (with compile):':<30}{s['first_run_with_compile_s']:8.2f} s "
-              f"(warmup run {s['warmup_run_s']:.2f} s)")
-    if "steady_mean_s" not in s:
-        if "runs" in s:
-            print("steady state: none (--num_iterations 1 runs the warmup only)")
+            print(f"{label + ':':<32}{s[key]:8.2f} s")
+    if "place_transformer_gbps" in s:
+        print(f"{'  placement rate:':<32}{s['place_transformer_gbps']:8.2f} GB/s (host -> "
+              "devices, transformer)")
+    if "runs" not in s:
         return
-    label = f"steady state, {len(s['runs']) - 1} run(s):"
-    print(f"{label:<30}{s['steady_mean_s']:8.2f} s mean (min {s['steady_min_s']:.2f}, "
+    label = f"steady state, {len(s['runs'])} run(s):"
+    print(f"{label:<32}{s['steady_mean_s']:8.2f} s mean (min {s['steady_min_s']:.2f}, "
           f"max {s['steady_max_s']:.2f})")
     if "steady_s_per_step" in s:
-        print(f"{'  denoise:':<30}{s['steady_s_per_step']:8.3f} s/step")
+        print(f"{'  denoise:':<32}{s['steady_s_per_step']:8.3f} s/step")
     if "steady_vae_decode_s" in s:
-        print(f"{'  VAE decode:':<30}{s['steady_vae_decode_s']:8.2f} s")
+        print(f"{'  VAE decode:':<32}{s['steady_vae_decode_s']:8.2f} s")
     if "achieved_tflops" in s:
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
-        print(f"{'  transformer throughput:':<30}{s['achieved_tflops']:8.3f} TFLOP/s{mfu}")
+        print(f"{'  transformer throughput:':<32}{s['achieved_tflops']:8.3f} TFLOP/s{mfu}")
 
 
 def versions() -> dict:
@@ -1363,12 +1519,6 @@ def load_latents(work_dir, vae_config: dict, args):
 # ---------------------------------------------------------------------------------------------
 
 
-# HBM per device that programs may use, as libtpu 0.0.42.1's compiler reports it ("exceeds
-# available HBM (31.25G)" on v6e), i.e. the chip's HBM minus the runtime's reservation.
-HBM_BYTES = {"v4": int(15.25 * 2**30), "v5e": int(15.75 * 2**30), "v5p": int(95.74 * 2**30),
-             "v6e": int(31.25 * 2**30)}
-
-
 class _Skipped(Exception):
     """--dry_run_skip_vae: the VAE row is left out of the table."""
 
@@ -1466,6 +1616,7 @@ def dry_run(args) -> tuple[int, dict]:
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
+    import chips
     from custom_splash_attention import install_sdpa_override
 
     try:
@@ -1473,10 +1624,10 @@ def dry_run(args) -> tuple[int, dict]:
     except Exception as e:  # libtpu missing or an unknown name
         raise UsageError(f"--topology={args.topology!r}: {str(e).splitlines()[0]}") from None
     devices = list(topo.devices)
-    chip = args.topology.split(":")[0]
-    capacity = HBM_BYTES.get(chip)
-    if capacity is None:
-        _fail("--topology", args.topology, f"unknown chip; known: {', '.join(HBM_BYTES)}")
+    chip = chips.chip_for_topology(args.topology)
+    if chip is None:
+        _fail("--topology", args.topology, f"unknown chip; known: {', '.join(chips.CHIPS)}")
+    capacity = chip.usable_hbm_bytes  # per JAX device (a v7x chip is 2 devices)
     folder = model_config_dir(args.model_id)
     cfg = dict(WanTransformer3DModel.load_config(folder, subfolder="transformer"))
     if args.dry_run_layers:
@@ -1535,8 +1686,10 @@ def dry_run(args) -> tuple[int, dict]:
         rows.append(_oom_row("transformer step", e, time.perf_counter() - t0, capacity,
                              transformer_weights + _per_chip_bytes([latents, embeds])))
     jv = interop.JittableModule(vae)
-    vae_placed = dict(module=jv, params=_abstract(jv.params, mesh),
-                      buffers=_abstract(jv.buffers, mesh))
+    vae_placed = dict(module=jv, params=_abstract(
+        {k: v for k, v in jv.params.items() if is_vae_decode_weight(k)}, mesh),
+        buffers=_abstract({k: v for k, v in jv.buffers.items() if is_vae_decode_weight(k)},
+                          mesh))
     decoder = VaeDecoder(vae_placed, vae, mesh, tiling=args.vae_tiling, abstract=True)
     t0 = time.perf_counter()
     try:
@@ -1573,7 +1726,8 @@ def dry_run(args) -> tuple[int, dict]:
     attention_flops = (4 * token_count(cfg, args) ** 2 * cfg["attention_head_dim"]
                        * cfg["num_attention_heads"] * cfg["num_layers"] * batch)
     report = dict(
-        dry_run=True, topology=args.topology, chips=len(devices), fits=fits,
+        dry_run=True, topology=args.topology, devices=len(devices),
+        chips=chips.count_chips(devices), fits=fits,
         libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
         vae_checked=not args.dry_run_skip_vae,
         settings={**vars(args), "attention": attention}, mesh=dataclasses.asdict(shape),
@@ -1586,7 +1740,9 @@ def dry_run(args) -> tuple[int, dict]:
 
 def print_dry_run(report: dict) -> None:
     gib = lambda b: "-" if b is None else f"{b / 2**30:7.2f}"  # noqa: E731
-    print(f"\n== Dry run: {report['topology']} ({report['chips']} chips), mesh "
+    chips = f"{report['chips']} chips" + (f", {report['devices']} devices"
+                                          if report["devices"] != report["chips"] else "")
+    print(f"\n== Dry run: {report['topology']} ({chips}), mesh "
           f"dp{report['mesh']['dp']} tp{report['mesh']['tp']} sp{report['mesh']['sp']}, "
           f"{report['layers_compiled']} blocks, {report['tokens']} tokens ==")
     print(f"{'program':<34}{'args GiB':>9}{'out GiB':>9}{'temp GiB':>9}{'kept GiB':>9}"
@@ -1612,6 +1768,109 @@ def print_dry_run(report: dict) -> None:
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
 
 
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "exceeds available HBM",
+               "Ran out of memory")
+
+
+def _oom_details(text: str) -> str:
+    """The sizes an XLA/PJRT out-of-memory message states, as a short phrase ("" if none)."""
+    size = r"([\d.]+\s?[KMGT]i?B?)"
+    for pattern, fmt in (
+        (rf"temporaries \({size}\) exceeds available HBM \({size}\)",
+         "temporaries {0} exceed the available {1}"),
+        (rf"[Uu]sed {size} of {size}", "needs {0} of {1}"),
+        (rf"allocate {size}.*?{size} free", "allocating {0} with {1} free"),
+        (rf"allocat\w* {size}", "allocating {0}"),
+        (r"allocating (\d+) bytes", "allocating {0} bytes"),
+    ):
+        m = re.search(pattern, text, flags=re.S)
+        if m:
+            return fmt.format(*m.groups())
+    return ""
+
+
+def dry_run_command(args, devices) -> str:
+    """The ``--dry_run`` command that predicts this run's per-chip HBM without a TPU."""
+    import chips
+
+    topology = chips.topology_name(devices) or "<chip>:<AxB>"
+    flags = [f"--model_id {args.model_id}", f"--height {args.height}", f"--width {args.width}",
+             f"--frames {args.frames}"]
+    flags += [f"--{k} {getattr(args, k)}" for k in ("dp", "tp", "sp")
+              if getattr(args, k, None) is not None]
+    return f"python generate_flax.py {' '.join(flags)} --dry_run --topology {topology}"
+
+
+@contextlib.contextmanager
+def hardware_errors(stage: str, args, devices):
+    """Turn a device out-of-memory error inside the block into a one-line ``GenerationError``.
+
+    It names ``stage``, the sizes the runtime reported, and the dry-run command that
+    predicts the failure. Any other error passes through unchanged.
+    """
+    try:
+        yield
+    except (UsageError, GenerationError):
+        raise
+    except Exception as e:
+        text = str(e)
+        if not any(marker in text for marker in OOM_MARKERS):
+            raise
+        details = _oom_details(text)
+        raise GenerationError(
+            f"out of device memory while {stage}" + (f" ({details})" if details else "")
+            + f"; predict it without a TPU: {dry_run_command(args, devices)}") from None
+
+
+def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
+    """Self-check the Splash kernel ``attention`` names on the default device (see
+    ``custom_splash_attention.kernel_self_check``); None for "xla".
+
+    Raises:
+        GenerationError: the kernel's error exceeds the tested tolerance.
+    """
+    import jax
+
+    import custom_splash_attention as csa
+
+    if attention not in csa.SPLASH_KERNELS:
+        return None
+    result = csa.kernel_self_check(attention, interpret=interpret)
+    if not result["passed"]:
+        other = "--attention xla" if attention == "stock_splash" else "--attention stock_splash"
+        raise GenerationError(
+            f"--attention {attention}: kernel self-check failed on "
+            f"{jax.devices()[0].device_kind}: max error {result['max_abs_error']:.3g} against "
+            f"the float32 reference exceeds {result['tolerance']} (bf16 "
+            f"{'x'.join(map(str, result['shape']))}); rerun with {other}")
+    log.info("kernel self-check %s: max error %.2e in %.3f s", attention,
+             result["max_abs_error"], result["seconds"])
+    return result
+
+
+def place_inputs(pipe, embeds_cpu, mesh, args):
+    """Prompt embeddings and seeded initial latents, streamed to their shardings.
+
+    Returns (embeds (B, T, text_dim) in the model dtype over "dp" (B = 2 with CFG:
+    [cond, uncond]), latents0 (1, 16, F', H/8, W/8) float32 replicated).
+    """
+    import torch
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import placement
+
+    pos, neg = embeds_cpu
+    embeds = pos if not use_cfg(args) else torch.cat([pos, neg])
+    embeds = embeds.to(getattr(torch, args.dtype))
+    # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
+    # measured 54 vs 5.9 s/step without and with this.
+    embeds = placement.place_array(placement.host_array(embeds), NamedSharding(mesh, P("dp")))
+    latents0 = placement.place_array(placement.host_array(prepare_latents(pipe, args)),
+                                     NamedSharding(mesh, P()))
+    return embeds, latents0
+
+
 def generate(args, devices=None):
     """Run the stages ``--stage`` selects; returns (frames or None, report).
 
@@ -1625,7 +1884,6 @@ def generate(args, devices=None):
     configure_jax_platform()
     quiet_known_warnings()
     import jax
-    import torch
     import torchax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -1638,6 +1896,7 @@ def generate(args, devices=None):
     devices = jax.devices() if devices is None else list(devices)
     cfg = read_transformer_config(args.model_id)
     timings: dict = {}
+    fallbacks = Fallbacks()
     embeds_cpu = latents_cpu = None
     if stage == "denoise":  # intermediates are checked before any weights load
         embeds_cpu = load_embeddings(args.work_dir, cfg, args)
@@ -1646,6 +1905,11 @@ def generate(args, devices=None):
     mesh_shape = resolve_mesh_shape(args, len(devices), cfg if stage != "decode" else None)
     args.dp, args.tp, args.sp = mesh_shape.dp, mesh_shape.tp, mesh_shape.sp
     attention = default_attention_backend() if args.attention == "auto" else args.attention
+    interpret = jax.default_backend() != "tpu"
+    report = dict(stage=stage, settings={**vars(args), "attention": attention},
+                  versions=versions())
+    if stage in ("all", "denoise"):  # before minutes of weight loading, not after
+        report["kernel_self_check"] = check_attention_kernel(attention, interpret=interpret)
 
     pipe = load_pipeline(args, STAGE_COMPONENTS[stage])
     if pipe.transformer is not None:
@@ -1654,8 +1918,6 @@ def generate(args, devices=None):
         t0 = time.perf_counter()
         embeds_cpu = encode_prompts(pipe, args)
         timings["text_encode_s"] = time.perf_counter() - t0
-    report = dict(stage=stage, settings={**vars(args), "attention": attention},
-                  versions=versions())
     if stage == "encode":
         save_embeddings(args.work_dir, *embeds_cpu, args)
         report["timings"] = timings
@@ -1667,33 +1929,38 @@ def generate(args, devices=None):
     weights = {}
     if stage in ("all", "denoise"):
         install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                              block_sizes=block_sizes(args),
-                              interpret=jax.default_backend() != "tpu")
-        weights = shard_weights(pipe, mesh, args)
-        # Inputs are placed on the mesh explicitly: torchax does not shard them by itself,
-        # and an earlier port measured 54 vs 5.9 s/step without and with this.
-        pos, neg = embeds_cpu
-        embeds = pos if not use_cfg(args) else torch.cat([pos, neg])  # (B, T, D): [cond, uncond]
-        embeds = jax.device_put(embeds.float().numpy(), NamedSharding(mesh, P("dp")))
-        embeds = embeds.astype(getattr(jax.numpy, args.dtype))
-        latents0 = jax.device_put(prepare_latents(pipe, args).numpy(), replicated)
+                              block_sizes=block_sizes(args), interpret=interpret,
+                              on_fallback=fallbacks)
+        with hardware_errors("placing the transformer weights", args, devices):
+            weights = shard_weights(pipe, mesh, args, fallbacks)
+            embeds, latents0 = place_inputs(pipe, embeds_cpu, mesh, args)
+        w = weights["transformer"]
+        timings["place_transformer_s"] = w["seconds"]
+        timings["place_transformer_gbps"] = w["bytes"] / max(w["seconds"], 1e-9) / 1e9
         pipe.scheduler.set_timesteps(args.num_inference_steps)
         t_example = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), replicated)
-        step_compiled, timings["compile_transformer_s"] = compile_transformer_step(
-            weights, mesh, args, latents0, t_example, embeds)
-        w = weights["transformer"]
+        with hardware_errors("compiling the transformer step", args, devices):
+            step_compiled, timings["compile_transformer_s"] = compile_transformer_step(
+                weights, mesh, args, latents0, t_example, embeds)
         bench.update(step=lambda lat, t, emb: step_compiled(w["params"], w["buffers"], lat, t,
                                                             emb),
                      scheduler_config=pipe.scheduler.config, embeds=embeds)
     else:
         latents0 = jax.device_put(latents_cpu.numpy(), replicated)
     if stage in ("all", "decode"):
-        placed_vae = place_module(pipe.vae, mesh)
-        vae_decode = VaeDecoder(placed_vae, pipe.vae, mesh, tiling=args.vae_tiling)
-        timings["compile_vae_s"] = vae_decode.compile(latents0)
+        with hardware_errors("placing the VAE weights", args, devices):
+            placed_vae = place_vae(pipe.vae, mesh)
+        timings["place_vae_s"] = placed_vae["seconds"]
+        vae_decode = VaeDecoder(placed_vae, pipe.vae, mesh, tiling=args.vae_tiling,
+                                fallbacks=fallbacks)
+        with hardware_errors("compiling the VAE decode", args, devices):
+            timings["compile_vae_s"] = vae_decode.compile(latents0)
         bench["vae_decode"] = vae_decode
 
-    latents, video, runs = run_benchmark(args, latents0=latents0, **bench)
+    with hardware_errors("running the warmup", args, devices):
+        timings.update(warmup(args, latents0=latents0, **bench))
+    with hardware_errors("running the timed generations", args, devices):
+        latents, video, runs = run_benchmark(args, latents0=latents0, **bench)
     if args.profile_dir is not None:
         report["profile"] = profile_step(
             args.profile_dir, latents0=latents0, num_inference_steps=args.num_inference_steps,
@@ -1710,7 +1977,8 @@ def generate(args, devices=None):
         compilation_cache=dict(dir=args.compilation_cache_dir,
                                **{k: v - cache_before[k] for k, v in CACHE_STATS.items()})
         if cache_on else None,
-        timings=summarize(runs, timings, flops, device_kind, len(devices)),
+        timings=summarize(runs, timings, flops, devices),
+        fallbacks=fallbacks.items,
     )
     if weights:
         report.update(
@@ -1719,10 +1987,18 @@ def generate(args, devices=None):
                         sequence_parallel=mesh_shape.sp > 1),
             sharding_rule_matches=weights["transformer"]["rule_counts"])
     if stage == "denoise":
-        save_latents(args.work_dir, torch.from_numpy(np.array(jax.device_get(latents))),
-                     args, read_vae_config(args.model_id))
+        save_latents(args.work_dir, torch_from_jax(latents), args,
+                     read_vae_config(args.model_id))
         return None, report
     return to_frames(pipe, video), report
+
+
+def torch_from_jax(x):
+    """A ``jax.Array`` gathered to the host as a CPU torch tensor."""
+    import jax
+    import torch
+
+    return torch.from_numpy(np.array(jax.device_get(x)))
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -30,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import chips  # noqa: E402
 import custom_splash_attention as csa  # noqa: E402
 
-# bf16 dense peak per chip, TFLOP/s (Google Cloud TPU system architecture pages).
-PEAK_TFLOPS = {"TPU v6 lite": 918.0, "TPU v5 lite": 197.0, "TPU v5": 459.0, "TPU v4": 275.0}
 TPU_DEFAULTS = dict(batch=1, heads=5, q_len=75600, kv_len=75600, head_dim=128)
 CPU_DEFAULTS = dict(batch=1, heads=2, q_len=640, kv_len=640, head_dim=128)
 
@@ -85,10 +83,6 @@ def _parse_args(argv=None):
     return args
 
 
-def _round_up(x, m):
-    return -(-x // m) * m
-
-
 def make_ours(args):
     defaults = csa.BlockSizes()
     bs = csa.BlockSizes(
@@ -109,36 +103,14 @@ def make_ours(args):
 
 
 def make_stock(args):
-    """JAX's stock splash kernel; pads to its blocks and masks the padding by segment."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as stock
-
-    bq, bkv = args.stock_block_q, args.stock_block_kv
-    q_pad, kv_pad = _round_up(args.q_len, bq), _round_up(args.kv_len, bkv)
-    mask = stock.MultiHeadMask([stock.FullMask((q_pad, kv_pad))] * args.heads)
-    kernel = stock.make_splash_mha(
-        mask,
-        head_shards=1,
-        q_seq_shards=1,
-        interpret=not args.on_tpu,
-        block_sizes=stock.BlockSizes(
-            block_q=bq, block_kv=bkv, block_kv_compute=args.stock_block_kv_compute
-        ),
-    )
-    scale = 1.0 / math.sqrt(args.head_dim)
-    # Padded keys get segment 1, real keys and all queries segment 0: exact masking.
-    q_ids = jnp.zeros((q_pad,), jnp.int32)
-    kv_ids = (jnp.arange(kv_pad) >= args.kv_len).astype(jnp.int32)
-
-    @jax.jit
-    def run(q, k, v):
-        pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)))  # noqa: E731
-        qp, kp, vp = pad(q * scale, q_pad), pad(k, kv_pad), pad(v, kv_pad)
-        out = jax.vmap(
-            lambda a, b, c: kernel(a, b, c, segment_ids=stock.SegmentIds(q_ids, kv_ids))
-        )(qp, kp, vp)
-        return out[:, :, : args.q_len]
-
-    return run, f"blocks {bq}/{bkv}/{args.stock_block_kv_compute}, padded to {q_pad}/{kv_pad}"
+    """JAX's stock splash kernel through ``csa.stock_splash_attention`` (the product's
+    ``--attention stock_splash``): padded to its blocks, padding masked by segment ids."""
+    bs = csa.BlockSizes(block_q=args.stock_block_q, block_kv=args.stock_block_kv,
+                        block_kv_compute=args.stock_block_kv_compute)
+    run = jax.jit(lambda q, k, v: csa.stock_splash_attention(q, k, v, block_sizes=bs,
+                                                             interpret=not args.on_tpu))
+    fit = csa._fit_block_sizes(bs, args.q_len, args.kv_len)
+    return run, f"blocks {fit.block_q}/{fit.block_kv}/{fit.block_kv_compute}"
 
 
 def make_xla(args):
@@ -194,7 +166,8 @@ def main(argv=None) -> int:
             continue
         results[name] = seconds
         tflops = flops / seconds / 1e12
-        peak = PEAK_TFLOPS.get(kind) if args.on_tpu else None
+        chip = chips.chip_for_device_kind(kind) if args.on_tpu else None
+        peak = chip.peak_bf16_tflops if chip else None
         of_peak = f", {100 * tflops / peak:.1f}% of {peak:.0f} peak" if peak else ""
         print(f"{name:>6}: {seconds * 1e3:10.3f} ms  {tflops:9.4f} TFLOP/s{of_peak}  ({note})")
     if "ours" in results:

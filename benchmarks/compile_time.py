@@ -16,7 +16,7 @@ depend on this host's CPU and load; the TPU compiler's work, not the TPU, is mea
 
 With ``--cache`` it also runs ``generate_flax.py`` twice on the tiny checkpoint (JAX on CPU)
 against one fresh persistent compilation cache and compares the cold and warm reports'
-``compile_transformer_s``, ``compile_vae_s`` and ``first_run_with_compile_s``.
+``compile_transformer_s``, ``compile_vae_s`` and ``cold_start_s``.
 
 Examples:
     python benchmarks/compile_time.py                         # 14B, 720p x 81, v6e:2x4 dp2 tp4
@@ -258,7 +258,7 @@ def print_compile(results: list[dict], args) -> None:
 # Persistent compilation cache, cold vs warm (CPU, tiny checkpoint)
 # ---------------------------------------------------------------------------------------------
 
-CACHE_TIMINGS = ("compile_transformer_s", "compile_vae_s", "first_run_with_compile_s")
+CACHE_TIMINGS = ("compile_transformer_s", "compile_vae_s", "cold_start_s")
 
 
 def _run_generate(checkpoint: str, cache_dir: str, out_dir: str) -> dict:

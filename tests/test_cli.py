@@ -43,13 +43,25 @@ def test_cli_writes_playable_mp4_and_json_report(tiny_checkpoint, tmp_path):
     assert report["video"] == mp4
     assert report["settings"]["frames"] == 9 and report["settings"]["seed"] == 42
     assert report["devices"] == {"kind": "cpu", "count": 8, "platform": "cpu"}
+    # 64x96 is 480p class: flow_shift defaults to 3.0 (Wan 2.1 model card), recorded as such.
+    assert report["settings"]["flow_shift"] == 3.0
+    assert report["settings"]["flow_shift_source"] == "resolution"
+    assert report["settings"]["warmup_steps"] == 2 and report["settings"]["num_iterations"] == 2
     t = report["timings"]
-    for key in ("text_encode_s", "compile_transformer_s", "compile_vae_s", "warmup_run_s",
-                "first_run_with_compile_s", "steady_mean_s", "steady_min_s", "steady_max_s",
+    for key in ("text_encode_s", "place_transformer_s", "place_vae_s", "compile_transformer_s",
+                "compile_vae_s", "warmup_s", "warmup_denoise_s", "warmup_vae_decode_s",
+                "cold_start_s", "steady_mean_s", "steady_min_s", "steady_max_s",
                 "steady_s_per_step", "steady_vae_decode_s"):
         assert t[key] > 0, key
-    assert len(t["runs"]) == 2
-    assert t["first_run_with_compile_s"] > t["steady_mean_s"]
+    # The warmup ran 2 denoising steps and one decode, not a whole generation; both timed
+    # runs are steady state.
+    assert t["warmup_steps"] == 2 and len(t["runs"]) == 2
+    assert t["cold_start_s"] > t["compile_transformer_s"] + t["compile_vae_s"] + t["warmup_s"]
+    assert "warmup:" in proc.stdout and "run 2/2" in proc.stdout
+    # Width 96 -> latent width 12 does not split over 8 devices: said, not silent.
+    assert [f["kind"] for f in report["fallbacks"]] == ["vae_decode_replicated"]
+    assert "fallback (vae_decode_replicated)" in proc.stderr
+    assert report["kernel_self_check"] is None  # --attention auto is xla off TPU
     for pkg in ("jax", "torch", "torchax", "diffusers"):
         assert report["versions"][pkg]
     assert "== Summary" in proc.stdout and "s/step" in proc.stdout
@@ -80,6 +92,8 @@ BAD = [
     (["--guidance_scale", "-1"], "--guidance_scale=-1.0", ">= 0"),
     (["--guidance_scale", "nan"], "--guidance_scale=nan", "finite"),
     (["--num_iterations", "0"], "--num_iterations=0", ">= 1"),
+    (["--warmup_steps", "-1"], "--warmup_steps=-1", ">= 0"),
+    (["--dry_run", "--topology", "v6e"], "--topology='v6e'", "tpu7x:2x2x1"),
     (["--flow_shift", "0"], "--flow_shift=0.0", "> 0"),
     (["--dp", "3"], "--dp/--tp/--sp", "device count 8"),
     (["--bq", "100"], "--bq=100", "expected a multiple of 128"),
@@ -113,7 +127,7 @@ def test_missing_model_folder_says_how_to_get_weights(tmp_path):
     assert proc.returncode == 2
     line = proc.stderr.strip()
     assert "\n" not in line and "--model_id=" in line and "not found" in line
-    assert "make_tiny_checkpoint.py" in line and "huggingface-cli download" in line
+    assert "make_tiny_checkpoint.py" in line and "'hf download Wan-AI/" in line
 
 
 def test_folder_without_model_index_names_the_missing_file(tmp_path):

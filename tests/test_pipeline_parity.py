@@ -40,7 +40,7 @@ def _our_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0, extra=(
     args = generate_flax.validate_args(generate_flax.parse_args([
         "--model_id", checkpoint, "--dtype", dtype, "--seed", str(seed),
         "--flow_shift", str(flow_shift), "--guidance_scale", str(guidance_scale),
-        "--num_inference_steps", str(STEPS), "--num_iterations", "1",
+        "--num_inference_steps", str(STEPS), "--num_iterations", "1", "--warmup_steps", "0",
         "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
         "--frames", str(SHAPE["frames"]), "--attention", "xla",
         "--compilation_cache_dir", "none", *extra,
@@ -143,11 +143,18 @@ def test_bfloat16_frames_stay_near_float32_truth(tiny_checkpoint):
     assert np.abs(ours - truth).mean() < 1e-2
 
 
-def test_splash_kernel_in_pipeline_matches_xla_attention(tiny_checkpoint):
-    # The Pallas kernel runs in interpret mode on CPU, sharded by its shard_map wrapper.
-    xla, _ = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0)
-    splash, report = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0,
-                                 extra=("--attention", "splash"))
-    assert report["settings"]["attention"] == "splash"
-    # float32 kernel vs XLA softmax: both within ~1e-6 of exact attention per call.
-    np.testing.assert_allclose(splash, xla, atol=1e-4, rtol=0)
+def test_splash_kernels_in_pipeline_match_xla_attention(tiny_checkpoint):
+    # Both Pallas kernels (ours and JAX's stock splash, the --attention stock_splash
+    # fallback) run in interpret mode on CPU, sharded by the shard_map wrapper over the
+    # default 8-device mesh.
+    xla, report = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0)
+    assert report["kernel_self_check"] is None  # nothing to check for XLA attention
+    for kernel in ("splash", "stock_splash"):
+        frames, report = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0,
+                                     extra=("--attention", kernel))
+        assert report["settings"]["attention"] == kernel
+        check = report["kernel_self_check"]
+        assert check["backend"] == kernel and check["passed"]
+        assert 0 < check["max_abs_error"] <= check["tolerance"]
+        # float32 kernel vs XLA softmax: both within ~1e-6 of exact attention per call.
+        np.testing.assert_allclose(frames, xla, atol=1e-4, rtol=0, err_msg=kernel)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import generate_flax as gf
 
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",
-         "--num_iterations", "1", "--dtype", "float32", "--attention", "xla",
+         "--num_iterations", "1", "--warmup_steps", "0", "--dtype", "float32", "--attention", "xla",
          "--compilation_cache_dir", "none"]
 
 

@@ -15,7 +15,7 @@ import generate_flax as gf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "3",
-         "--num_iterations", "1", "--dtype", "float32", "--attention", "xla",
+         "--num_iterations", "1", "--warmup_steps", "0", "--dtype", "float32", "--attention", "xla",
          "--compilation_cache_dir", "none"]
 
 

@@ -1,0 +1,172 @@
+"""Host RAM and per-device bytes while real-architecture weights are placed on a mesh.
+
+Builds Wan 2.1's transformer from a shipped architecture config (default: the 1.3B one in
+``configs/``) with random bf16 weights, stacks its blocks as ``--scan_layers`` does, and places
+it on 8 CPU devices (dp2 x tp4, the default 8-device layout with CFG) through
+``generate_flax.place_module``, the product's streamed path. It prints, as ratios to the
+weight bytes:
+
+* the peak host RSS during placement (sampled every 5 ms) and the RSS before it;
+* the peak bytes any device holds (from ``jax.live_arrays()`` and shard shapes, after every
+  weight), device 0's peak and the other devices' median.
+
+``--legacy`` places the same weights the way this project did before streaming (torchax's
+``t2j_copy``, then ``device_put`` to the shardings), for a before/after ratio.
+
+CPU caveat: CPU "devices" live in host RAM, so here RSS also holds every device's copies;
+the host-side overhead is RSS minus the sum over devices. Figures are CPU figures, not TPU.
+
+Example:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        python benchmarks/placement.py [--legacy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+GB = 1e9
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "Wan-AI",
+                                                    "Wan2.1-T2V-1.3B-Diffusers"),
+                   help="folder with transformer/config.json")
+    p.add_argument("--legacy", action="store_true",
+                   help="place with torchax t2j_copy + device_put (the pre-streaming path)")
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=4)
+    return p.parse_args(argv)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler(threading.Thread):
+    """Peak resident set size of this process while running, sampled every 5 ms."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.stop = rss_bytes(), threading.Event()
+
+    def run(self):
+        while not self.stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+
+def random_transformer(config_dir: str):
+    """Wan transformer of the config's architecture, random bf16 weights (fp32-kept modules
+    in float32, as ``from_pretrained`` keeps them), blocks stacked for the scan."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    import scan_layers
+
+    cfg = WanTransformer3DModel.load_config(config_dir, subfolder="transformer")
+    with init_empty_weights():
+        model = WanTransformer3DModel.from_config(cfg).to(torch.bfloat16).eval()
+    keep = model._keep_in_fp32_modules or []
+    gen = torch.Generator().manual_seed(0)
+    for name, param in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        fp32 = any(k in name.split(".") for k in keep)
+        data = torch.empty(param.shape, dtype=torch.float32 if fp32 else torch.bfloat16)
+        data.normal_(0.0, 0.02, generator=gen)
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(data)
+    scan_layers.scan_blocks(model)
+    return model
+
+
+def place_legacy(model, mesh, rules):
+    """The pre-streaming path: every tensor whole on the default device, then resharded."""
+    import jax
+    import torchax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    import generate_flax as gf
+
+    env = torchax.default_env()
+    jm = interop.JittableModule(model)
+    params, buffers = env.t2j_copy(jm.params), env.t2j_copy(jm.buffers)
+    specs, _, _ = gf.module_sharding_specs(model, {k: v.shape for k, v in params.items()},
+                                           rules, mesh)
+    out = {}
+    for k, v in params.items():
+        out[k] = jax.device_put(v, NamedSharding(mesh, specs[k])).block_until_ready()
+        yield k, out[k]
+    jax.device_put(buffers, NamedSharding(mesh, P()))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    import generate_flax as gf
+    import placement
+
+    gf.quiet_known_warnings()
+    model = random_transformer(args.config)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    mesh = gf.make_mesh(gf.MeshShape(args.dp, args.tp, 1), jax.devices())
+    rules = gf.transformer_sharding_rules()
+    peaks: dict = {}
+
+    def account(name, arr):
+        for device, n in placement.per_device_bytes().items():
+            peaks[device] = max(peaks.get(device, 0), n)
+
+    before = rss_bytes()
+    sampler = RssSampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    placed = []  # keep the arrays alive for the final accounting
+    if args.legacy:
+        for name, arr in place_legacy(model, mesh, rules):
+            account(name, arr)
+            placed.append(arr)
+    else:
+        placed = gf.place_module(model, mesh, rules, desc="transformer", on_placed=account)
+    seconds = time.perf_counter() - t0
+    sampler.stop.set()
+    sampler.join()
+    after = placement.per_device_bytes()
+    devices = jax.devices()
+    dev0, others = peaks[devices[0]], [peaks[d] for d in devices[1:]]
+    path = "legacy t2j_copy + device_put" if args.legacy else "streamed (place_module)"
+    print(f"== Placement, {path}: {os.path.basename(args.config)} random bf16 weights, "
+          f"{len(devices)} CPU devices, dp{args.dp} x tp{args.tp} (CPU figures, not TPU) ==")
+    print(f"weight bytes W:                     {weight_bytes / GB:8.3f} GB")
+    print(f"host RSS before placement:          {before / weight_bytes:8.2f} x W")
+    print(f"host RSS peak during placement:     {sampler.peak / weight_bytes:8.2f} x W")
+    print(f"sum over devices after placement:   {sum(after.values()) / weight_bytes:8.2f} x W "
+          "(CPU devices live in host RAM)")
+    print(f"peak bytes on device 0:             {dev0 / weight_bytes:8.3f} x W")
+    print(f"peak bytes, median other device:    {statistics.median(others) / weight_bytes:8.3f}"
+          " x W")
+    print(f"device 0 / median other device:     {dev0 / statistics.median(others):8.2f}")
+    print(f"placement time:                     {seconds:8.2f} s "
+          f"({weight_bytes / seconds / GB:.2f} GB/s host -> CPU devices)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
