@@ -19,9 +19,12 @@ Algorithm
 ---------
 Online-softmax ("flash") attention after FlashAttention-2 (Dao 2023, arXiv:2307.08691) and
 JAX's Pallas splash kernel (``jax/experimental/pallas/ops/tpu/splash_attention``): the keys
-are visited in tiles; each query keeps a running maximum ``m``, a running denominator
-``l`` and an unnormalised output ``acc``; when a tile raises the maximum from ``m`` to
-``m'`` the old ``l`` and ``acc`` are rescaled by ``2^(m - m')``; the output is ``acc / l``.
+are visited in tiles; each query keeps a shift ``m``, a running denominator ``l`` and an
+unnormalised output ``acc``; when the shift moves from ``m`` to ``m'`` the old ``l`` and
+``acc`` are rescaled by ``2^(m - m')``; the output is ``acc / l``. Unlike textbook flash
+attention the shift is a *stale* running maximum ("lazy rescale", see Design): any shift
+shared by ``l`` and ``acc`` gives the same ``acc / l``, so it only has to keep
+``2^(x - m)`` from overflowing.
 
 The softmax runs in base 2. ``scale * log2(e)`` is folded into ``q`` once, outside the
 kernel, so the kernel's scores are ``x = s * log2(e)`` for the true logits ``s`` and every
@@ -52,6 +55,34 @@ Design
   O(S^2 D) attention) so both matmuls are MXU-native (NT and NN). The last KV step
   transposes ``acc`` in VMEM and writes ``(block_q, head_dim)``, so no transpose of the
   output is needed outside.
+* Lazy shift (issue #12 item 2). The textbook update needs the tile's max before its
+  exp2, i.e. a max pass over the whole f32 score tile, which Mosaic spills to VMEM between
+  passes (at 256 x 3328 the v6e loop was store-slot bound: 2,280 vector stores, 3,645
+  loads and 836 exp2 in 2,239 bundles per sub-tile, MXU use 33%). Here a sub-tile computes
+  ``p = 2^(x - m)`` with the shift ``m`` it already has, then ``l_tile = sum(p)``, and
+  accepts the tile for every query column with ``l_tile <= 2^64`` (so every ``p <= 2^64``:
+  finite in f32 and bf16, and ``l`` stays below 2^64 x keys): ``l += l_tile``,
+  ``acc += V^T P^T``. No max, no alpha, no rescale of ``acc`` on this path, and the
+  acceptance test is on ``l_tile``, which the sum already produces. Columns over the bound
+  (``inf`` included) keep their state and the sub-tile is redone for them under a
+  ``pl.when`` with the exact update (``m' = max(m, max x)``, rescale by ``2^(m - m')``),
+  tracked by a (1, block_q) flag row so both paths agree on the columns. The redo runs for
+  the first tile of every query (``m`` starts at a floor, so ``p`` is inf) and afterwards
+  only when a query's max jumps by about 64 (base 2; ~44 nats) over its shift: about
+  one sub-tile in ``num_kv_steps * block_kv / block_kv_compute`` (1 in 75 at 720p with
+  1024-key sub-tiles). ``>`` is False for NaN, so garbage query columns of a partial last
+  q block never trigger it. The static profile does not charge the rare branch; the
+  figures in RESULTS.md are the fast path's bundles. Exactness: as for any flash kernel,
+  the result is ``sum 2^(x - m) v / sum 2^(x - m)`` for a per-query ``m`` shared by both
+  sums; a stale ``m`` only makes the probabilities larger (never underflowing more than
+  the exact shift would), and f32 and bf16 keep the same relative precision at any
+  exponent.
+* Sub-tile size. With the max pass gone, larger ``block_kv_compute`` amortises the
+  per-sub-tile MXU fill/drain: on v6e (static profile estimates, 3328 queries) 256 keys
+  give 45% MXU use (was 33%) and ``BlockSizes(3328, 3072, 1024)`` 53% (v5e: 88% and 91%,
+  was 71%); 1536 overflows VMEM. The remaining v6e limit is VMEM spill traffic of the f32
+  score tile between the MXU pops and the exp2. Splitting the q block into lane chunks
+  to keep it in registers made the loop latency bound instead (3-7x slower).
 * Precision: bf16 Q/K/V feed the MXU as bf16 with f32 accumulation; the probabilities are
   cast to bf16 for ``P V`` (bf16 x bf16 -> f32), while ``m``, ``l`` and ``acc`` stay f32.
   f32 inputs use f32 matmuls at ``Precision.HIGHEST``. The output is cast to q.dtype.
@@ -64,9 +95,10 @@ Design
   and zeroes V's garbage columns (``0 * NaN`` would poison ``acc``). Every other tile runs
   unmasked. Out-of-range queries only touch their own score columns and output rows.
   (A known port zero-padded K without a mask, which skews outputs by up to 3%.)
-* Masked scores are set to ``-inf`` while the running max starts at a finite floor, so
+* Masked scores are set to ``-inf`` while the shift starts at a finite floor, so
   ``2^(-inf - m) = 0`` with no NaN, and a query whose keys are all masked ends with
-  ``l = 0``; the final normalisation maps that row to zeros.
+  ``l = 0``; the final normalisation maps that row to zeros. (A query's first real key
+  gives ``2^(x - floor) = inf``, which sends that tile to the exact redo.)
 * ``segment_ids``: a query attends only to keys with the same id (per-batch int32 ids).
 * ``window_size=w``: local attention, query position ``i`` attends key position ``j`` iff
   ``|i - j| <= w`` (symmetric, positions in the unpadded sequences; intended for
@@ -157,6 +189,9 @@ NUM_SUBLANES = 8
 _M_FLOOR = -0.5 * float(np.finfo(np.float32).max)
 # lax.dot_general dimension numbers: A @ B and A @ B^T.
 _NN = (((1,), (0,)), ((), ()))
+# Lazy shift: 2^(s - m) for a stale m is accepted while a tile's column sum is <= 2^64.
+_LAZY_LOG2_BOUND = 64
+_LAZY_BOUND = float(2**_LAZY_LOG2_BOUND)
 _NT = (((1,), (1,)), ((), ()))
 
 
@@ -184,7 +219,8 @@ class BlockSizes:
 
     The sizes are upper bounds; see ``splash_attention`` for how they are fitted to a
     sequence. Defaults come from a public v6e tuning of a Wan 2.1 port at head_dim 128
-    and 75,600 tokens.
+    and 75,600 tokens; with the lazy shift ``BlockSizes(3328, 3072, 1024)`` is faster
+    (static-profile estimate: v6e 53% MXU use against 45%, v5e 91% against 88%).
 
     Raises:
         ValueError: a size is not a positive multiple of 128, or ``block_kv`` is not a
@@ -253,7 +289,7 @@ def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
     d = _round_up(head_dim, NUM_LANES)
     buffers = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # Q, O, K, V^T x2
     ids = 2 * 4 * NUM_LANES * (NUM_SUBLANES + bs.block_kv)  # segment ids x2
-    scratch = 4 * bs.block_q * (2 * d + 2 * NUM_SUBLANES)  # acc^T, its transpose, m, l
+    scratch = 4 * bs.block_q * (2 * d + 3 * NUM_SUBLANES)  # acc^T, its transpose, m, l, bad
     tiles = 2 * 4 * bs.block_kv_compute * bs.block_q  # f32 scores and probabilities
     need = buffers + ids + scratch + tiles
     return int(min(max(2 * need, 32 << 20), 100 << 20))
@@ -279,6 +315,7 @@ def _splash_kernel(
     m_ref,
     l_ref,
     acc_ref,
+    bad_ref,
     *,
     block_q: int,
     block_kv: int,
@@ -292,11 +329,13 @@ def _splash_kernel(
 
     Refs: q (block_q, D) pre-scaled by scale*log2(e); k (block_kv, D); vt (D, block_kv);
     q_ids (1, block_q) and kv_ids (block_kv, 128) int32 or None; o (block_q, D);
-    m, l (1, block_q) f32; acc (D, block_q) f32. Rows of the last q block and keys of the
-    last kv block that lie past the arrays' ends hold unspecified values (Pallas pads
-    partial blocks with garbage, NaN in interpret mode): garbage queries only touch their
-    own score columns and output rows, which Pallas discards on write; garbage keys are
-    masked out of the scores and zeroed in V.
+    m (the shift, a stale running max), l (1, block_q) f32; acc (D, block_q) f32; bad
+    (1, block_q) f32, 1.0 where the current sub-tile is redone exactly (lazy shift, see the
+    module docstring). Rows of the last q block and keys of the last kv block that lie
+    past the arrays' ends hold unspecified values (Pallas pads partial blocks with
+    garbage, NaN in interpret mode): garbage queries only touch their own score columns
+    and output rows, which Pallas discards on write; garbage keys are masked out of the
+    scores and zeroed in V.
     """
     q_block, kv_step = pl.program_id(2), pl.program_id(3)
     num_kv_steps = pl.num_programs(3)
@@ -316,8 +355,8 @@ def _splash_kernel(
             q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps, window_size
         )
 
-    def sub_tile(c, mask_kinds: tuple[str, ...]):
-        """Online-softmax update with keys [c, c + 1) * block_kv_compute of this block."""
+    def scores(c, mask_kinds: tuple[str, ...]):
+        """Masked S^T = K Q^T of sub-tile ``c``, (block_kv_compute, block_q), and V^T."""
         keys = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
         # S^T = K Q^T: (block_kv_compute, block_q), keys along sublanes.
         s = lax.dot_general(
@@ -339,18 +378,46 @@ def _splash_kernel(
                 q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
                 conditions.append(jnp.abs(q_pos - k_pos) <= window_size)
             s = jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
-        p = jnp.exp2(s - m_next)  # masked scores: 2^-inf = 0
-        alpha = jnp.exp2(m_prev - m_next)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=0, keepdims=True)
-        m_ref[...] = m_next
+        return s, vt
+
+    def pv(vt, p):
         # acc^T += V^T P^T: (head_dim, block_q). Probabilities in V's dtype (bf16 x bf16
         # on the MXU for bf16 inputs), f32 accumulation.
-        pv = lax.dot_general(
+        return lax.dot_general(
             vt, p.astype(vt.dtype), _NN, precision=precision, preferred_element_type=jnp.float32
         )
-        acc_ref[...] = alpha * acc_ref[...] + pv
+
+    def sub_tile(c, mask_kinds: tuple[str, ...]):
+        """Lazy-shift online-softmax update with keys [c, c + 1) * block_kv_compute."""
+        s, vt = scores(c, mask_kinds)
+        # Stale shift m: no max pass before the exp2 (masked scores: 2^-inf = 0).
+        p = jnp.exp2(s - m_ref[...])
+        l_tile = jnp.sum(p, axis=0, keepdims=True)
+        # Safe while every 2^(s - m) <= l_tile <= 2^_LAZY_LOG2_BOUND. A column over the
+        # bound (or inf: the first tile a query sees, m at the floor) keeps its state and
+        # is redone exactly below. ``>`` is False for NaN, so garbage query columns
+        # (discarded on write) never trigger a redo.
+        bad = l_tile > _LAZY_BOUND
+        bad_ref[...] = bad.astype(jnp.float32)
+        l_ref[...] = jnp.where(bad, l_ref[...], l_ref[...] + l_tile)
+        acc_ref[...] = jnp.where(bad, acc_ref[...], acc_ref[...] + pv(vt, p))
+
+        @pl.when(jnp.any(bad))
+        def _rescale():
+            # Rare: the first tile of every query, and any jump of a query's max by about
+            # _LAZY_LOG2_BOUND or more: the exact flash update, m' = max(m, max s) and
+            # rescale by 2^(m - m'), of those columns only.
+            s, vt = scores(c, mask_kinds)
+            m_prev = m_ref[...]
+            redo = bad_ref[...] > 0.0
+            m_next = jnp.where(redo, jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True)), m_prev)
+            p = jnp.exp2(s - m_next)
+            alpha = jnp.exp2(m_prev - m_next)
+            l_ref[...] = jnp.where(
+                redo, alpha * l_ref[...] + jnp.sum(p, axis=0, keepdims=True), l_ref[...]
+            )
+            acc_ref[...] = jnp.where(redo, alpha * acc_ref[...] + pv(vt, p), acc_ref[...])
+            m_ref[...] = m_next
 
     def sub_tiles(start: int, stop: int, mask_kinds: tuple[str, ...]):
         # A rolled loop: fully unrolling the 11 default sub-tiles of (256, 3328) made the
@@ -633,9 +700,10 @@ def _splash_attention(
                 (None, None, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0)
             ),
             scratch_shapes=[
-                pltpu.VMEM((1, bq), jnp.float32),  # running max m (base 2)
+                pltpu.VMEM((1, bq), jnp.float32),  # shift m (base 2, stale running max)
                 pltpu.VMEM((1, bq), jnp.float32),  # running denominator l
                 pltpu.VMEM((head_dim, bq), jnp.float32),  # acc^T
+                pltpu.VMEM((1, bq), jnp.float32),  # 1.0: column redone exactly
             ],
         ),
         compiler_params=pltpu.CompilerParams(

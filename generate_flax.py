@@ -182,6 +182,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="capture a jax.profiler trace of one steady-state denoising step (model "
                         "call + UniPC step) into this folder, for TensorBoard/XProf or Perfetto")
     p.add_argument("--verbose", action="store_true", help="debug logging (e.g. unsharded weights)")
+    p.add_argument("--save_frames", action="store_true",
+                   help="also write the float32 frames in [0, 1] as <stamp>.frames.safetensors "
+                        "(lossless, for quality comparisons; the mp4 is H.264)")
+    m = p.add_argument_group("multi-host (one process per host; Cloud TPU finds these itself)")
+    m.add_argument("--coordinator_address", default=None,
+                   help="HOST:PORT of process 0's coordinator, for jax.distributed.initialize")
+    m.add_argument("--num_processes", type=int, default=None, help="processes (hosts) in all")
+    m.add_argument("--process_id", type=int, default=None, help="this process, 0-based")
     p.add_argument("--dp", type=int, default=None, help="mesh axis for the CFG/data batch")
     p.add_argument("--tp", type=int, default=None, help="mesh axis for tensor (head) parallelism")
     p.add_argument("--sp", type=int, default=None, help="mesh axis for sequence parallelism")
@@ -226,6 +234,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             _fail(f"--{flag}", v, "must be >= 1")
     block_sizes(args)
     resolve_flow_shift(args)
+    _validate_distributed(args)
     if args.profile_dir is not None:
         if args.dry_run or args.stage in ("encode", "decode"):
             _fail("--profile_dir", args.profile_dir, "needs a denoising run: --stage all or "
@@ -247,6 +256,28 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_model_id(args.model_id)
     _validate_output_dir(args.output_dir)
     return args
+
+
+def _validate_distributed(args) -> None:
+    """--coordinator_address/--num_processes/--process_id: all three or none."""
+    given = [args.coordinator_address is not None, args.num_processes is not None,
+             args.process_id is not None]
+    if any(given) and not all(given):
+        _fail("--coordinator_address/--num_processes/--process_id",
+              f"{args.coordinator_address}/{args.num_processes}/{args.process_id}",
+              "give all three or none (on Cloud TPU, none: JAX finds them)")
+    if not any(given):
+        return
+    if args.num_processes < 1:
+        _fail("--num_processes", args.num_processes, "must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        _fail("--process_id", args.process_id,
+              f"must satisfy 0 <= id < --num_processes ({args.num_processes})")
+    if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", args.coordinator_address):
+        _fail("--coordinator_address", args.coordinator_address, "must be HOST:PORT")
+    if args.dry_run:
+        _fail("--num_processes", args.num_processes, "--dry_run compiles for every host in "
+              "one process; run it without the multi-host flags")
 
 
 def resolve_flow_shift(args) -> argparse.Namespace:
@@ -409,6 +440,64 @@ def _has_tpu_device_files() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+# Seconds without a heartbeat after which JAX's coordination service declares a process dead
+# and stops the others (JAX's default is 100 s); heartbeats come from a background thread, so
+# long compiles do not count against it.
+DISTRIBUTED_HEARTBEAT_TIMEOUT_S = 30
+
+
+def start_distributed(args) -> bool:
+    """Join JAX's multi-controller runtime when the run spans several processes (hosts).
+
+    With --num_processes > 1 the flags say who is who; off TPU the processes talk through
+    JAX's CPU collectives (gloo). On a TPU VM without the flags, ``jax.distributed.initialize``
+    finds the slice's hosts itself (a single host finds one process). Must run before any
+    other JAX call. Returns whether more than one process takes part.
+
+    Raises:
+        GenerationError: the runtime could not start (coordinator unreachable...).
+    """
+    configure_jax_platform()
+    import jax
+
+    explicit = args.num_processes is not None
+    if explicit and args.num_processes == 1:
+        return False
+    if not explicit and not _has_tpu_device_files():
+        return False
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+            process_id=args.process_id,
+            heartbeat_timeout_seconds=DISTRIBUTED_HEARTBEAT_TIMEOUT_S)
+    except Exception as e:  # the runtime's errors are long; one line names the cause
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GenerationError(f"could not join the multi-host runtime: {first[:300]}") \
+            from None
+    return jax.process_count() > 1
+
+
+def is_writer() -> bool:
+    """Only process 0 writes files (mp4, JSON, intermediates, profile)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def to_host(x) -> np.ndarray:
+    """A ``jax.Array`` as a NumPy array on this host; gathered from every process when its
+    shards live on several (``multihost_utils.process_allgather``)."""
+    import jax
+
+    if x.is_fully_addressable:
+        return np.array(jax.device_get(x))  # a writable copy
+    from jax.experimental import multihost_utils
+
+    return np.array(multihost_utils.process_allgather(x, tiled=True))
+
+
 def configure_jax_platform() -> None:
     """Keep JAX on CPU on hosts with no TPU unless the user chose a platform.
 
@@ -433,12 +522,48 @@ STAGE_COMPONENTS = {
 }
 
 
+def empty_transformer(cfg: dict, dtype):
+    """``WanTransformer3DModel`` of config ``cfg`` with meta parameters (no RAM for weights),
+    in ``dtype`` except the modules ``from_pretrained`` keeps in float32. Buffers (RoPE tables)
+    are real. The weights come later, streamed from the checkpoint into their shards."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    with init_empty_weights():
+        transformer = WanTransformer3DModel.from_config(cfg).eval()
+    # torch's Module.to, not diffusers' override, which warns about the fp32-kept modules.
+    torch.nn.Module.to(transformer, dtype)
+    # from_pretrained keeps a parameter in float32 when any part of its dotted name is listed
+    # (module names such as "norm1", and parameters such as "scale_shift_table").
+    keep = set(transformer._keep_in_fp32_modules or [])
+    for name, param in transformer.named_parameters():
+        if keep.intersection(name.split(".")):
+            param.data = param.data.float()
+    return transformer
+
+
+def component_folder(model_id: str, subfolder: str) -> str:
+    """Local folder of a pipeline component: ``model_id/subfolder`` for a local checkpoint,
+    else that part of the Hub snapshot (from the local cache, or downloaded)."""
+    if _looks_local(model_id):
+        return os.path.join(model_id, subfolder)
+    from huggingface_hub import snapshot_download
+
+    return os.path.join(snapshot_download(model_id, allow_patterns=[f"{subfolder}/*"]),
+                        subfolder)
+
+
 def load_pipeline(args, components=STAGE_COMPONENTS["all"]):
     """Load the diffusers ``WanPipeline`` on CPU from safetensors only, with only
     ``components`` (of "text_encoder", "transformer", "vae"); the others are None.
 
-    The transformer and text encoder use ``--dtype``; the VAE stays float32 as in diffusers' Wan
-    examples (a bf16 Wan VAE under torchax fails with a conv2d input/bias dtype mismatch).
+    The transformer comes with meta weights (``empty_transformer``): ``shard_weights`` streams
+    its values from the checkpoint's safetensors straight into their device shards, so no
+    host holds the whole 14B checkpoint. The text encoder uses ``--dtype``; the VAE stays
+    float32 as in diffusers' Wan examples (a bf16 Wan VAE under torchax fails with a conv2d
+    input/bias dtype mismatch).
 
     Returns:
         ``diffusers.WanPipeline`` with the requested components on CPU in eval mode.
@@ -447,7 +572,12 @@ def load_pipeline(args, components=STAGE_COMPONENTS["all"]):
         GenerationError: the weights could not be found or read.
     """
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
 
     dtype = getattr(torch, args.dtype)
     skip = {name: None for name in ("text_encoder", "transformer", "vae")
@@ -455,6 +585,10 @@ def load_pipeline(args, components=STAGE_COMPONENTS["all"]):
     if "text_encoder" not in components:
         skip["tokenizer"] = None
     try:
+        if "transformer" in components:
+            skip["transformer"] = empty_transformer(
+                dict(WanTransformer3DModel.load_config(args.model_id, subfolder="transformer")),
+                dtype)
         if "vae" in components:
             skip["vae"] = AutoencoderKLWan.from_pretrained(
                 args.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
@@ -713,19 +847,78 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
                 seconds=time.perf_counter() - t0)
 
 
+def place_checkpoint(module, folder: str, mesh, rules=(), *, fsdp: bool = False,
+                     desc: str = "weights", on_placed=None) -> dict:
+    """``place_module`` for a module with meta weights: each device's slice of every weight
+    is read from the safetensors files in ``folder`` (``placement.SafetensorsReader``) and
+    placed; a host reads only what its own devices hold, slice by slice. Stacked
+    ``blocks.stacked.*`` weights (``--scan_layers``) read their layers' ``blocks.{i}.*``.
+
+    Returns:
+        as ``place_module``, plus ``param_bytes`` (the weights, in their run dtypes) and
+        ``bytes_read`` (bytes read from the files, in the same dtypes).
+
+    Raises:
+        GenerationError: the files are missing, or their tensor names differ from the model's.
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    import placement
+    import scan_layers
+
+    jm = interop.JittableModule(module)
+    blocks = getattr(module, "blocks", None)
+    stacked = {}
+    if isinstance(blocks, scan_layers.ScannedBlocks):
+        for name in jm.params:
+            if name.startswith(scan_layers.STACKED_PREFIX):
+                leaf = name[len(scan_layers.STACKED_PREFIX):]
+                stacked[name] = [f"blocks.{i}.{leaf}" for i in range(blocks.num_layers)]
+    try:
+        reader = placement.SafetensorsReader(folder)
+    except FileNotFoundError as e:
+        raise GenerationError(f"--model_id: {e}") from None
+    want = {f for name in jm.params for f in stacked.get(name, [name])}
+    missing, unexpected = sorted(want - reader.keys()), sorted(reader.keys() - want)
+    if missing or unexpected:
+        raise GenerationError(
+            f"--model_id: {folder} does not match its config: "
+            + (f"missing {', '.join(missing[:3])}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
+    specs, counts, unmatched = module_sharding_specs(
+        module, {k: v.shape for k, v in jm.params.items()}, rules, mesh, fsdp=fsdp)
+    t0 = time.perf_counter()
+    params = placement.place_from_safetensors(
+        reader, jm.params, {k: NamedSharding(mesh, specs[k]) for k in jm.params},
+        desc=desc, stacked=stacked, on_placed=on_placed)
+    buffers = placement.place_tensors(jm.buffers, {k: NamedSharding(mesh, P())
+                                                   for k in jm.buffers}, desc=f"{desc} buffers")
+    nbytes = sum(int(math.prod(t.shape)) * t.element_size()
+                 for t in (*jm.params.values(), *jm.buffers.values()))
+    return dict(module=jm, params=params, buffers=buffers, specs=specs, rule_counts=counts,
+                unmatched=unmatched, undivided=undivided_weights(specs, rules), bytes=nbytes,
+                param_bytes=sum(int(math.prod(t.shape)) * t.element_size()
+                                for t in jm.params.values()),
+                bytes_read=reader.bytes_read, seconds=time.perf_counter() - t0)
+
+
 def shard_weights(pipe, mesh, args, fallbacks=None):
-    """Stream the transformer's weights into their shards on ``mesh`` by the Megatron table
-    (plus FSDP with ``--fsdp``); see ``place_module``. Logs what each rule matched and, at
-    debug level, every weight no rule names; weights a rule matched but the mesh cannot
-    divide are reported to ``fallbacks``. Returns {"transformer": ...} as ``place_module``
-    returns it."""
+    """Stream the transformer's weights from the checkpoint into their shards on ``mesh`` by
+    the Megatron table (plus FSDP with ``--fsdp``); see ``place_checkpoint``. Logs what each
+    rule matched and, at debug level, every weight no rule names; weights a rule matched but
+    the mesh cannot divide are reported to ``fallbacks``. Returns {"transformer": ...} as
+    ``place_checkpoint`` returns it."""
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
     if args.scan_layers:
         import scan_layers
 
         scan_layers.scan_blocks(pipe.transformer)  # before the sp hooks, which it keeps
-    out = dict(transformer=place_module(pipe.transformer, mesh, rules, fsdp=args.fsdp,
-                                        desc="transformer"))
+    out = dict(transformer=place_checkpoint(
+        pipe.transformer, component_folder(args.model_id, "transformer"), mesh, rules,
+        fsdp=args.fsdp, desc="transformer"))
     t = out["transformer"]
     for rx, n in t["rule_counts"].items():
         log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
@@ -1137,7 +1330,10 @@ def profile_step(profile_dir: str, *, step, scheduler_config, latents0, embeds,
         latents = denoise_step(step, scheduler, latents, *steps[0], embeds)
         latents.block_until_ready()
     before = set(_files_under(profile_dir))
-    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+    # Every process runs the step (it is one SPMD program); process 0 traces it.
+    tracing = jax.profiler.trace(profile_dir, create_perfetto_trace=True) if is_writer() \
+        else contextlib.nullcontext()
+    with tracing:
         with jax.profiler.StepTraceAnnotation("denoising_step", step_num=len(steps) - 1):
             t0 = time.perf_counter()
             latents = denoise_step(step, scheduler, latents, *steps[-1], embeds)
@@ -1156,7 +1352,7 @@ def _files_under(root: str) -> list[str]:
 def check_finite(x, stage: str) -> None:
     import jax.numpy as jnp
 
-    if not bool(jnp.isfinite(x).all()):
+    if not bool(to_host(jnp.isfinite(x).all())):
         raise GenerationError(f"{stage} produced NaN or Inf values; no video was written")
 
 
@@ -1170,10 +1366,9 @@ def decode(vae_decode, latents):
 def to_frames(pipe, video):
     """(1, 3, F, H, W) in [-1, 1] -> (F, H, W, 3) float32 in [0, 1], via diffusers'
     ``VideoProcessor.postprocess_video`` as ``WanPipeline`` does."""
-    import numpy as np
     import torch
 
-    frames = pipe.video_processor.postprocess_video(torch.from_numpy(np.array(video)),
+    frames = pipe.video_processor.postprocess_video(torch.from_numpy(to_host(video)),
                                                     output_type="np")
     return frames[0]
 
@@ -1206,6 +1401,14 @@ def save_video(frames, path: str, fps: int) -> None:
     from diffusers.utils import export_to_video
 
     _atomic_write(path, lambda tmp: export_to_video(list(frames), tmp, fps=fps))
+
+
+def save_frames(frames, path: str) -> None:
+    """Write (F, H, W, 3) float32 frames in [0, 1] losslessly as safetensors ("frames")."""
+    from safetensors.numpy import save_file
+
+    _atomic_write(path, lambda tmp: save_file(
+        {"frames": np.ascontiguousarray(frames, np.float32)}, tmp))
 
 
 def save_report(report: dict, path: str) -> None:
@@ -1617,6 +1820,7 @@ def dry_run(args) -> tuple[int, dict]:
     from torchax import interop
 
     import chips
+    import placement
     from custom_splash_attention import install_sdpa_override
 
     try:
@@ -1638,15 +1842,8 @@ def dry_run(args) -> tuple[int, dict]:
     attention = "splash" if args.attention == "auto" else args.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           block_sizes=block_sizes(args), interpret=False)
-    dtype = getattr(torch, args.dtype)
-    with init_empty_weights():  # parameters on the meta device; buffers (RoPE) stay real
-        transformer = WanTransformer3DModel.from_config(cfg)
-        transformer = transformer.to(dtype).eval()
-        # from_pretrained keeps these in float32 for a bf16 model; do the same.
-        keep = transformer._keep_in_fp32_modules or []
-        for name, module in transformer.named_modules():
-            if any(k in name.split(".") for k in keep):
-                module.float()
+    transformer = empty_transformer(cfg, getattr(torch, args.dtype))
+    with init_empty_weights():
         vae = AutoencoderKLWan.from_config(
             AutoencoderKLWan.load_config(folder, subfolder="vae")).eval()
     if args.scan_layers:
@@ -1735,6 +1932,14 @@ def dry_run(args) -> tuple[int, dict]:
         analytic_transformer_flops_per_step=transformer_flops(cfg, args),
         analytic_self_attention_flops_per_step=float(attention_flops),
         sharding_rule_matches=counts, versions=versions())
+    # What each host reads from the checkpoint for its own devices (weights stream slice by
+    # slice, so a host never holds more than the largest slice beyond what is placed).
+    per_host, largest = placement.per_host_bytes(
+        [*placed["params"].values(), *placed["buffers"].values(),
+         *vae_placed["params"].values(), *vae_placed["buffers"].values()])
+    report["hosts"] = dict(count=len(per_host), weight_bytes=[per_host[p] for p in
+                                                               sorted(per_host)],
+                           largest_slice_bytes=largest)
     return (0 if fits else 3), report
 
 
@@ -1763,6 +1968,10 @@ def print_dry_run(report: dict) -> None:
             print(f"{r['program']}: does not fit: {r['total_bytes'] / 2**30:.1f} GiB needed, "
                   f"{r['capacity_bytes'] / 2**30:.2f} GiB available"
                   + (f" ({r['error']})" if r.get("error") else ""))
+    hosts = report["hosts"]
+    print(f"host RAM for weights: each of {hosts['count']} host(s) reads "
+          f"{max(hosts['weight_bytes']) / 2**30:.2f} GiB of slices for its own devices, "
+          f"streamed (largest slice {hosts['largest_slice_bytes'] / 2**30:.2f} GiB)")
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
     print("verdict:", "fits" if report["fits"] else "does not fit",
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
@@ -1848,6 +2057,30 @@ def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
     return result
 
 
+def check_same_on_every_host(what: str, array: np.ndarray) -> None:
+    """Every process computed ``array`` itself (text encoder, seeded noise); refuse to go on
+    if the hosts disagree (a different checkpoint, prompt or library on one host), instead of
+    silently mixing their halves of a batch.
+
+    Raises:
+        GenerationError: the hosts' arrays differ.
+    """
+    import zlib
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.uint32(zlib.crc32(np.ascontiguousarray(array).view(np.uint8)))
+    try:
+        multihost_utils.assert_equal(digest, f"{what} differ between hosts")
+    except AssertionError as e:
+        raise GenerationError(f"{e}: every host must run the same command on the same "
+                              "checkpoint and library versions") from None
+
+
 def place_inputs(pipe, embeds_cpu, mesh, args):
     """Prompt embeddings and seeded initial latents, streamed to their shardings.
 
@@ -1863,11 +2096,15 @@ def place_inputs(pipe, embeds_cpu, mesh, args):
     pos, neg = embeds_cpu
     embeds = pos if not use_cfg(args) else torch.cat([pos, neg])
     embeds = embeds.to(getattr(torch, args.dtype))
+    latents = prepare_latents(pipe, args)
+    # Every host encoded the prompt and drew the noise itself (no broadcast needed): identical
+    # inputs make the hosts' copies of one global array agree.
+    check_same_on_every_host("prompt embeddings", placement.host_array(embeds))
+    check_same_on_every_host("initial latents", placement.host_array(latents))
     # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
     # measured 54 vs 5.9 s/step without and with this.
     embeds = placement.place_array(placement.host_array(embeds), NamedSharding(mesh, P("dp")))
-    latents0 = placement.place_array(placement.host_array(prepare_latents(pipe, args)),
-                                     NamedSharding(mesh, P()))
+    latents0 = placement.place_array(placement.host_array(latents), NamedSharding(mesh, P()))
     return embeds, latents0
 
 
@@ -1919,7 +2156,8 @@ def generate(args, devices=None):
         embeds_cpu = encode_prompts(pipe, args)
         timings["text_encode_s"] = time.perf_counter() - t0
     if stage == "encode":
-        save_embeddings(args.work_dir, *embeds_cpu, args)
+        if is_writer():
+            save_embeddings(args.work_dir, *embeds_cpu, args)
         report["timings"] = timings
         return None, report
 
@@ -1974,6 +2212,8 @@ def generate(args, devices=None):
     report.update(
         mesh=dataclasses.asdict(mesh_shape),
         devices=dict(kind=device_kind, count=len(devices), platform=jax.default_backend()),
+        processes=[dict(index=i, devices=[d.id for d in devices if d.process_index == i])
+                   for i in range(jax.process_count())],
         compilation_cache=dict(dir=args.compilation_cache_dir,
                                **{k: v - cache_before[k] for k, v in CACHE_STATS.items()})
         if cache_on else None,
@@ -1985,24 +2225,29 @@ def generate(args, devices=None):
             tokens=token_count(cfg, args),
             layout=dict(replicate_row_parallel=args.replicate_row_parallel, fsdp=args.fsdp,
                         sequence_parallel=mesh_shape.sp > 1),
-            sharding_rule_matches=weights["transformer"]["rule_counts"])
+            sharding_rule_matches=weights["transformer"]["rule_counts"],
+            # Streamed from the safetensors files: what this host (process 0) read, against
+            # the weights' bytes; equal when one host's devices hold a whole replica.
+            weights=dict(source="safetensors slices",
+                         param_bytes=weights["transformer"]["param_bytes"],
+                         bytes_read_by_this_host=weights["transformer"]["bytes_read"]))
     if stage == "denoise":
-        save_latents(args.work_dir, torch_from_jax(latents), args,
-                     read_vae_config(args.model_id))
+        latents_cpu = torch_from_jax(latents)  # every process takes part in the gather
+        if is_writer():
+            save_latents(args.work_dir, latents_cpu, args, read_vae_config(args.model_id))
         return None, report
     return to_frames(pipe, video), report
 
 
 def torch_from_jax(x):
-    """A ``jax.Array`` gathered to the host as a CPU torch tensor."""
-    import jax
+    """A ``jax.Array`` gathered to this host as a CPU torch tensor."""
     import torch
 
-    return torch.from_numpy(np.array(jax.device_get(x)))
+    return torch.from_numpy(np.array(to_host(x)))
 
 
 def main(argv=None) -> int:
-    args = validate_args(parse_args(argv))
+    args = validate_args(parse_args(argv))  # on every host, before any host joins the others
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     if args.dry_run:
@@ -2013,8 +2258,11 @@ def main(argv=None) -> int:
         save_report(report, path)
         print(f"wrote {path}")
         return code
+    start_distributed(args)
     frames, report = generate(args)
     devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
+    if not is_writer():  # process 0 writes and summarises for every host
+        return 0
     if frames is None:  # encode or denoise stage: intermediates are in --work_dir
         path = os.path.join(args.work_dir, f"{args.stage}_report.json")
         save_report(report, path)
@@ -2024,26 +2272,64 @@ def main(argv=None) -> int:
     stem = output_stem(args.output_dir)
     video_path = os.path.join(args.output_dir, stem + ".mp4")
     save_video(frames, video_path, args.fps)
+    written = [video_path]
+    if args.save_frames:
+        written.append(os.path.join(args.output_dir, stem + ".frames.safetensors"))
+        save_frames(frames, written[-1])
     report = dict(video=os.path.basename(video_path), **report)
     save_report(report, os.path.join(args.output_dir, stem + ".json"))
     print_summary(report["timings"], devices["kind"], devices["count"])
-    print(f"\nwrote {video_path} and {stem}.json")
+    print(f"\nwrote {', '.join(written)} and {stem}.json")
     return 0
 
 
+def _in_multi_process_run() -> bool:
+    if "jax" not in sys.modules:  # failed before JAX started: certainly one process
+        return False
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
 def cli(argv=None) -> int:
-    """Entry point: one-line errors, exit codes 0 / 1 (runtime) / 2 (usage)."""
+    """Entry point: one-line errors, exit codes 0 / 1 (runtime) / 2 (usage).
+
+    In a multi-process run any error is one line naming this process, and the process
+    leaves at once (``os._exit`` under ``__main__``) without the shutdown barrier, so the
+    others see it gone: on CPU collectives at their next collective, otherwise when JAX's
+    coordination service misses its heartbeat (``DISTRIBUTED_HEARTBEAT_TIMEOUT_S``).
+    """
+    prefix = "generate_flax.py: error: "
     try:
-        return main(argv)
+        code = main(argv)
+        if code == 0 and _in_multi_process_run():
+            import jax
+
+            jax.distributed.shutdown()  # every process reaches it: a clean, joint exit
+        return code
     except UsageError as e:
-        print(f"generate_flax.py: error: {e}", file=sys.stderr)
+        print(f"{prefix}{e}", file=sys.stderr)
         return EXIT_USAGE
     except GenerationError as e:
-        print(f"generate_flax.py: error: {e}", file=sys.stderr)
+        where = f"process {_process_index()}: " if _in_multi_process_run() else ""
+        print(f"{prefix}{where}{e}", file=sys.stderr)
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         print("generate_flax.py: interrupted; no partial output was written", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _in_multi_process_run():
+            raise  # a single-process bug keeps its traceback
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        print(f"{prefix}process {_process_index()}: {type(e).__name__}: {first} (a failure "
+              "on another process of this run ends this one too)", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 if __name__ == "__main__":

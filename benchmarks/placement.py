@@ -6,12 +6,17 @@ it on 8 CPU devices (dp2 x tp4, the default 8-device layout with CFG) through
 ``generate_flax.place_module``, the product's streamed path. It prints, as ratios to the
 weight bytes:
 
-* the peak host RSS during placement (sampled every 5 ms) and the RSS before it;
+* the peak host RSS during placement (anonymous memory, sampled every 5 ms) and the RSS
+  before it;
 * the peak bytes any device holds (from ``jax.live_arrays()`` and shard shapes, after every
   weight), device 0's peak and the other devices' median.
 
 ``--legacy`` places the same weights the way this project did before streaming (torchax's
 ``t2j_copy``, then ``device_put`` to the shardings), for a before/after ratio.
+``--from_checkpoint`` first saves the random weights as a diffusers checkpoint
+(``save_pretrained``, safetensors) in a temporary folder, frees them, and then places them
+the way a real run does: meta weights, each device's slice read from the files
+(``generate_flax.place_checkpoint``), so the host never holds the checkpoint.
 
 CPU caveat: CPU "devices" live in host RAM, so here RSS also holds every device's copies;
 the host-side overhead is RSS minus the sum over devices. Figures are CPU figures, not TPU.
@@ -47,14 +52,23 @@ def parse_args(argv=None):
                    help="folder with transformer/config.json")
     p.add_argument("--legacy", action="store_true",
                    help="place with torchax t2j_copy + device_put (the pre-streaming path)")
+    p.add_argument("--from_checkpoint", action="store_true",
+                   help="save to safetensors first, then stream slices from the files (the "
+                        "product's path for the transformer)")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=4)
     return p.parse_args(argv)
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Anonymous resident memory (RssAnon): what the process allocated. File-backed pages of
+    the memory-mapped safetensors files are page cache the kernel can drop, so they are left
+    out."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
 
 
 class RssSampler(threading.Thread):
@@ -126,6 +140,29 @@ def main(argv=None) -> int:
     model = random_transformer(args.config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    tmp = None
+    if args.from_checkpoint:
+        import gc
+        import tempfile
+
+        import torch
+
+        import scan_layers
+
+        tmp = tempfile.TemporaryDirectory(prefix="wan-placement-bench-")
+        cfg = dict(model.config)
+        unstacked = gf.empty_transformer(cfg, torch.bfloat16)  # to save per-block names
+        stacked = model.blocks.stacked_params()
+        state = {f"blocks.{i}.{k}": v[i] for k, v in stacked.items()
+                 for i in range(model.blocks.num_layers)}
+        state.update({k: v for k, v in model.state_dict().items()
+                      if not k.startswith(scan_layers.STACKED_PREFIX)})
+        unstacked.load_state_dict(state, assign=True)
+        unstacked.save_pretrained(os.path.join(tmp.name, "transformer"))
+        del model, unstacked, state, stacked
+        gc.collect()
+        model = gf.empty_transformer(cfg, torch.bfloat16)
+        scan_layers.scan_blocks(model)
     mesh = gf.make_mesh(gf.MeshShape(args.dp, args.tp, 1), jax.devices())
     rules = gf.transformer_sharding_rules()
     peaks: dict = {}
@@ -143,6 +180,9 @@ def main(argv=None) -> int:
         for name, arr in place_legacy(model, mesh, rules):
             account(name, arr)
             placed.append(arr)
+    elif args.from_checkpoint:
+        placed = gf.place_checkpoint(model, os.path.join(tmp.name, "transformer"), mesh, rules,
+                                     desc="transformer", on_placed=account)
     else:
         placed = gf.place_module(model, mesh, rules, desc="transformer", on_placed=account)
     seconds = time.perf_counter() - t0
@@ -151,7 +191,9 @@ def main(argv=None) -> int:
     after = placement.per_device_bytes()
     devices = jax.devices()
     dev0, others = peaks[devices[0]], [peaks[d] for d in devices[1:]]
-    path = "legacy t2j_copy + device_put" if args.legacy else "streamed (place_module)"
+    path = ("legacy t2j_copy + device_put" if args.legacy else
+            "streamed from safetensors slices (place_checkpoint)" if args.from_checkpoint else
+            "streamed from host tensors (place_module)")
     print(f"== Placement, {path}: {os.path.basename(args.config)} random bf16 weights, "
           f"{len(devices)} CPU devices, dp{args.dp} x tp{args.tp} (CPU figures, not TPU) ==")
     print(f"weight bytes W:                     {weight_bytes / GB:8.3f} GB")
@@ -163,6 +205,11 @@ def main(argv=None) -> int:
     print(f"peak bytes, median other device:    {statistics.median(others) / weight_bytes:8.3f}"
           " x W")
     print(f"device 0 / median other device:     {dev0 / statistics.median(others):8.2f}")
+    if args.from_checkpoint:
+        print(f"bytes read from the checkpoint:     {placed['bytes_read'] / weight_bytes:8.2f} x W")
+        print(f"host RSS peak minus device bytes:   "
+              f"{(sampler.peak - sum(after.values())) / weight_bytes:8.2f} x W "
+              "(what the host holds besides the CPU devices' arrays)")
     print(f"placement time:                     {seconds:8.2f} s "
           f"({weight_bytes / seconds / GB:.2f} GB/s host -> CPU devices)")
     return 0

@@ -109,8 +109,10 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
 
     m32 = WanTransformer3DModel.from_pretrained(tiny_checkpoint, subfolder="transformer",
                                                 dtype=torch.float32).eval()
+    m16 = WanTransformer3DModel.from_pretrained(tiny_checkpoint, subfolder="transformer",
+                                                dtype=torch.bfloat16).eval()
     truth = torch_cfg(m32, torch.float32)
-    theirs = torch_cfg(pipe.transformer, torch.bfloat16)
+    theirs = torch_cfg(m16, torch.bfloat16)  # diffusers' own bf16 (ours streams from files)
 
     import jax
     import torchax

@@ -1,0 +1,208 @@
+"""Estimated cycles per grid step of the splash kernel, from libtpu's static profile.
+
+ESTIMATE ONLY: no TPU is used. libtpu compiles the kernel for a described chip
+(deviceless, ``jax.experimental.topologies``) and, with
+``--xla_jf_dump_static_llo_profile_to=DIR`` in ``LIBTPU_INIT_ARGS``, writes the
+``estimated_cycles`` it simulates from the final VLIW bundle schedule. DMA time is not
+charged and work under data-dependent branches is only partly counted; see
+the project's shared notes (tpu-static-profile).
+
+The kernel is profiled on a tiny grid (batch 1, ``heads`` heads, ``q_blocks`` x
+``kv_blocks`` blocks of the given sizes, head_dim 128, bf16) and the kernel's cycles are
+divided by the number of grid steps; per-step cost is independent of grid size (checked
+with ``--check-linearity``), so it scales to any sequence.
+
+MXU use = (4 * block_q * block_kv * head_dim FLOPs per step / MXU FLOPs per cycle) /
+cycles per step.
+
+Usage::
+
+    python benchmarks/kernel_cycles.py           # v5e, v6e, tpu7x at the default blocks
+    python benchmarks/kernel_cycles.py --blocks 3328,2816,256 --chips v6e
+
+Importable: ``cycles_per_grid_step(chip, block_sizes, head_dim=128, ...)`` returns a float.
+The profile flag must be in ``LIBTPU_INIT_ARGS`` before libtpu initialises, so import
+this module (or call ``setup_environment``) before anything else touches the TPU backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+# MXU bf16 FLOPs per cycle per TensorCore: MXUs x width^2 x 2 (tpu7x: assumed as v6e).
+MXU_FLOPS_PER_CYCLE = {
+    "v5e": 4 * 128 * 128 * 2,
+    "v6e": 4 * 256 * 256 * 2,
+    "tpu7x": 4 * 256 * 256 * 2,
+}
+# Clock derived from the published bf16 peak (an assumption, not read from libtpu).
+CLOCK_HZ = {"v5e": 1.5e9, "v6e": 1.75e9, "tpu7x": None}
+TOPOLOGY = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "tpu7x": "tpu7x:2x2x1"}
+
+_PROFILE_DIR = None
+
+
+def setup_environment(profile_dir: str | None = None) -> str:
+    """Set the deviceless libtpu environment and the profile flag; returns the dump dir."""
+    global _PROFILE_DIR
+    if _PROFILE_DIR is not None:
+        return _PROFILE_DIR
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    m = re.search(r"--xla_jf_dump_static_llo_profile_to=(\S+)", flags)
+    if m:
+        _PROFILE_DIR = m.group(1)
+    else:
+        _PROFILE_DIR = profile_dir or tempfile.mkdtemp(prefix="splash_profile_")
+        os.environ["LIBTPU_INIT_ARGS"] = (
+            flags + f" --xla_jf_dump_static_llo_profile_to={_PROFILE_DIR}"
+        ).strip()
+    for key, value in {
+        "TPU_ACCELERATOR_TYPE": "v6e-8",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        "JAX_PLATFORMS": "cpu",
+    }.items():
+        os.environ.setdefault(key, value)
+    os.makedirs(_PROFILE_DIR, exist_ok=True)
+    return _PROFILE_DIR
+
+
+setup_environment()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import custom_splash_attention as csa  # noqa: E402
+
+_KERNEL_NAME = "wan_splash_attention"
+
+
+def _device(chip: str):
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGY[chip])
+    return topo.devices[0]
+
+
+def _read_profile(profile_dir: str) -> dict[str, int]:
+    """{hlo op name: estimated cycles} over the profile files in ``profile_dir``."""
+    out = {}
+    for path in glob.glob(os.path.join(profile_dir, "*_static_llo_profile.textproto")):
+        text = open(path).read()
+        for block in re.findall(r"hlo_op_estimate\s*\{(.*?)\n\}", text, re.S):
+            name = re.search(r'hlo_op_name:\s*"([^"]*)"', block)
+            cycles = re.search(r"estimated_cycles:\s*(\d+)", block)
+            if name and cycles:
+                out[name.group(1)] = out.get(name.group(1), 0) + int(cycles.group(1))
+    return out
+
+
+def kernel_cycles(
+    chip: str,
+    block_sizes,
+    *,
+    head_dim: int = 128,
+    heads: int = 1,
+    q_blocks: int = 2,
+    kv_blocks: int = 2,
+    q_len: int | None = None,
+    kv_len: int | None = None,
+    dtype=jnp.bfloat16,
+    **kernel_kwargs,
+) -> tuple[int, int]:
+    """(estimated kernel cycles, grid steps) of one deviceless compile on ``chip``."""
+    profile_dir = setup_environment()
+    bs = block_sizes if isinstance(block_sizes, csa.BlockSizes) else csa.BlockSizes(*block_sizes)
+    q_len = q_len or q_blocks * bs.block_q
+    kv_len = kv_len or kv_blocks * bs.block_kv
+    fitted = csa._fit_block_sizes(bs, q_len, kv_len)
+    steps = heads * (-(-q_len // fitted.block_q)) * (-(-kv_len // fitted.block_kv))
+    mesh = Mesh(np.array([_device(chip)]), ("x",))
+    sharding = NamedSharding(mesh, P())
+    args = [
+        jax.ShapeDtypeStruct((1, heads, q_len, head_dim), dtype, sharding=sharding),
+        jax.ShapeDtypeStruct((1, heads, kv_len, head_dim), dtype, sharding=sharding),
+        jax.ShapeDtypeStruct((1, heads, kv_len, head_dim), dtype, sharding=sharding),
+    ]
+    for path in glob.glob(os.path.join(profile_dir, "*")):
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+    def fn(q, k, v):
+        return csa.splash_attention(q, k, v, block_sizes=bs, **kernel_kwargs)
+
+    jax.jit(fn).lower(*args).compile()
+    profile = _read_profile(profile_dir)
+    cycles = sum(c for name, c in profile.items() if _KERNEL_NAME in name)
+    if not cycles:
+        raise RuntimeError(f"no {_KERNEL_NAME} op in the static profile: {sorted(profile)}")
+    return cycles, steps
+
+
+def cycles_per_grid_step(chip: str, block_sizes, head_dim: int = 128, **kwargs) -> float:
+    """Estimated cycles per grid step (static profile, tiny grid; an estimate)."""
+    cycles, steps = kernel_cycles(chip, block_sizes, head_dim=head_dim, **kwargs)
+    return cycles / steps
+
+
+def mxu_use(chip: str, block_sizes, cycles_per_step: float, head_dim: int = 128) -> float:
+    """Fraction of the MXU peak: step FLOPs / MXU FLOPs per cycle / cycles per step."""
+    bs = block_sizes if isinstance(block_sizes, csa.BlockSizes) else csa.BlockSizes(*block_sizes)
+    flops = 4 * bs.block_q * bs.block_kv * head_dim
+    return flops / MXU_FLOPS_PER_CYCLE[chip] / cycles_per_step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chips", default="v5e,v6e,tpu7x")
+    parser.add_argument("--blocks", default="3328,2816,256", help="block_q,block_kv,bkv_compute")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--check-linearity", action="store_true", help="also a 2-head grid")
+    args = parser.parse_args(argv)
+    bs = csa.BlockSizes(*(int(x) for x in args.blocks.split(",")))
+    if len(args.chips.split(",")) > 1:
+        print(f"ESTIMATE (libtpu static profile, deviceless; no TPU measured). blocks {bs}")
+    chips = args.chips.split(",")
+    if len(chips) > 1:
+        # One process per chip: libtpu aborts the process on some targets (tpu7x here).
+        import subprocess
+
+        for chip in chips:
+            cmd = [sys.executable, __file__, "--chips", chip, "--blocks", args.blocks]
+            cmd += ["--head-dim", str(args.head_dim)]
+            cmd += ["--check-linearity"] if args.check_linearity else []
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [x for x in run.stdout.splitlines() if x.startswith(chip)]
+            print(lines[0] if lines else f"{chip}: failed (exit {run.returncode})", flush=True)
+        return
+    for chip in chips:
+        try:
+            per_step = cycles_per_grid_step(chip, bs, head_dim=args.head_dim)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next chip
+            print(f"{chip}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        line = (
+            f"{chip}: {per_step:,.0f} cycles/grid step (estimate), MXU use "
+            f"{mxu_use(chip, bs, per_step, args.head_dim):.1%}"
+        )
+        if args.check_linearity:
+            per_step2 = cycles_per_grid_step(chip, bs, head_dim=args.head_dim, heads=2)
+            line += f"; 2-head grid: {per_step2:,.0f} cycles/step"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

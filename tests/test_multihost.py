@@ -1,0 +1,113 @@
+"""Multi-host runs as several local processes on JAX's CPU collectives (gloo).
+
+Two processes with 4 CPU devices each form one 8-device global mesh, as two TPU hosts do:
+they must give the frames one process with 8 devices gives, write exactly one mp4 and one
+JSON (process 0 only), and stop together when one of them dies.
+"""
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import generate_flax as gf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "generate_flax.py")
+FLAGS = ["--height", "32", "--width", "64", "--frames", "5", "--num_inference_steps", "2",
+         "--warmup_steps", "0", "--dtype", "float32", "--attention", "xla",
+         "--compilation_cache_dir", "none"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(argv, num_processes=2, devices_per_process=4):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    address = f"127.0.0.1:{_free_port()}"
+    return [subprocess.Popen(
+        [sys.executable, SCRIPT, *argv, "--coordinator_address", address, "--num_processes",
+         str(num_processes), "--process_id", str(i)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        for i in range(num_processes)]
+
+
+def _single_process_frames(checkpoint, mesh):
+    dp, tp, sp = mesh
+    args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS, "--dp", str(dp),
+                                           "--tp", str(tp), "--sp", str(sp)]))
+    frames, _ = gf.generate(args, devices=jax.devices()[:8])
+    return frames
+
+
+@pytest.mark.parametrize("mesh", [(2, 4, 1), (2, 2, 2)], ids=lambda m: "dp{}-tp{}-sp{}".format(*m))
+def test_two_processes_equal_one_process(tiny_checkpoint_8h, tmp_path, mesh):
+    dp, tp, sp = mesh
+    out = tmp_path / "out"
+    procs = _launch(["--model_id", tiny_checkpoint_8h, *FLAGS, "--dp", str(dp), "--tp", str(tp),
+                     "--sp", str(sp), "--output_dir", str(out), "--save_frames"])
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    files = sorted(os.listdir(out))
+    assert len(files) == 3, files  # one mp4, one JSON, one frames file: process 0 only
+    (js,) = glob.glob(str(out / "*.json"))
+    report = json.loads(open(js).read())
+    assert report["devices"]["count"] == 8 and report["mesh"] == dict(dp=dp, tp=tp, sp=sp)
+    assert [p["index"] for p in report["processes"]] == [0, 1]
+    assert all(len(p["devices"]) == 4 for p in report["processes"])
+    # Process 0 read its devices' slices straight from the safetensors files: with dp
+    # outermost its 4 devices hold one whole replica, each shared slice read once.
+    assert report["weights"]["source"] == "safetensors slices"
+    assert report["weights"]["bytes_read_by_this_host"] == report["weights"]["param_bytes"]
+
+    (frames_path,) = glob.glob(str(out / "*.frames.safetensors"))
+    frames = load_file(frames_path)["frames"]
+
+    want = _single_process_frames(tiny_checkpoint_8h, mesh)
+    assert frames.shape == want.shape == (5, 32, 64, 3)
+    np.testing.assert_allclose(frames, want, atol=1e-5, rtol=0)
+    assert want.std() > 0.01
+
+
+def test_a_killed_process_ends_the_other(tiny_checkpoint_8h, tmp_path):
+    out = tmp_path / "out"
+    # Enough steps that the run is still going when process 1 dies; whatever stage it is
+    # in (joining, loading, compiling, denoising), process 0 must stop, not hang.
+    procs = _launch(["--model_id", tiny_checkpoint_8h, *FLAGS, "--num_inference_steps", "500",
+                     "--output_dir", str(out)])
+    time.sleep(25)
+    assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    limit = 4 * gf.DISTRIBUTED_HEARTBEAT_TIMEOUT_S
+    try:
+        _, err = procs[0].communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail(f"process 0 still running {limit} s after process 1 died")
+    assert procs[0].returncode != 0
+    assert time.monotonic() - t0 < limit
+    assert not out.exists() or not os.listdir(out)
+
+
+def test_flags_are_checked_before_joining(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--model_id", str(tmp_path), "--num_processes", "2",
+         "--process_id", "2", "--coordinator_address", "127.0.0.1:1234"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "--process_id=2" in proc.stderr and "0 <= id < --num_processes" in proc.stderr
