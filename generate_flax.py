@@ -2184,7 +2184,9 @@ def generate(args, devices=None):
                                                             emb),
                      scheduler_config=pipe.scheduler.config, embeds=embeds)
     else:
-        latents0 = jax.device_put(latents_cpu.numpy(), replicated)
+        import placement
+
+        latents0 = placement.place_array(placement.host_array(latents_cpu), replicated)
     if stage in ("all", "decode"):
         with hardware_errors("placing the VAE weights", args, devices):
             placed_vae = place_vae(pipe.vae, mesh)
