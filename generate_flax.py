@@ -472,6 +472,13 @@ def start_distributed(args) -> bool:
             coordinator_address=args.coordinator_address, num_processes=args.num_processes,
             process_id=args.process_id,
             heartbeat_timeout_seconds=DISTRIBUTED_HEARTBEAT_TIMEOUT_S)
+    except ValueError as e:
+        if explicit:
+            raise GenerationError(f"could not join the multi-host runtime: {e}") from None
+        # Auto-detection found no cluster (JAX leaves the coordinator unset): a TPU host
+        # outside a managed slice runs on its own chips, as it did before multi-host support.
+        log.warning("no multi-host TPU slice detected (%s): using this host's chips only", e)
+        return False
     except Exception as e:  # the runtime's errors are long; one line names the cause
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GenerationError(f"could not join the multi-host runtime: {first[:300]}") \
