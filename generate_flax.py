@@ -806,13 +806,17 @@ def undivided_weights(specs: dict, rules) -> list:
 
 
 def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
-                 desc: str = "weights", on_placed=None) -> dict:
+                 checkpoint: str | None = None, desc: str = "weights", on_placed=None) -> dict:
     """Wrap a torch module for torchax and stream its weights into their shards on ``mesh``.
 
-    Every weight goes from host memory straight into its ``NamedSharding`` (see
-    ``placement.place_tensors``): no device holds a whole weight unless its spec replicates
-    it, and each torch tensor's storage is freed once it is placed. Buffers (RoPE tables)
-    are replicated.
+    Every weight goes straight into its ``NamedSharding``: no device holds a whole weight
+    unless its spec replicates it. Without ``checkpoint`` the values come from the module's
+    own torch tensors (``placement.place_tensors``), each freed once placed. With
+    ``checkpoint`` the module's weights may be meta tensors: each device's slice is read from
+    the safetensors files in that folder (``placement.place_from_safetensors``), so a host
+    reads only what its own devices hold; stacked ``blocks.stacked.*`` weights
+    (``--scan_layers``) read their layers' ``blocks.{i}.*``. Buffers (RoPE tables) are
+    replicated from the module's tensors.
 
     Args:
         module: a torch module on CPU.
@@ -821,6 +825,7 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         fsdp: see ``sharding_specs``.
         include: optional ``f(name) -> bool``; only those weights are placed (the rest stay
             on the host, unused by the program that gets these params).
+        checkpoint: optional folder of the module's safetensors files.
         desc: progress-bar label.
         on_placed: optional ``f(name, jax.Array)`` after each weight (memory accounting).
 
@@ -828,7 +833,12 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         dict(module=JittableModule, params={name: jax.Array}, buffers={name: jax.Array},
         specs={name: PartitionSpec}, rule_counts={regex: parameters}, unmatched=[names],
         undivided=[names a rule matched but whose dims the mesh does not divide],
-        bytes=host bytes placed, seconds=placement wall time).
+        param_bytes=weights in their run dtypes, bytes=weights and buffers,
+        bytes_read=bytes read from ``checkpoint`` (None without it), seconds=wall time).
+
+    Raises:
+        GenerationError: ``checkpoint`` holds no safetensors file, or its tensor names differ
+            from the module's.
     """
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -840,46 +850,39 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
     keep = include or (lambda name: True)
     params = {k: v for k, v in jm.params.items() if keep(k)}
     buffers = {k: v for k, v in jm.buffers.items() if keep(k)}
+    reader, stacked = (None, {}) if checkpoint is None else _checkpoint_reader(
+        module, checkpoint, params)
     specs, counts, unmatched = module_sharding_specs(
         module, {k: v.shape for k, v in params.items()}, rules, mesh, fsdp=fsdp)
     shardings = {k: NamedSharding(mesh, specs[k]) for k in params}
-    shardings.update({k: NamedSharding(mesh, P()) for k in buffers})
-    nbytes = sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
     t0 = time.perf_counter()
-    placed = placement.place_tensors({**params, **buffers}, shardings, desc=desc,
-                                     on_placed=on_placed)
-    return dict(module=jm, params={k: placed[k] for k in params},
-                buffers={k: placed[k] for k in buffers}, specs=specs, rule_counts=counts,
-                unmatched=unmatched, undivided=undivided_weights(specs, rules), bytes=nbytes,
+    if reader is None:
+        placed = placement.place_tensors(params, shardings, desc=desc, on_placed=on_placed)
+    else:
+        placed = placement.place_from_safetensors(reader, params, shardings, desc=desc,
+                                                  stacked=stacked, on_placed=on_placed)
+    placed_buffers = placement.place_tensors(
+        buffers, {k: NamedSharding(mesh, P()) for k in buffers}, desc=f"{desc} buffers",
+        on_placed=on_placed)
+    param_bytes = sum(int(math.prod(t.shape)) * t.element_size() for t in params.values())
+    return dict(module=jm, params=placed, buffers=placed_buffers, specs=specs,
+                rule_counts=counts, unmatched=unmatched,
+                undivided=undivided_weights(specs, rules), param_bytes=param_bytes,
+                bytes=param_bytes + sum(t.numel() * t.element_size() for t in buffers.values()),
+                bytes_read=None if reader is None else reader.bytes_read,
                 seconds=time.perf_counter() - t0)
 
 
-def place_checkpoint(module, folder: str, mesh, rules=(), *, fsdp: bool = False,
-                     desc: str = "weights", on_placed=None) -> dict:
-    """``place_module`` for a module with meta weights: each device's slice of every weight
-    is read from the safetensors files in ``folder`` (``placement.SafetensorsReader``) and
-    placed; a host reads only what its own devices hold, slice by slice. Stacked
-    ``blocks.stacked.*`` weights (``--scan_layers``) read their layers' ``blocks.{i}.*``.
-
-    Returns:
-        as ``place_module``, plus ``param_bytes`` (the weights, in their run dtypes) and
-        ``bytes_read`` (bytes read from the files, in the same dtypes).
-
-    Raises:
-        GenerationError: the files are missing, or their tensor names differ from the model's.
-    """
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-
+def _checkpoint_reader(module, folder: str, params: dict):
+    """(``placement.SafetensorsReader`` of ``folder`` checked against ``params``' names,
+    {each ``--scan_layers`` stacked weight: its layers' names in the files})."""
     import placement
     import scan_layers
 
-    jm = interop.JittableModule(module)
     blocks = getattr(module, "blocks", None)
     stacked = {}
     if isinstance(blocks, scan_layers.ScannedBlocks):
-        for name in jm.params:
+        for name in params:
             if name.startswith(scan_layers.STACKED_PREFIX):
                 leaf = name[len(scan_layers.STACKED_PREFIX):]
                 stacked[name] = [f"blocks.{i}.{leaf}" for i in range(blocks.num_layers)]
@@ -887,7 +890,7 @@ def place_checkpoint(module, folder: str, mesh, rules=(), *, fsdp: bool = False,
         reader = placement.SafetensorsReader(folder)
     except FileNotFoundError as e:
         raise GenerationError(f"--model_id: {e}") from None
-    want = {f for name in jm.params for f in stacked.get(name, [name])}
+    want = {f for name in params for f in stacked.get(name, [name])}
     missing, unexpected = sorted(want - reader.keys()), sorted(reader.keys() - want)
     if missing or unexpected:
         raise GenerationError(
@@ -895,37 +898,23 @@ def place_checkpoint(module, folder: str, mesh, rules=(), *, fsdp: bool = False,
             + (f"missing {', '.join(missing[:3])}" if missing else "")
             + ("; " if missing and unexpected else "")
             + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
-    specs, counts, unmatched = module_sharding_specs(
-        module, {k: v.shape for k, v in jm.params.items()}, rules, mesh, fsdp=fsdp)
-    t0 = time.perf_counter()
-    params = placement.place_from_safetensors(
-        reader, jm.params, {k: NamedSharding(mesh, specs[k]) for k in jm.params},
-        desc=desc, stacked=stacked, on_placed=on_placed)
-    buffers = placement.place_tensors(jm.buffers, {k: NamedSharding(mesh, P())
-                                                   for k in jm.buffers}, desc=f"{desc} buffers")
-    nbytes = sum(int(math.prod(t.shape)) * t.element_size()
-                 for t in (*jm.params.values(), *jm.buffers.values()))
-    return dict(module=jm, params=params, buffers=buffers, specs=specs, rule_counts=counts,
-                unmatched=unmatched, undivided=undivided_weights(specs, rules), bytes=nbytes,
-                param_bytes=sum(int(math.prod(t.shape)) * t.element_size()
-                                for t in jm.params.values()),
-                bytes_read=reader.bytes_read, seconds=time.perf_counter() - t0)
+    return reader, stacked
 
 
 def shard_weights(pipe, mesh, args, fallbacks=None):
     """Stream the transformer's weights from the checkpoint into their shards on ``mesh`` by
-    the Megatron table (plus FSDP with ``--fsdp``); see ``place_checkpoint``. Logs what each
+    the Megatron table (plus FSDP with ``--fsdp``); see ``place_module``. Logs what each
     rule matched and, at debug level, every weight no rule names; weights a rule matched but
     the mesh cannot divide are reported to ``fallbacks``. Returns {"transformer": ...} as
-    ``place_checkpoint`` returns it."""
+    ``place_module`` returns it."""
     rules = transformer_sharding_rules(replicate_row_parallel=args.replicate_row_parallel)
     if args.scan_layers:
         import scan_layers
 
         scan_layers.scan_blocks(pipe.transformer)  # before the sp hooks, which it keeps
-    out = dict(transformer=place_checkpoint(
-        pipe.transformer, component_folder(args.model_id, "transformer"), mesh, rules,
-        fsdp=args.fsdp, desc="transformer"))
+    out = dict(transformer=place_module(
+        pipe.transformer, mesh, rules, fsdp=args.fsdp, desc="transformer",
+        checkpoint=component_folder(args.model_id, "transformer")))
     t = out["transformer"]
     for rx, n in t["rule_counts"].items():
         log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
@@ -1747,7 +1736,9 @@ def _abstract(tensors: dict, mesh, specs=None, dtype=None) -> dict:
 
 def _per_chip_bytes(structs) -> int:
     """Bytes one chip holds of these sharded ``ShapeDtypeStruct``s."""
-    return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in structs)
+    import placement
+
+    return sum(placement.shard_bytes(s) for s in structs)
 
 
 def _memory_row(name: str, compiled, seconds: float, capacity: int) -> dict:

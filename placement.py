@@ -121,10 +121,15 @@ def per_device_bytes(arrays=None) -> dict:
     for arr in jax.live_arrays() if arrays is None else arrays:
         if arr.is_deleted():
             continue
-        shard = math.prod(arr.sharding.shard_shape(arr.shape)) * arr.dtype.itemsize
         for device in arr.sharding.device_set:
-            totals[device] = totals.get(device, 0) + shard
+            totals[device] = totals.get(device, 0) + shard_bytes(arr)
     return totals
+
+
+def shard_bytes(arr) -> int:
+    """Bytes one device holds of ``arr`` (a ``jax.Array`` or a ``ShapeDtypeStruct`` with a
+    sharding): its shard shape times the item size (the whole array where replicated)."""
+    return math.prod(arr.sharding.shard_shape(tuple(arr.shape))) * arr.dtype.itemsize
 
 
 def per_host_bytes(arrays) -> dict:

@@ -16,7 +16,7 @@ weight bytes:
 ``--from_checkpoint`` first saves the random weights as a diffusers checkpoint
 (``save_pretrained``, safetensors) in a temporary folder, frees them, and then places them
 the way a real run does: meta weights, each device's slice read from the files
-(``generate_flax.place_checkpoint``), so the host never holds the checkpoint.
+(``generate_flax.place_module(..., checkpoint=...)``), so the host never holds the checkpoint.
 
 CPU caveat: CPU "devices" live in host RAM, so here RSS also holds every device's copies;
 the host-side overhead is RSS minus the sum over devices. Figures are CPU figures, not TPU.
@@ -181,8 +181,8 @@ def main(argv=None) -> int:
             account(name, arr)
             placed.append(arr)
     elif args.from_checkpoint:
-        placed = gf.place_checkpoint(model, os.path.join(tmp.name, "transformer"), mesh, rules,
-                                     desc="transformer", on_placed=account)
+        placed = gf.place_module(model, mesh, rules, desc="transformer", on_placed=account,
+                                 checkpoint=os.path.join(tmp.name, "transformer"))
     else:
         placed = gf.place_module(model, mesh, rules, desc="transformer", on_placed=account)
     seconds = time.perf_counter() - t0
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     devices = jax.devices()
     dev0, others = peaks[devices[0]], [peaks[d] for d in devices[1:]]
     path = ("legacy t2j_copy + device_put" if args.legacy else
-            "streamed from safetensors slices (place_checkpoint)" if args.from_checkpoint else
+            "streamed from safetensors slices (checkpoint=)" if args.from_checkpoint else
             "streamed from host tensors (place_module)")
     print(f"== Placement, {path}: {os.path.basename(args.config)} random bf16 weights, "
           f"{len(devices)} CPU devices, dp{args.dp} x tp{args.tp} (CPU figures, not TPU) ==")

@@ -134,8 +134,8 @@ def test_streaming_from_the_checkpoint_reads_each_slice_once(tiny_checkpoint_8h,
     assert all(p.is_meta for p in model.parameters())
     mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
     probe = DeviceBytesProbe(monkeypatch)
-    placed = gf.place_checkpoint(model, os.path.join(tiny_checkpoint_8h, "transformer"), mesh,
-                                 gf.transformer_sharding_rules())
+    placed = gf.place_module(model, mesh, gf.transformer_sharding_rules(),
+                             checkpoint=os.path.join(tiny_checkpoint_8h, "transformer"))
     monkeypatch.undo()
     dev0 = probe.peaks[jax.devices()[0]]
     others = [probe.peaks[d] for d in jax.devices()[1:]]
@@ -164,4 +164,4 @@ def test_checkpoint_that_does_not_match_its_config_is_one_error(tiny_checkpoint_
     model = gf.empty_transformer(dict(_transformer(tiny_checkpoint_8h).config), torch.float32)
     mesh = gf.make_mesh(gf.MeshShape(1, 1, 1), jax.devices()[:1])
     with pytest.raises(gf.GenerationError, match="missing proj_out.bias"):
-        gf.place_checkpoint(model, str(folder), mesh)
+        gf.place_module(model, mesh, checkpoint=str(folder))
