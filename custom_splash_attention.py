@@ -223,8 +223,8 @@ class BlockSizes:
     (static-profile estimate: v6e 53% MXU use against 45%, v5e 91% against 88%).
 
     Raises:
-        ValueError: a size is not a positive multiple of 128, or ``block_kv`` is not a
-            multiple of ``block_kv_compute``.
+        BlockSizesError: (a ``ValueError``) a size is not a positive multiple of 128, or
+            ``block_kv`` is not a multiple of ``block_kv_compute``; it names the field.
     """
 
     block_q: int = 3328
@@ -235,16 +235,26 @@ class BlockSizes:
         for name in ("block_q", "block_kv", "block_kv_compute"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"BlockSizes.{name}: expected a positive int, got {value!r}")
+                raise BlockSizesError(name, "a positive int", value)
             if value % NUM_LANES:
-                raise ValueError(
-                    f"BlockSizes.{name}: expected a multiple of {NUM_LANES}, got {value}"
-                )
+                raise BlockSizesError(name, f"a multiple of {NUM_LANES}", value)
         if self.block_kv % self.block_kv_compute:
-            raise ValueError(
-                f"BlockSizes.block_kv: expected a multiple of block_kv_compute="
-                f"{self.block_kv_compute}, got {self.block_kv}"
-            )
+            raise BlockSizesError("block_kv", "a multiple of block_kv_compute="
+                                  f"{self.block_kv_compute}", self.block_kv)
+
+
+class BlockSizesError(ValueError):
+    """A ``BlockSizes`` field breaks a rule: "BlockSizes.<field>: expected <rule>, got <value>".
+
+    Attributes:
+        field: the offending field's name ("block_q", "block_kv" or "block_kv_compute").
+        expected: the rule, as a phrase ("a multiple of 128").
+        value: the rejected value.
+    """
+
+    def __init__(self, field: str, expected: str, value):
+        super().__init__(f"BlockSizes.{field}: expected {expected}, got {value!r}")
+        self.field, self.expected, self.value = field, expected, value
 
 
 class SegmentIds(NamedTuple):

@@ -6,7 +6,7 @@ then runs the real TPU compiler for it. No weights are read: the model is built 
 ``accelerate.init_empty_weights()`` from the architecture config (configs/Wan-AI/...), its
 parameters enter as ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding``, and only the
 RoPE buffers are real. The jitted function is generate_flax's batch-2 CFG step
-(``_cfg_step_fn``) with the Splash attention override, sharded by generate_flax's Megatron
+(``families.wan.step_fn``) with the Splash attention override, sharded by generate_flax's Megatron
 rules: the same program ``compile_transformer_step`` builds, minus the real arrays.
 
 For each variant (unrolled = diffusers' block loop; scanned = scan_layers.scan_blocks) it
@@ -39,14 +39,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# libtpu reads these when it first initialises on a CPU host; without them it probes the GCE
-# metadata server. The accelerator type does not choose the compile target (the topology
-# name does).
-DEVICELESS_ENV = {
-    "TPU_ACCELERATOR_TYPE": "v6e-8",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "TPU_SKIP_MDS_QUERY": "1",
-}
 MODELS = {
     "14B": os.path.join(ROOT, "configs", "Wan-AI", "Wan2.1-T2V-14B-Diffusers"),
     "1.3B": os.path.join(ROOT, "configs", "Wan-AI", "Wan2.1-T2V-1.3B-Diffusers"),
@@ -87,41 +79,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def topology_mesh(topology: str, mesh_shape: tuple[int, int, int]):
     """A ("dp", "tp", "sp") mesh over the described (not owned) TPU chips of ``topology``."""
-    import jax
+    from engine import runtime
 
-    if jax.default_backend() != "tpu":  # never touch a real TPU host's settings
-        for key, value in DEVICELESS_ENV.items():
-            os.environ.setdefault(key, value)
+    if not runtime.has_tpu_device_files():  # never touch a real TPU host's settings
+        runtime.use_deviceless_tpu(topology)
     from jax.experimental import topologies
 
-    import generate_flax as gf
+    from engine.mesh import MeshShape, make_mesh
 
     devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
-    return gf.make_mesh(gf.MeshShape(*mesh_shape), devices[: mesh_shape[0] * mesh_shape[1]
-                                                            * mesh_shape[2]])
+    return make_mesh(MeshShape(*mesh_shape), devices[: mesh_shape[0] * mesh_shape[1]
+                                                      * mesh_shape[2]])
 
 
 def abstract_transformer(config_dir: str, *, scanned: bool, layers: int | None = None,
                          unroll: int = 1):
     """``WanTransformer3DModel`` on the meta device, dtypes as ``from_pretrained(dtype=bf16)``
-    gives them: bf16 except ``_keep_in_fp32_modules`` (modulation tables, norms, time
-    embedder), which stay float32. Buffers (RoPE tables) are real. Uses no weight memory."""
-    import accelerate
+    gives them (``families.wan.empty_transformer``). Buffers (RoPE tables) are real. Uses no
+    weight memory."""
     import torch
     from diffusers import WanTransformer3DModel
 
-    import scan_layers
+    from engine import scan_layers
+    from families import wan
 
     cfg = dict(WanTransformer3DModel.load_config(config_dir, subfolder="transformer"))
     if layers:
         cfg["num_layers"] = layers
-    with accelerate.init_empty_weights():
-        model = WanTransformer3DModel.from_config(cfg)
-    keep = model._keep_in_fp32_modules or []
-    for name, p in model.named_parameters():
-        if not any(k in name.split(".") for k in keep):
-            p.data = p.data.to(torch.bfloat16)
-    model.eval()
+    model = wan.empty_transformer(cfg, torch.bfloat16)
     if scanned:
         scan_layers.scan_blocks(model, unroll=unroll)
     return model
@@ -137,17 +122,12 @@ def abstract_weights(model, mesh, rules):
     from torchax import interop
     from torchax.ops import mappings
 
-    import generate_flax as gf
-    import scan_layers
+    from engine import sharding
 
     jm = interop.JittableModule(model)
     shapes = {k: tuple(v.shape) for k, v in jm.params.items()}
-    if isinstance(model.blocks, scan_layers.ScannedBlocks):
-        # The unrolled model's decisions, with an unsharded layer axis prepended.
-        specs, _, _ = scan_layers.stacked_sharding_specs(
-            gf.sharding_specs, shapes, rules, mesh, num_layers=model.blocks.num_layers)
-    else:
-        specs, _, _ = gf.sharding_specs(shapes, rules, mesh)
+    # For a scanned model: the unrolled model's decisions, with an unsharded layer axis.
+    specs, _, _ = sharding.module_sharding_specs(model, shapes, rules, mesh)
     params = {k: jax.ShapeDtypeStruct(tuple(v.shape), mappings.t2j_dtype(v.dtype),
                                       sharding=NamedSharding(mesh, specs[k]))
               for k, v in jm.params.items()}
@@ -176,19 +156,23 @@ def step_inputs(mesh, cfg: dict, args):
 
 def measure(variant: str, mesh, args) -> dict:
     """Trace+lower and compile one variant's CFG step; returns the figures."""
+    import types
+
     import jax
-    import torch
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    import generate_flax as gf
+    from families import wan
 
     model = abstract_transformer(MODELS[args.model], scanned=variant == "scanned",
                                  layers=args.layers, unroll=args.unroll)
-    jm, params, buffers, specs = abstract_weights(model, mesh, gf.transformer_sharding_rules())
+    jm, params, buffers, specs = abstract_weights(model, mesh, wan.transformer_sharding_rules())
     latents, timestep, embeds = step_inputs(mesh, dict(model.config), args)
-    fn = gf._cfg_step_fn(jm, guidance_scale=5.0, cfg=True, dtype=torch.bfloat16)
+    embeds = {"encoder_hidden_states": embeds}
+    # The family's batch-2 CFG step, as generate_flax builds it for bf16 at CFG 5.0.
+    fn = wan.step_fn(jm, types.SimpleNamespace(dtype="bfloat16", use_cfg=True,
+                                               guidance_scale=5.0))
     rep = NamedSharding(mesh, P())
     param_sh = {k: NamedSharding(mesh, s) for k, s in specs.items()}
     jitted = jax.jit(interop.jax_view(fn),
@@ -322,7 +306,9 @@ def main(argv=None) -> int:
         csa.install_sdpa_override(torchax.default_env(), attention=args.attention,
                                   mesh=mesh if args.attention == "splash" else None,
                                   # generate_flax's default --bq/--bkv/--bkv_compute
-                                  block_sizes=gf.block_sizes(gf.parse_args([])),
+                                  block_sizes=csa.BlockSizes(gf.DEFAULTS["bq"],
+                                                             gf.DEFAULTS["bkv"],
+                                                             gf.DEFAULTS["bkv_compute"]),
                                   interpret=False)
         results = []
         for v in variants:

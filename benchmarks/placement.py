@@ -3,7 +3,7 @@
 Builds Wan 2.1's transformer from a shipped architecture config (default: the 1.3B one in
 ``configs/``) with random bf16 weights, stacks its blocks as ``--scan_layers`` does, and places
 it on 8 CPU devices (dp2 x tp4, the default 8-device layout with CFG) through
-``generate_flax.place_module``, the product's streamed path. It prints, as ratios to the
+``engine.sharding.place_module``, the product's streamed path. It prints, as ratios to the
 weight bytes:
 
 * the peak host RSS during placement (anonymous memory, sampled every 5 ms) and the RSS
@@ -16,7 +16,7 @@ weight bytes:
 ``--from_checkpoint`` first saves the random weights as a diffusers checkpoint
 (``save_pretrained``, safetensors) in a temporary folder, frees them, and then places them
 the way a real run does: meta weights, each device's slice read from the files
-(``generate_flax.place_module(..., checkpoint=...)``), so the host never holds the checkpoint.
+(``engine.sharding.place_module(..., checkpoint=...)``), so the host never holds the checkpoint.
 
 CPU caveat: CPU "devices" live in host RAM, so here RSS also holds every device's copies;
 the host-side overhead is RSS minus the sum over devices. Figures are CPU figures, not TPU.
@@ -84,23 +84,21 @@ class RssSampler(threading.Thread):
 
 
 def random_transformer(config_dir: str):
-    """Wan transformer of the config's architecture, random bf16 weights (fp32-kept modules
-    in float32, as ``from_pretrained`` keeps them), blocks stacked for the scan."""
+    """Wan transformer of the config's architecture, random weights in the dtypes
+    ``from_pretrained`` gives them (``families.wan.empty_transformer``), blocks stacked for
+    the scan."""
     import torch
-    from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
-    import scan_layers
+    from engine import scan_layers
+    from families import wan
 
-    cfg = WanTransformer3DModel.load_config(config_dir, subfolder="transformer")
-    with init_empty_weights():
-        model = WanTransformer3DModel.from_config(cfg).to(torch.bfloat16).eval()
-    keep = model._keep_in_fp32_modules or []
+    cfg = dict(WanTransformer3DModel.load_config(config_dir, subfolder="transformer"))
+    model = wan.empty_transformer(cfg, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     for name, param in list(model.named_parameters()):
         owner, _, leaf = name.rpartition(".")
-        fp32 = any(k in name.split(".") for k in keep)
-        data = torch.empty(param.shape, dtype=torch.float32 if fp32 else torch.bfloat16)
+        data = torch.empty(param.shape, dtype=param.dtype)
         data.normal_(0.0, 0.02, generator=gen)
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(data)
     scan_layers.scan_blocks(model)
@@ -115,12 +113,12 @@ def place_legacy(model, mesh, rules):
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    import generate_flax as gf
+    from engine import sharding
 
     env = torchax.default_env()
     jm = interop.JittableModule(model)
     params, buffers = env.t2j_copy(jm.params), env.t2j_copy(jm.buffers)
-    specs, _, _ = gf.module_sharding_specs(model, {k: v.shape for k, v in params.items()},
+    specs, _, _ = sharding.module_sharding_specs(model, {k: v.shape for k, v in params.items()},
                                            rules, mesh)
     out = {}
     for k, v in params.items():
@@ -133,10 +131,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    import generate_flax as gf
-    import placement
+    from engine import placement, runtime, sharding
+    from engine.mesh import MeshShape, make_mesh
+    from families import wan
 
-    gf.quiet_known_warnings()
+    runtime.quiet_known_warnings()
     model = random_transformer(args.config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
@@ -147,11 +146,11 @@ def main(argv=None) -> int:
 
         import torch
 
-        import scan_layers
+        from engine import scan_layers
 
         tmp = tempfile.TemporaryDirectory(prefix="wan-placement-bench-")
         cfg = dict(model.config)
-        unstacked = gf.empty_transformer(cfg, torch.bfloat16)  # to save per-block names
+        unstacked = wan.empty_transformer(cfg, torch.bfloat16)  # to save per-block names
         stacked = model.blocks.stacked_params()
         state = {f"blocks.{i}.{k}": v[i] for k, v in stacked.items()
                  for i in range(model.blocks.num_layers)}
@@ -161,10 +160,10 @@ def main(argv=None) -> int:
         unstacked.save_pretrained(os.path.join(tmp.name, "transformer"))
         del model, unstacked, state, stacked
         gc.collect()
-        model = gf.empty_transformer(cfg, torch.bfloat16)
+        model = wan.empty_transformer(cfg, torch.bfloat16)
         scan_layers.scan_blocks(model)
-    mesh = gf.make_mesh(gf.MeshShape(args.dp, args.tp, 1), jax.devices())
-    rules = gf.transformer_sharding_rules()
+    mesh = make_mesh(MeshShape(args.dp, args.tp, 1), jax.devices())
+    rules = wan.transformer_sharding_rules()
     peaks: dict = {}
 
     def account(name, arr):
@@ -181,10 +180,10 @@ def main(argv=None) -> int:
             account(name, arr)
             placed.append(arr)
     elif args.from_checkpoint:
-        placed = gf.place_module(model, mesh, rules, desc="transformer", on_placed=account,
+        placed = sharding.place_module(model, mesh, rules, desc="transformer", on_placed=account,
                                  checkpoint=os.path.join(tmp.name, "transformer"))
     else:
-        placed = gf.place_module(model, mesh, rules, desc="transformer", on_placed=account)
+        placed = sharding.place_module(model, mesh, rules, desc="transformer", on_placed=account)
     seconds = time.perf_counter() - t0
     sampler.stop.set()
     sampler.join()

@@ -20,6 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import generate_flax as gf
+from engine import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "generate_flax.py")
@@ -93,7 +94,7 @@ def test_a_killed_process_ends_the_other(tiny_checkpoint_8h, tmp_path):
     assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
-    limit = 4 * gf.DISTRIBUTED_HEARTBEAT_TIMEOUT_S
+    limit = 4 * runtime.DISTRIBUTED_HEARTBEAT_TIMEOUT_S
     try:
         _, err = procs[0].communicate(timeout=limit)
     except subprocess.TimeoutExpired:

@@ -5,6 +5,9 @@ import numpy as np
 import torch
 
 import generate_flax
+from engine.mesh import MeshShape, make_mesh
+from engine.step import compile_step
+from families import wan
 
 # Non-square and not a power of two, so a swapped height/width axis cannot pass.
 SHAPE = dict(height=64, width=96, frames=9)
@@ -22,8 +25,8 @@ def _reference_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0):
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         out = pipe(
-            prompt=generate_flax.DEFAULTS["prompt"],
-            negative_prompt=generate_flax.DEFAULTS["negative_prompt"],
+            prompt=wan.DEFAULTS["prompt"],
+            negative_prompt=wan.DEFAULTS["negative_prompt"],
             num_inference_steps=STEPS,
             guidance_scale=guidance_scale,
             generator=torch.Generator("cpu").manual_seed(seed),
@@ -95,9 +98,10 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
         "--model_id", tiny_checkpoint, "--dtype", "bfloat16", "--attention", "xla",
         "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
         "--frames", str(SHAPE["frames"]), "--dp", "1", "--tp", "1", "--sp", "8"]))
-    pipe = generate_flax.load_pipeline(args)
-    pos, neg = generate_flax.encode_prompts(pipe, args)
-    latents = generate_flax.prepare_latents(pipe, args)
+    pipe = wan.load_pipeline(args, wan.FAMILY.components["all"])
+    embeds = wan.encode_prompts(pipe, args)
+    pos, neg = embeds["prompt_embeds"], embeds["negative_prompt_embeds"]
+    latents = wan.prepare_latents(pipe, args)
     t = torch.tensor([999])
 
     def torch_cfg(model, dtype):
@@ -119,14 +123,14 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
 
     from custom_splash_attention import install_sdpa_override
 
-    mesh = generate_flax.make_mesh(generate_flax.MeshShape(1, 1, 8))
+    mesh = make_mesh(MeshShape(1, 1, 8))
     install_sdpa_override(torchax.default_env(), attention="xla")
-    weights = generate_flax.shard_weights(pipe, mesh, args)
-    embeds = jnp.asarray(torch.cat([pos, neg]).float().numpy()).astype(jnp.bfloat16)
+    w = generate_flax.place_transformer(args, wan.FAMILY, pipe, mesh, None)
+    inputs = {"encoder_hidden_states": jnp.asarray(
+        torch.cat([pos, neg]).float().numpy()).astype(jnp.bfloat16)}
     lat, ts = jnp.asarray(latents.numpy()), jnp.asarray([999], jnp.int32)
-    step, _ = generate_flax.compile_transformer_step(weights, mesh, args, lat, ts, embeds)
-    w = weights["transformer"]
-    ours = np.asarray(jax.device_get(step(w["params"], w["buffers"], lat, ts, embeds)),
+    step, _ = compile_step(w, mesh, wan.step_fn(w["module"], args), lat, ts, inputs)
+    ours = np.asarray(jax.device_get(step(w["params"], w["buffers"], lat, ts, inputs)),
                       dtype=np.float32)
 
     err_theirs = np.abs(theirs - truth).mean()

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import generate_flax as gf
-import placement
-import scan_layers
+from engine import placement, scan_layers, sharding
+from engine.mesh import MeshShape, make_mesh
+from families import wan
 
 
 class DeviceBytesProbe:
@@ -65,9 +66,9 @@ def test_device_0_holds_no_more_than_its_shards(tiny_checkpoint_8h, monkeypatch)
     scan_layers.scan_blocks(model)
     expected = {k: v.detach().float().clone()
                 for k, v in [*model.named_parameters(), *model.named_buffers()]}
-    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
     probe = DeviceBytesProbe(monkeypatch)
-    placed = gf.place_module(model, mesh, gf.transformer_sharding_rules())
+    placed = sharding.place_module(model, mesh, wan.transformer_sharding_rules())
     monkeypatch.undo()
     assert probe.samples >= len(placed["params"])
     dev0 = probe.peaks[jax.devices()[0]]
@@ -86,8 +87,8 @@ def test_device_0_holds_no_more_than_its_shards(tiny_checkpoint_8h, monkeypatch)
 def test_weight_bytes_per_device_match_the_specs(tiny_checkpoint_8h):
     """After placement, each device holds exactly the bytes its shard shapes say."""
     model = _transformer(tiny_checkpoint_8h)
-    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
-    placed = gf.place_module(model, mesh, gf.transformer_sharding_rules())
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
+    placed = sharding.place_module(model, mesh, wan.transformer_sharding_rules())
     arrays = [*placed["params"].values(), *placed["buffers"].values()]
     per_device = placement.per_device_bytes(arrays)
     want = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
@@ -110,7 +111,7 @@ def test_place_array_gives_each_device_its_slice(dtype):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
     host = np.arange(8 * 6, dtype=np.float32).reshape(8, 6).astype(dtype)
     arr = placement.place_array(host, NamedSharding(mesh, P("tp", "dp")))
     for shard in arr.addressable_shards:
@@ -129,12 +130,12 @@ def test_streaming_from_the_checkpoint_reads_each_slice_once(tiny_checkpoint_8h,
     scan_layers.scan_blocks(want_model)
     want = {k: v.detach().float() for k, v in want_model.named_parameters()}
     cfg = dict(want_model.config)
-    model = gf.empty_transformer(cfg, torch.bfloat16)
+    model = wan.empty_transformer(cfg, torch.bfloat16)
     scan_layers.scan_blocks(model)
     assert all(p.is_meta for p in model.parameters())
-    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
     probe = DeviceBytesProbe(monkeypatch)
-    placed = gf.place_module(model, mesh, gf.transformer_sharding_rules(),
+    placed = sharding.place_module(model, mesh, wan.transformer_sharding_rules(),
                              checkpoint=os.path.join(tiny_checkpoint_8h, "transformer"))
     monkeypatch.undo()
     dev0 = probe.peaks[jax.devices()[0]]
@@ -161,7 +162,7 @@ def test_checkpoint_that_does_not_match_its_config_is_one_error(tiny_checkpoint_
     state = load_file(str(path))
     del state["proj_out.bias"]
     save_file(state, str(path))
-    model = gf.empty_transformer(dict(_transformer(tiny_checkpoint_8h).config), torch.float32)
-    mesh = gf.make_mesh(gf.MeshShape(1, 1, 1), jax.devices()[:1])
+    model = wan.empty_transformer(dict(_transformer(tiny_checkpoint_8h).config), torch.float32)
+    mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
     with pytest.raises(gf.GenerationError, match="missing proj_out.bias"):
-        gf.place_module(model, mesh, checkpoint=str(folder))
+        sharding.place_module(model, mesh, checkpoint=str(folder))

@@ -1,6 +1,7 @@
 """What keeps a real TPU run safe: the kernel self-check, one-line hardware errors, loud
 fallbacks, the VAE's attention kept off our kernel, and flow_shift by resolution."""
 
+import dataclasses
 import os
 
 import jax
@@ -10,7 +11,11 @@ import pytest
 import torch
 
 import custom_splash_attention as csa
+import families
 import generate_flax as gf
+from engine import runtime, sharding
+from engine.mesh import MeshShape, make_mesh
+from families import wan
 
 SMALL = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",
          "--warmup_steps", "0", "--compilation_cache_dir", "none"]
@@ -32,7 +37,8 @@ def test_wrong_kernel_stops_before_loading_with_one_line(tiny_checkpoint, tmp_pa
                                        k.astype(jnp.float32), v.astype(jnp.float32))
 
     monkeypatch.setattr(csa, "splash_attention", wrong)
-    monkeypatch.setattr(gf, "load_pipeline", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setitem(families.FAMILIES, "wan2.1", dataclasses.replace(
+        wan.FAMILY, load_pipeline=lambda *a, **k: pytest.fail("weights loaded")))
     out = tmp_path / "out"
     code, lines = _cli(capsys, ["--model_id", tiny_checkpoint, *SMALL, "--attention",
                                 "splash", "--output_dir", str(out)])
@@ -69,7 +75,7 @@ def test_device_oom_is_one_line_naming_stage_bytes_and_dry_run(tiny_checkpoint, 
             "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate "
             "12.50G. That was not possible. There are 3.10G free.; (0x0x0_HBM0)")
 
-    monkeypatch.setattr(gf, "compile_transformer_step", oom)
+    monkeypatch.setattr(gf, "compile_transformer", oom)
     out = tmp_path / "out"
     code, lines = _cli(capsys, ["--model_id", tiny_checkpoint, *SMALL, "--output_dir",
                                 str(out)])
@@ -83,7 +89,7 @@ def test_device_oom_is_one_line_naming_stage_bytes_and_dry_run(tiny_checkpoint, 
 
 def test_other_runtime_errors_are_not_called_oom():
     with pytest.raises(ValueError, match="shape"):
-        with gf.hardware_errors("placing", None, []):
+        with runtime.hardware_errors("placing"):
             raise ValueError("bad shape")
 
 
@@ -97,18 +103,18 @@ def test_other_runtime_errors_are_not_called_oom():
     ("RESOURCE_EXHAUSTED: something else", ""),
 ])
 def test_oom_sizes_are_read_from_the_message(text, want):
-    assert gf._oom_details(text) == want
+    assert runtime.oom_details(text) == want
 
 
 def test_undivided_weights_are_named():
     from jax.sharding import PartitionSpec as P
 
-    mesh = gf.make_mesh(gf.MeshShape(1, 4, 2), jax.devices())
+    mesh = make_mesh(MeshShape(1, 4, 2), jax.devices())
     rules = ((r"a\.weight$", ("tp", None)), (r"b\.weight$", ("tp", None)))
     shapes = {"a.weight": (8, 3), "b.weight": (6, 3), "c.weight": (6, 3)}
-    specs, _, unmatched = gf.sharding_specs(shapes, rules, mesh)
+    specs, _, unmatched = sharding.sharding_specs(shapes, rules, mesh)
     assert specs["a.weight"] == P("tp", None) and specs["b.weight"] == P(None, None)
-    assert gf.undivided_weights(specs, rules) == ["b.weight"]  # c has no rule: not a fallback
+    assert sharding.undivided_weights(specs, rules) == ["b.weight"]  # c has no rule: not a fallback
     assert unmatched == ["c.weight"]
 
 
@@ -116,7 +122,7 @@ def test_attention_the_wrapper_cannot_split_is_reported(monkeypatch):
     import torchax
 
     seen = []
-    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
     env = torchax.default_env()
     csa.install_sdpa_override(env, attention="splash", mesh=mesh, interpret=True,
                               on_fallback=lambda kind, detail: seen.append((kind, detail)))
@@ -133,7 +139,7 @@ def test_vae_attention_never_reaches_a_splash_kernel(tiny_checkpoint, monkeypatc
     import torchax
     from diffusers import AutoencoderKLWan
 
-    gf.quiet_known_warnings()
+    runtime.quiet_known_warnings()
     calls = {"splash": 0, "xla": 0}
 
     def counting(name, fn):
@@ -146,16 +152,16 @@ def test_vae_attention_never_reaches_a_splash_kernel(tiny_checkpoint, monkeypatc
     monkeypatch.setattr(csa, "sharded_splash_attention",
                         counting("splash", csa.sharded_splash_attention))
     monkeypatch.setattr(csa, "xla_attention", counting("xla", csa.xla_attention))
-    mesh = gf.make_mesh(gf.MeshShape(1, 1, 1), jax.devices()[:1])
+    mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
     csa.install_sdpa_override(torchax.default_env(), attention="splash", mesh=mesh,
                               interpret=True)
     vae = AutoencoderKLWan.from_pretrained(tiny_checkpoint, subfolder="vae",
                                            dtype=torch.float32).eval()
-    placed = gf.place_vae(vae, mesh)
+    placed = sharding.place_module(vae, mesh, include=wan.is_vae_decode_weight)
     # Only the decode path's weights were placed; the encoder stayed on the host.
-    assert placed["params"] and all(gf.is_vae_decode_weight(k) for k in placed["params"])
+    assert placed["params"] and all(wan.is_vae_decode_weight(k) for k in placed["params"])
     assert any(k.startswith("encoder.") for k in placed["module"].params)
-    decoder = gf.VaeDecoder(placed, vae, mesh)
+    decoder = wan.vae_decoder(placed, vae, mesh)
     latents = jnp.zeros((1, vae.config.z_dim, 2, 4, 6), jnp.float32)
     decoder.compile(latents)
     video = decoder(latents)

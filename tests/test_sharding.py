@@ -10,6 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import generate_flax as gf
+from engine import sharding
+from engine.mesh import MeshShape, make_mesh
+from engine.step import compile_step
+from families import wan
 
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",
          "--num_iterations", "1", "--warmup_steps", "0", "--dtype", "float32", "--attention", "xla",
@@ -70,9 +74,9 @@ def _tiny_transformer(checkpoint, num_layers=None):
 
 
 def test_every_rule_matches_and_weights_are_really_sharded(tiny_checkpoint_8h):
-    mesh = gf.make_mesh(gf.MeshShape(2, 4, 1), jax.devices())
-    placed = gf.place_module(_tiny_transformer(tiny_checkpoint_8h), mesh,
-                             gf.transformer_sharding_rules())
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
+    placed = sharding.place_module(_tiny_transformer(tiny_checkpoint_8h), mesh,
+                             wan.transformer_sharding_rules())
     for rx, n in placed["rule_counts"].items():
         assert n > 0, f"rule {rx} matched nothing"
     q = placed["params"]["blocks.0.attn1.to_q.weight"]  # (out=96, in=96), column-parallel
@@ -88,11 +92,11 @@ def test_every_rule_matches_and_weights_are_really_sharded(tiny_checkpoint_8h):
 
 
 def test_fsdp_shards_what_tensor_parallelism_leaves(tiny_checkpoint_8h):
-    mesh = gf.make_mesh(gf.MeshShape(2, 2, 2), jax.devices())
-    specs, _, _ = gf.sharding_specs(
+    mesh = make_mesh(MeshShape(2, 2, 2), jax.devices())
+    specs, _, _ = sharding.sharding_specs(
         {"blocks.0.attn1.to_q.weight": (96, 96), "proj_out.weight": (64, 96),
          "blocks.0.norm2.weight": (96,)},
-        gf.transformer_sharding_rules(), mesh, fsdp=True)
+        wan.transformer_sharding_rules(), mesh, fsdp=True)
     assert specs["blocks.0.attn1.to_q.weight"] == P("tp", ("dp", "sp"))
     assert specs["proj_out.weight"] == P(None, ("dp", "tp", "sp"))
     assert all(a is None for a in specs["blocks.0.norm2.weight"])  # vectors stay replicated
@@ -107,16 +111,17 @@ def _collectives(checkpoint, layers, mesh_shape, attention):
     from custom_splash_attention import install_sdpa_override
 
     model = _tiny_transformer(checkpoint, layers)
-    mesh = gf.make_mesh(gf.MeshShape(*mesh_shape), jax.devices())
+    mesh = make_mesh(MeshShape(*mesh_shape), jax.devices())
     args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS]))
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh, interpret=True)
-    weights = {"transformer": gf.place_module(model, mesh, gf.transformer_sharding_rules())}
-    hooks = gf.add_sequence_parallel_hooks(model, mesh) if mesh_shape[2] > 1 else []
+    placed = sharding.place_module(model, mesh, wan.transformer_sharding_rules())
+    hooks = sharding.add_sequence_parallel_hooks(model, mesh) if mesh_shape[2] > 1 else []
     rep = NamedSharding(mesh, P())
     latents = jax.device_put(np.zeros((1, 16, 3, 8, 12), np.float32), rep)
     embeds = jax.device_put(np.zeros((2, 512, 32), np.float32), NamedSharding(mesh, P("dp")))
     t = jax.device_put(np.array([999], np.int32), rep)
-    compiled, _ = gf.compile_transformer_step(weights, mesh, args, latents, t, embeds)
+    compiled, _ = compile_step(placed, mesh, wan.step_fn(placed["module"], args), latents, t,
+                               {"encoder_hidden_states": embeds})
     for h in hooks:
         h.remove()
     hlo = compiled.as_text()

@@ -274,8 +274,11 @@ def test_matches_stock_splash_kernel():
     ],
 )
 def test_block_sizes_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         csa.BlockSizes(**kwargs)
+    # The error carries the field, so callers map it to their own flag without parsing text.
+    assert info.value.field == match.split(":")[0]
+    assert info.value.value == kwargs[info.value.field]
 
 
 def test_block_size_fitting():

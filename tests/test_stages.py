@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import generate_flax as gf
+from engine import staging
+from families import wan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "3",
@@ -61,14 +63,14 @@ def test_three_stages_equal_one_shot_and_seeds_reuse_embeddings(tiny_checkpoint,
         assert report["timings"]["runs"][0]["vae_decode_s"] > 0
     assert np.abs(out[5][0] - out[6][0]).max() > 0.05  # two seeds, two videos
     gen = json.loads((work / "generation_config.json").read_text())
-    assert gen["max_sequence_length"] == 512 and gen["prompt"] == gf.DEFAULTS["prompt"]
+    assert gen["max_sequence_length"] == 512 and gen["prompt"] == wan.DEFAULTS["prompt"]
 
 
 def test_bf16_embeddings_round_trip_exactly(tmp_path):
     x = torch.randn(1, 7, 5).to(torch.bfloat16)
-    gf.save_tensors(dict(prompt_embeds=x, negative_prompt_embeds=x), str(tmp_path / "e.st"),
+    staging.save_tensors(dict(prompt_embeds=x, negative_prompt_embeds=x), str(tmp_path / "e.st"),
                     {"max_sequence_length": 7})
-    t, meta = gf.load_tensors(str(tmp_path / "e.st"), ["prompt_embeds"], "encode")
+    t, meta = staging.load_tensors(str(tmp_path / "e.st"), ["prompt_embeds"], "encode")
     assert t["prompt_embeds"].dtype == torch.bfloat16 and torch.equal(t["prompt_embeds"], x)
     assert meta == {"max_sequence_length": 7}
 

@@ -25,16 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
-
-# libtpu reads these when it first initialises (at the first get_topology_desc on a CPU
-# host). Without them it probes the GCE metadata server and logs errors; with them it
-# sets up a local single-host view. The accelerator type does not pick the compile
-# target (the topology name does), so one value serves v5e and v6e alike.
-_DEVICELESS_ENV = {
-    "TPU_ACCELERATOR_TYPE": "v6e-8",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "TPU_SKIP_MDS_QUERY": "1",
-}
+from engine import runtime  # noqa: E402
 
 MIB = 2**20
 
@@ -43,8 +34,7 @@ def _topology_mesh(topology: str, mesh_shape: tuple[int, int, int]) -> Mesh:
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: no deviceless TPU compiler")
     if jax.default_backend() != "tpu":  # never touch a real TPU host's settings
-        for key, value in _DEVICELESS_ENV.items():
-            os.environ.setdefault(key, value)
+        runtime.use_deviceless_tpu(topology)
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
@@ -177,9 +167,9 @@ def test_kernel_variants_lower_through_mosaic(variant):
 def test_generate_flax_mesh_fits_the_torus(topology, mesh_shape):
     # jax.make_mesh cannot map dp2 x tp4 x sp2 onto a 4x4 torus without splitting a physical
     # axis; generate_flax.make_mesh must still build it, using every chip once.
-    import generate_flax as gf
+    from engine.mesh import MeshShape, make_mesh
 
     devices = list(_topology_mesh(topology, (1, 1, -1)).devices.flat)
-    mesh = gf.make_mesh(gf.MeshShape(*mesh_shape), devices)
+    mesh = make_mesh(MeshShape(*mesh_shape), devices)
     assert dict(mesh.shape) == dict(zip(("dp", "tp", "sp"), mesh_shape, strict=True))
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

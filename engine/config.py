@@ -1,0 +1,87 @@
+"""The resolved run configuration: built once from the flags, never mutated.
+
+Stages take what they need from it. A staged run that reads settings recorded with its
+intermediates (``--stage denoise`` / ``decode``) gets a new object via ``replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every flag of ``generate_flax.py`` after validation, with family defaults filled in.
+
+    ``family`` is the model family's key (``families.FAMILIES``); ``flow_shift_source`` says
+    whether ``flow_shift`` came from the flag or the family's default. ``dp``/``tp``/``sp`` are
+    the flags as given (None = chosen from the device count; the chosen ``MeshShape`` travels
+    separately).
+    """
+
+    model_id: str
+    family: str
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    flow_shift: float
+    flow_shift_source: str
+    seed: int
+    warmup_steps: int
+    num_iterations: int
+    output_dir: str
+    dtype: str
+    max_sequence_length: int
+    attention: str
+    bq: int
+    bkv: int
+    bkv_compute: int
+    compilation_cache_dir: str
+    stage: str
+    work_dir: str
+    dry_run: bool
+    topology: str | None
+    dry_run_layers: int | None
+    dry_run_skip_vae: bool
+    dry_run_exact_convs: bool
+    vae_tiling: bool
+    scan_layers: bool
+    replicate_row_parallel: bool
+    fsdp: bool
+    profile_dir: str | None
+    verbose: bool
+    save_frames: bool
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    dp: int | None
+    tp: int | None
+    sp: int | None
+
+    @property
+    def use_cfg(self) -> bool:
+        """diffusers' pipelines run the unconditional pass only when guidance_scale > 1."""
+        return self.guidance_scale > 1.0
+
+    @property
+    def batch(self) -> int:
+        """The transformer's batch: [cond, uncond] with CFG, else [cond]."""
+        return 2 if self.use_cfg else 1
+
+    def block_sizes(self):
+        """``custom_splash_attention.BlockSizes`` of --bq/--bkv/--bkv_compute."""
+        from custom_splash_attention import BlockSizes
+
+        return BlockSizes(block_q=self.bq, block_kv=self.bkv, block_kv_compute=self.bkv_compute)
+
+    def replace(self, **changes) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def settings(self) -> dict:
+        """The configuration as a plain dict, for reports and intermediates."""
+        return dataclasses.asdict(self)

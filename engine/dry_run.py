@@ -1,0 +1,306 @@
+"""``--dry_run``: compile the denoising step and the VAE decode for a TPU topology on a host
+with no TPU, and report per-chip HBM.
+
+The transformer and VAE are built from the model's configs with meta weights
+(``accelerate.init_empty_weights``), so even 14B needs no RAM for weights; the weights enter
+``jit(...).lower`` as ``ShapeDtypeStruct``s carrying the real shardings, and libtpu's compiler
+(``jax.experimental.topologies``) compiles for the topology's chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+
+from engine import chips, placement, runtime
+from engine.checkpoint import model_config_dir, read_component_config
+from engine.errors import EXIT_DOES_NOT_FIT, UsageError, fail, first_line
+from engine.mesh import make_mesh, resolve_mesh_shape
+from engine.report import versions
+from engine.sharding import add_sequence_parallel_hooks, module_sharding_specs
+from engine.step import compile_step
+
+
+class _Skipped(Exception):
+    """--dry_run_skip_vae: the VAE row is left out of the table."""
+
+
+def _abstract(tensors: dict, mesh, specs=None, dtype=None) -> dict:
+    """torch tensors (meta or real) -> ``jax.ShapeDtypeStruct``s laid out on ``mesh``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax.ops import mappings
+
+    return {k: jax.ShapeDtypeStruct(
+        tuple(v.shape), dtype or mappings.t2j_dtype(v.dtype),
+        sharding=NamedSharding(mesh, (specs or {}).get(k, P()))) for k, v in tensors.items()}
+
+
+def _per_chip_bytes(structs) -> int:
+    """Bytes one chip holds of these sharded ``ShapeDtypeStruct``s."""
+    return sum(placement.shard_bytes(s) for s in structs)
+
+
+def _memory_row(name: str, compiled, seconds: float, capacity: int) -> dict:
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(program=name, argument_bytes=m.argument_size_in_bytes,
+                output_bytes=m.output_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                total_bytes=total, capacity_bytes=capacity, fits=total <= capacity,
+                flops=float((cost or {}).get("flops", 0.0)), compile_s=seconds)
+
+
+def _oom_row(name: str, error: Exception, seconds: float, capacity: int,
+             argument_bytes: int | None = None) -> dict:
+    """A compile that failed for memory, as a table row with the compiler's own figure.
+
+    libtpu words it either "... HLO temporaries (24.48G) exceeds available HBM (15.75G)"
+    (temporaries alone; ``argument_bytes``, known from the shardings, are added) or
+    "Used 40.1G of 31.25G hbm" (everything). Without a figure the total is NaN.
+    """
+    text = str(error)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    temp = re.search(r"temporaries \(([\d.]+)([KMGT])\)", text)
+    used = re.search(r"[Uu]sed ([\d.]+)([KMGT])", text)
+    temp_bytes = None
+    if temp:
+        temp_bytes = float(temp.group(1)) * scale[temp.group(2)]
+        need = temp_bytes + (argument_bytes or 0)
+    elif used:
+        need = float(used.group(1)) * scale[used.group(2)]
+    else:
+        need = float("nan")
+    return dict(program=name, argument_bytes=argument_bytes if temp else None,
+                output_bytes=None, temp_bytes=temp_bytes, total_bytes=need,
+                capacity_bytes=capacity, fits=False, flops=None, compile_s=seconds,
+                error=text.strip().splitlines()[0][:300])
+
+
+
+
+def _topology(topology: str):
+    """(devices, chip) of a described TPU slice; raises ``UsageError`` for unknown names."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:  # libtpu missing or an unknown name
+        raise UsageError(f"--topology={topology!r}: {first_line(e)}") from None
+    chip = chips.chip_for_topology(topology)
+    if chip is None:
+        fail("--topology", topology, f"unknown chip; known: {', '.join(chips.CHIPS)}")
+    return list(topo.devices), chip
+
+
+def _abstract_transformer(config, family, cfg: dict, mesh, sp: int) -> dict:
+    """The transformer with meta weights, as ``place_module`` would place it: ``params`` and
+    ``buffers`` are sharded ``ShapeDtypeStruct``s."""
+    import torch
+    from torchax import interop
+
+    from engine import scan_layers
+
+    transformer = family.empty_transformer(cfg, getattr(torch, config.dtype))
+    if config.scan_layers:
+        scan_layers.scan_blocks(transformer)
+    if sp > 1:
+        add_sequence_parallel_hooks(transformer, mesh)
+    jm = interop.JittableModule(transformer)
+    specs, counts, _ = module_sharding_specs(
+        transformer, {k: v.shape for k, v in jm.params.items()}, family.sharding_rules(config),
+        mesh, fsdp=config.fsdp)
+    return dict(module=jm, specs=specs, rule_counts=counts,
+                params=_abstract(jm.params, mesh, specs), buffers=_abstract(jm.buffers, mesh))
+
+
+def _abstract_vae(family, folder: str, mesh):
+    """(VAE module with meta weights, its decode weights as sharded ``ShapeDtypeStruct``s)."""
+    from torchax import interop
+
+    vae = family.empty_vae(folder)
+    jv = interop.JittableModule(vae)
+    keep = family.is_vae_decode_weight
+    return vae, dict(module=jv,
+                     params=_abstract({k: v for k, v in jv.params.items() if keep(k)}, mesh),
+                     buffers=_abstract({k: v for k, v in jv.buffers.items() if keep(k)}, mesh))
+
+
+def _abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
+    """(latents, timestep, model inputs) as sharded ``ShapeDtypeStruct``s."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    shape = family.latent_shape(vae_cfg, config.height, config.width, config.frames)
+    latents = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
+    inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=over_dp),
+                          family.abstract_model_inputs(cfg, config))
+    return latents, jax.ShapeDtypeStruct((1,), jax.numpy.int32, sharding=rep), inputs
+
+
+def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
+              layers: int) -> dict:
+    latents, t, inputs = abstract_inputs
+    print(f"compiling the transformer step ({layers} blocks) for {config.topology}...",
+          flush=True)
+    t0 = time.perf_counter()
+    try:
+        compiled, seconds = compile_step(placed, mesh, family.step_fn(placed["module"], config),
+                                         latents, t, inputs)
+        return _memory_row("transformer step", compiled, seconds, capacity)
+    except Exception as e:  # the compiler reports real OOMs as errors
+        weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+        return _oom_row("transformer step", e, time.perf_counter() - t0, capacity,
+                        weights + _per_chip_bytes([latents, *_leaves(inputs)]))
+
+
+def _vae_rows(config, decoder, latents, capacity: int) -> list:
+    t0 = time.perf_counter()
+    try:
+        if config.dry_run_skip_vae:
+            raise _Skipped
+        print(f"compiling the VAE decode for {config.topology}"
+              + (" (slow: 5-70 s per 3D conv)" if config.dry_run_exact_convs else "") + "...",
+              flush=True)
+        seconds = decoder.compile(latents)
+        mem = decoder.memory()
+        return [dict(program=f"VAE decode ({mem['programs']} programs, peak)",
+                     argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
+                     temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
+                     capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
+                     flops=None, compile_s=seconds)]
+    except _Skipped:
+        return []
+    except Exception as e:
+        return [_oom_row("VAE decode", e, time.perf_counter() - t0, capacity)]
+
+
+def _leaves(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int) -> None:
+    """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
+    weights while the transformer runs; the decoded chunks and their concatenation are held
+    too. The compiler sees one program at a time, so add what the others keep."""
+    step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+    resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
+                                                     *vae_placed["buffers"].values()]),
+                "VAE decode": step_weights + _per_chip_bytes(_leaves(inputs)) + 2 * video_bytes}
+    for r in rows:
+        r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
+        if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
+            r["total_bytes"] += r["resident_bytes"]
+            r["fits"] = r["fits"] and r["total_bytes"] <= r["capacity_bytes"]
+
+
+def _hosts(placed, vae_placed) -> dict:
+    """What each host reads from the checkpoint for its own devices (weights stream slice by
+    slice, so a host never holds more than the largest slice beyond what is placed)."""
+    per_host, largest = placement.per_host_bytes(
+        [*placed["params"].values(), *placed["buffers"].values(),
+         *vae_placed["params"].values(), *vae_placed["buffers"].values()])
+    return dict(count=len(per_host), weight_bytes=[per_host[p] for p in sorted(per_host)],
+                largest_slice_bytes=largest)
+
+
+def dry_run(config, family) -> tuple[int, dict]:
+    """Compile the denoising step and the VAE decode for ``config.topology`` without a TPU.
+
+    Returns:
+        (exit code: 0 fits / 3 does not fit, report dict with a per-chip table).
+
+    Raises:
+        UsageError: unknown topology, or a mesh the topology cannot hold.
+    """
+    runtime.use_deviceless_tpu(config.topology, fast_convs=not config.dry_run_exact_convs)
+    runtime.configure_jax_platform()
+    runtime.quiet_known_warnings()
+    import torchax
+
+    from custom_splash_attention import install_sdpa_override
+
+    devices, chip = _topology(config.topology)
+    capacity = chip.usable_hbm_bytes  # per JAX device (a v7x chip is 2 devices)
+    folder = model_config_dir(config.model_id)
+    cfg = read_component_config(config.model_id, "transformer")
+    vae_cfg = read_component_config(config.model_id, "vae")
+    if config.dry_run_layers:
+        cfg["num_layers"] = min(config.dry_run_layers, cfg["num_layers"])
+    tokens = family.token_count(cfg, config.height, config.width, config.frames)
+    shape = resolve_mesh_shape(config.dp, config.tp, config.sp, len(devices),
+                               batch=config.batch, num_heads=family.num_heads(cfg),
+                               tokens=tokens)
+    mesh = make_mesh(shape, devices)
+    attention = "splash" if config.attention == "auto" else config.attention
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          block_sizes=config.block_sizes(), interpret=False)
+    placed = _abstract_transformer(config, family, cfg, mesh, shape.sp)
+    vae, vae_placed = _abstract_vae(family, folder, mesh)
+    abstract_inputs = _abstract_inputs(config, family, cfg, vae_cfg, mesh)
+    latents, inputs = abstract_inputs[0], abstract_inputs[2]
+    rows = [_step_row(config, family, placed, mesh, abstract_inputs, capacity,
+                      cfg["num_layers"])]
+    decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.vae_tiling, abstract=True)
+    rows += _vae_rows(config, decoder, latents, capacity)
+    video = 3 * config.frames * config.height * config.width * 4 // (
+        len(devices) if decoder.spatial(latents.shape) is not None else 1)
+    _add_resident(rows, placed, vae_placed, inputs, video)
+    fits = all(r["fits"] for r in rows)
+    report = dict(
+        dry_run=True, topology=config.topology, devices=len(devices),
+        chips=chips.count_chips(devices), fits=fits,
+        libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
+        vae_checked=not config.dry_run_skip_vae,
+        settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
+        mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
+        per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
+        analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
+        sharding_rule_matches=placed["rule_counts"], versions=versions(),
+        hosts=_hosts(placed, vae_placed))
+    return (0 if fits else EXIT_DOES_NOT_FIT), report
+
+
+def print_dry_run(report: dict) -> None:
+    gib = lambda b: "-" if b is None else f"{b / 2**30:7.2f}"  # noqa: E731
+    chips = f"{report['chips']} chips" + (f", {report['devices']} devices"
+                                          if report["devices"] != report["chips"] else "")
+    print(f"\n== Dry run: {report['topology']} ({chips}), mesh "
+          f"dp{report['mesh']['dp']} tp{report['mesh']['tp']} sp{report['mesh']['sp']}, "
+          f"{report['layers_compiled']} blocks, {report['tokens']} tokens ==")
+    print(f"{'program':<34}{'args GiB':>9}{'out GiB':>9}{'temp GiB':>9}{'kept GiB':>9}"
+          f"{'total':>9}{'HBM':>9}  {'fits':<5}{'compile s':>10}")
+    for r in report["per_chip"]:
+        print(f"{r['program']:<34}{gib(r['argument_bytes']):>9}{gib(r['output_bytes']):>9}"
+              f"{gib(r['temp_bytes']):>9}{gib(r['resident_bytes']):>9}{gib(r['total_bytes']):>9}"
+              f"{gib(r['capacity_bytes']):>9}  {'yes' if r['fits'] else 'NO':<5}"
+              f"{r['compile_s']:>10.1f}")
+    step = report["per_chip"][0]
+    if step.get("flops"):
+        print(f"XLA FLOPs per step per chip (Pallas kernels count 0): {step['flops']:.3e}")
+    print(f"analytic FLOPs per step (all chips): "
+          f"{report['analytic_transformer_flops_per_step']:.3e} "
+          f"(self-attention {report['analytic_self_attention_flops_per_step']:.3e})")
+    for r in report["per_chip"]:
+        if not r["fits"]:
+            print(f"{r['program']}: does not fit: {r['total_bytes'] / 2**30:.1f} GiB needed, "
+                  f"{r['capacity_bytes'] / 2**30:.2f} GiB available"
+                  + (f" ({r['error']})" if r.get("error") else ""))
+    hosts = report["hosts"]
+    print(f"host RAM for weights: each of {hosts['count']} host(s) reads "
+          f"{max(hosts['weight_bytes']) / 2**30:.2f} GiB of slices for its own devices, "
+          f"streamed (largest slice {hosts['largest_slice_bytes'] / 2**30:.2f} GiB)")
+    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
+    print("verdict:", "fits" if report["fits"] else "does not fit",
+          "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
+
+

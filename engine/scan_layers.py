@@ -1,0 +1,227 @@
+"""Run Wan's transformer blocks as one ``jax.lax.scan`` instead of 40 unrolled copies.
+
+``WanTransformer3DModel.forward`` runs ``for block in self.blocks: hidden_states = block(...)``.
+Traced through torchax, that loop unrolls: the jitted program holds every block's ops, and XLA
+compile time grows with the block count. Here the per-block weights are stacked along a new
+leading layer axis and ``model.blocks`` is replaced by :class:`ScannedBlocks`, whose forward
+scans ONE block module over the stacked weights. Everything else in ``forward`` (patch
+embedding, condition embedder, RoPE, ``norm_out``, ``proj_out``, unpatchify) is still
+diffusers' own code, untouched.
+
+State-dict names change from ``blocks.{i}.<name>`` (shape S) to ``blocks.stacked.<name>``
+(shape (L, *S)). Sharding stays per-layer Megatron with an unsharded layer axis:
+:func:`stacked_sharding_specs` runs ``engine.sharding.sharding_specs`` on the unstacked view,
+so the decisions are exactly the unrolled model's, ``--fsdp`` included (FSDP never picks the
+layer axis).
+
+Typical use, before the weights are placed (see ``engine.sharding.place_transformer``)::
+
+    scan_blocks(pipe.transformer)                      # in place; stacks on the host
+    specs, counts, unmatched = stacked_sharding_specs(
+        sharding_specs, {k: v.shape for k, v in params.items()}, rules, mesh,
+        num_layers=pipe.transformer.blocks.num_layers, fsdp=fsdp)
+
+With meta weights (``accelerate.init_empty_weights``) nothing is copied: the stacked
+parameters are meta too, and ``place_module(..., checkpoint=...)`` reads each layer's slices
+from the files.
+
+The scan body is traced once; forward pre-hooks on ``model.blocks`` (the sequence-parallel
+constraint) run inside it for every layer. Pure-torch (non-torchax) calls loop in Python.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+STACKED = "stacked"
+STACKED_PREFIX = f"blocks.{STACKED}."
+_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def _split(name: str) -> tuple[str, str]:
+    """"attn1.to_q.weight" -> ("attn1.to_q", "weight"); "scale_shift_table" -> ("", ...)."""
+    owner, _, leaf = name.rpartition(".")
+    return owner, leaf
+
+
+def _tensor_at(module: torch.nn.Module, name: str):
+    """The tensor currently bound at dotted ``name`` (a Parameter, a buffer, or whatever
+    ``torch.func.functional_call`` swapped in), read by attribute like the module's own code."""
+    owner, leaf = _split(name)
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
+
+
+class ScannedBlocks(torch.nn.Module):
+    """Drop-in for ``WanTransformer3DModel.blocks`` that runs all L blocks as one scan.
+
+    Holds one ``WanTransformerBlock`` (``self.stacked``) whose parameters have a leading layer
+    axis: ``stacked.attn1.to_q.weight`` is (L, out, in), ``stacked.scale_shift_table`` is
+    (L, 1, 6, dim), each in its original dtype (bf16 weights stay bf16, the fp32-kept tables
+    stay fp32). Iterating it yields itself once, so diffusers' ``for block in self.blocks``
+    loop makes exactly one call: ``forward(hidden_states, encoder_hidden_states, temb,
+    rotary_emb)``.
+
+    Under torchax (tensors are ``torchax.tensor.Tensor``) that call is a ``jax.lax.scan`` whose
+    body is ``torch.func.functional_call(self.stacked, <layer i's slices>, ...)``: the jitted
+    program contains the block once. On plain torch tensors it loops over the slices in
+    Python (same math), so eager CPU runs still work.
+
+    Forward pre-hooks registered on this module (e.g. engine.sharding's sequence-parallel
+    sharding constraint) run once on entry, as for any module, and again on the carry before
+    every layer inside the scan, where the unrolled model ran them per block.
+    """
+
+    def __init__(self, template: torch.nn.Module, num_layers: int, names: tuple[str, ...],
+                 *, unroll: int = 1):
+        super().__init__()
+        self.stacked = template
+        self.num_layers = num_layers
+        self.param_names = names
+        self.unroll = unroll
+
+    def __iter__(self):
+        # diffusers iterates ``self.blocks``; one "block" that runs them all.
+        return iter((self,))
+
+    def __len__(self) -> int:
+        return 1
+
+    def stacked_params(self) -> dict:
+        """{name: tensor (L, ...)} as currently bound (torchax tensors inside functional_call)."""
+        return {n: _tensor_at(self.stacked, n) for n in self.param_names}
+
+    def _pre_hooks(self, args: tuple) -> tuple:
+        for hook in self._forward_pre_hooks.values():
+            out = hook(self, args)
+            if out is not None:
+                args = out if isinstance(out, tuple) else (out,)
+        return args
+
+    def _layer(self, params: dict, hidden, enc, temb, rotary):
+        """One block with ``params`` ({name: tensor without the layer axis})."""
+        hidden, enc, temb, rotary = self._pre_hooks((hidden, enc, temb, rotary))
+        # functional_call swaps the (L, ...) tensors for this layer's slices and back; hooks on
+        # the template block run too, as they would on blocks.0.
+        return torch.func.functional_call(self.stacked, params, (hidden, enc, temb, rotary))
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        """Args and result as ``WanTransformerBlock.forward``, applied L times.
+
+        hidden_states (B, N, dim) in the model dtype; encoder_hidden_states (B, T, dim);
+        temb (B, 6, dim) float32 (Wan 2.1) or (B, N, 6, dim); rotary_emb (cos, sin), each
+        (1, N, 1, head_dim) float32. Returns (B, N, dim) in the model dtype.
+        """
+        import torchax.tensor
+
+        stacked = self.stacked_params()
+        if not isinstance(hidden_states, torchax.tensor.Tensor):
+            for i in range(self.num_layers):
+                hidden_states = self._layer({k: v[i] for k, v in stacked.items()},
+                                            hidden_states, encoder_hidden_states, temb,
+                                            rotary_emb)
+            return hidden_states
+
+        import jax
+        from torchax import interop
+
+        # The body is torch code viewed as a JAX function: JAX arrays in, torchax tensors
+        # inside (call_torch enters the default env), JAX arrays out.
+        body = interop.jax_view(self._layer)
+
+        def run(hidden, params, enc, temb, rotary):
+            def step(carry, layer_params):
+                return body(layer_params, carry, enc, temb, rotary), None
+
+            out, _ = jax.lax.scan(step, hidden, params, unroll=self.unroll)
+            return out
+
+        return interop.call_jax(run, hidden_states, stacked, encoder_hidden_states, temb,
+                                rotary_emb)
+
+
+def scan_blocks(model: torch.nn.Module, *, unroll: int = 1) -> ScannedBlocks:
+    """Replace ``model.blocks`` (a ModuleList of identical blocks) by :class:`ScannedBlocks`.
+
+    In place. The weights of ``blocks.{i}.<name>`` are stacked into
+    ``blocks.stacked.<name>`` with shape (L, ...), block by block so that host memory grows by
+    one stacked tensor at a time rather than by a second copy of all blocks. Works on meta
+    tensors (``accelerate.init_empty_weights``) too. ``requires_grad`` is kept (torchax treats
+    parameters without it as buffers, which sharding rules do not see).
+
+    Args:
+        model: a ``WanTransformer3DModel`` (anything with a ``blocks`` ModuleList).
+        unroll: ``jax.lax.scan`` unroll factor (1 = one block in the program).
+
+    Returns:
+        the new ``model.blocks``.
+    """
+    blocks = model.blocks
+    if isinstance(blocks, ScannedBlocks):
+        return blocks
+    template, num_layers = blocks[0], len(blocks)
+    if any(type(b) is not type(template) for b in blocks):
+        raise ValueError("scan_blocks: every block must have the same class")
+    if list(template.named_buffers()):
+        raise ValueError("scan_blocks: blocks with buffers are not supported")
+    names = tuple(n for n, _ in template.named_parameters())
+    for name in names:
+        owner, leaf = _split(name)
+        per_layer = [b.get_parameter(name) for b in blocks]
+        if len({(tuple(p.shape), p.dtype) for p in per_layer}) != 1:
+            raise ValueError(f"scan_blocks: {name} differs in shape or dtype across blocks")
+        data = torch.stack([p.detach() for p in per_layer])
+        requires_grad = per_layer[0].requires_grad
+        for b in blocks[1:]:  # drop the per-layer copies as we go; these blocks are discarded
+            (b.get_submodule(owner) if owner else b)._parameters[leaf] = None
+        mod = template.get_submodule(owner) if owner else template
+        mod._parameters[leaf] = torch.nn.Parameter(data, requires_grad=requires_grad)
+    scanned = ScannedBlocks(template, num_layers, names, unroll=unroll)
+    model.blocks = scanned
+    return scanned
+
+
+def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
+                           num_layers: int, **kwargs):
+    """Specs for a scanned model that equal the unrolled model's, layer axis prepended.
+
+    Calls ``sharding_specs`` (``engine.sharding``'s, passed in to keep this module free of
+    that import) on the UNSTACKED view: each ``blocks.stacked.<name>`` of shape (L, *S) becomes
+    ``blocks.{i}.<name>`` of shape S for i < L, so the original rule table and every option
+    (``fsdp``, which must never pick the layer axis, ``replicate_row_parallel`` tables, the
+    divisibility checks) decide exactly as for the unrolled model. The stacked spec is
+    ``P(None, *spec of blocks.0.<name>)``.
+
+    Args:
+        sharding_specs: ``f(names_shapes, rules, mesh, **kwargs) -> (specs, counts, unmatched)``.
+        names_shapes: {name: shape} of the scanned model (``JittableModule.params``).
+        rules: the UNSTACKED rule table (e.g. ``transformer_sharding_rules()``).
+        mesh: the mesh.
+        num_layers: L.
+        **kwargs: passed on (e.g. ``fsdp=True``).
+
+    Returns:
+        ({name: PartitionSpec} for the scanned names, {regex: parameter count as unrolled},
+        [unmatched scanned names]).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    flat = {}
+    for name, shape in names_shapes.items():
+        if name.startswith(STACKED_PREFIX):
+            leaf = name[len(STACKED_PREFIX):]
+            for i in range(num_layers):
+                flat[f"blocks.{i}.{leaf}"] = tuple(shape[1:])
+        else:
+            flat[name] = tuple(shape)
+    specs, counts, unmatched = sharding_specs(flat, rules, mesh, **kwargs)
+    out = {}
+    for name in names_shapes:
+        if name.startswith(STACKED_PREFIX):
+            out[name] = P(None, *specs["blocks.0." + name[len(STACKED_PREFIX):]])
+        else:
+            out[name] = specs[name]
+    unmatched_out = sorted({STACKED_PREFIX + n.split(".", 2)[2] if _BLOCK_NAME.match(n) else n
+                            for n in unmatched})
+    return out, counts, unmatched_out

@@ -1,0 +1,245 @@
+"""Sharding rules to ``PartitionSpec``s to weights streamed into their shards.
+
+A family gives a rule table, ((regex on the state-dict name, spec tuple), ...), first match
+wins; ``sharding_specs`` turns it into a spec per weight for a mesh, and ``place_module``
+streams every weight into its ``NamedSharding`` (``engine.placement``), from the module's
+torch tensors or straight from the checkpoint's safetensors files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+
+from engine import placement, scan_layers
+from engine.errors import GenerationError
+
+log = logging.getLogger("generate_flax")
+
+
+class Fallbacks:
+    """Every silent fallback made loud: each distinct one is logged once as a warning and
+    listed in the JSON report's ``fallbacks``.
+
+    Call it as ``fallbacks(kind, detail)``; kinds: "attention_to_xla" (a call the Splash
+    wrapper cannot split), "weight_replicated" (a rule the mesh cannot divide),
+    "vae_decode_replicated" (a latent width the devices do not divide).
+    """
+
+    def __init__(self):
+        self.items: list[dict] = []
+
+    def __call__(self, kind: str, detail: str) -> None:
+        item = dict(kind=kind, detail=detail)
+        if item not in self.items:
+            self.items.append(item)
+            log.warning("fallback (%s): %s", kind, detail)
+
+
+def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
+    """Map parameter names to ``PartitionSpec`` by the first matching rule.
+
+    Args:
+        names_shapes: {name: shape}.
+        rules: ((regex, spec tuple), ...).
+        mesh: the mesh; a rule whose axis size does not divide its dimension is not applied.
+        fsdp: also shard every weight of 2+ dims over the mesh axes its rule leaves unused,
+            on its largest dimension that they divide (GSPMD all-gathers it before use).
+
+    Returns:
+        ({name: PartitionSpec}, {regex: matched parameter count}, [unmatched names]).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    specs, counts, unmatched = {}, {rx: 0 for rx, _ in rules}, []
+    for name, shape in names_shapes.items():
+        axes = (None,) * len(shape)
+        for rx, rule_axes in rules:
+            if re.search(rx, name):
+                if all(a is None or shape[i] % mesh.shape[a] == 0
+                       for i, a in enumerate(rule_axes)):
+                    axes = tuple(rule_axes) + (None,) * (len(shape) - len(rule_axes))
+                    counts[rx] += int(math.prod(shape))
+                break
+        else:
+            unmatched.append(name)
+        if fsdp and len(shape) >= 2:
+            free = tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
+            size = math.prod(mesh.shape[a] for a in free)
+            free_dims = [d for d in range(len(shape)) if axes[d] is None]
+            for d in sorted(free_dims, key=lambda d: -shape[d]):
+                if free and shape[d] % size == 0:
+                    axes = axes[:d] + (free,) + axes[d + 1:]
+                    break
+        specs[name] = P(*axes)
+    return specs, counts, unmatched
+
+
+def module_sharding_specs(module, names_shapes: dict, rules, mesh, *, fsdp: bool = False):
+    """``sharding_specs`` for a module's weights; for blocks stacked by ``--scan_layers`` the
+    per-layer decisions are made on the unstacked view and get an unsharded layer axis."""
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, scan_layers.ScannedBlocks):
+        return scan_layers.stacked_sharding_specs(sharding_specs, names_shapes, rules, mesh,
+                                                  num_layers=blocks.num_layers, fsdp=fsdp)
+    return sharding_specs(names_shapes, rules, mesh, fsdp=fsdp)
+
+
+def undivided_weights(specs: dict, rules) -> list:
+    """Names a sharding rule matched but left replicated because the mesh does not divide
+    the rule's dimensions (``sharding_specs`` skips such a rule silently)."""
+    out = []
+    for name, spec in specs.items():
+        probe, axes = name, tuple(spec)
+        if name.startswith(scan_layers.STACKED_PREFIX):  # judge on layer 0's unstacked name
+            probe, axes = "blocks.0." + name[len(scan_layers.STACKED_PREFIX):], axes[1:]
+        rule = next((tuple(r) for rx, r in rules if re.search(rx, probe)), None)
+        if rule is not None and tuple(axes[:len(rule)]) != rule:
+            out.append(name)
+    return out
+
+
+def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
+                 checkpoint: str | None = None, desc: str = "weights", on_placed=None) -> dict:
+    """Wrap a torch module for torchax and stream its weights into their shards on ``mesh``.
+
+    Every weight goes straight into its ``NamedSharding``: no device holds a whole weight
+    unless its spec replicates it. Without ``checkpoint`` the values come from the module's
+    own torch tensors (``placement.place_tensors``), each freed once placed. With
+    ``checkpoint`` the module's weights may be meta tensors: each device's slice is read from
+    the safetensors files in that folder (``placement.place_from_safetensors``), so a host
+    reads only what its own devices hold; stacked ``blocks.stacked.*`` weights
+    (``--scan_layers``) read their layers' ``blocks.{i}.*``. Buffers (RoPE tables) are
+    replicated from the module's tensors.
+
+    Args:
+        module: a torch module on CPU.
+        mesh: the ("dp", "tp", "sp") mesh.
+        rules: ((regex, spec), ...) for ``sharding_specs``; no rule means replicated.
+        fsdp: see ``sharding_specs``.
+        include: optional ``f(name) -> bool``; only those weights are placed (the rest stay
+            on the host, unused by the program that gets these params).
+        checkpoint: optional folder of the module's safetensors files.
+        desc: progress-bar label.
+        on_placed: optional ``f(name, jax.Array)`` after each weight (memory accounting).
+
+    Returns:
+        dict(module=JittableModule, params={name: jax.Array}, buffers={name: jax.Array},
+        specs={name: PartitionSpec}, rule_counts={regex: parameters}, unmatched=[names],
+        undivided=[names a rule matched but whose dims the mesh does not divide],
+        param_bytes=weights in their run dtypes, bytes=weights and buffers,
+        bytes_read=bytes read from ``checkpoint`` (None without it), seconds=wall time).
+
+    Raises:
+        GenerationError: ``checkpoint`` holds no safetensors file, or its tensor names differ
+            from the module's.
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    jm = interop.JittableModule(module)
+    keep = include or (lambda name: True)
+    params = {k: v for k, v in jm.params.items() if keep(k)}
+    buffers = {k: v for k, v in jm.buffers.items() if keep(k)}
+    reader, stacked = (None, {}) if checkpoint is None else _checkpoint_reader(
+        module, checkpoint, params)
+    specs, counts, unmatched = module_sharding_specs(
+        module, {k: v.shape for k, v in params.items()}, rules, mesh, fsdp=fsdp)
+    shardings = {k: NamedSharding(mesh, specs[k]) for k in params}
+    t0 = time.perf_counter()
+    if reader is None:
+        placed = placement.place_tensors(params, shardings, desc=desc, on_placed=on_placed)
+    else:
+        placed = placement.place_from_safetensors(reader, params, shardings, desc=desc,
+                                                  stacked=stacked, on_placed=on_placed)
+    placed_buffers = placement.place_tensors(
+        buffers, {k: NamedSharding(mesh, P()) for k in buffers}, desc=f"{desc} buffers",
+        on_placed=on_placed)
+    param_bytes = sum(int(math.prod(t.shape)) * t.element_size() for t in params.values())
+    return dict(module=jm, params=placed, buffers=placed_buffers, specs=specs,
+                rule_counts=counts, unmatched=unmatched,
+                undivided=undivided_weights(specs, rules), param_bytes=param_bytes,
+                bytes=param_bytes + sum(t.numel() * t.element_size() for t in buffers.values()),
+                bytes_read=None if reader is None else reader.bytes_read,
+                seconds=time.perf_counter() - t0)
+
+
+def _checkpoint_reader(module, folder: str, params: dict):
+    """(``placement.SafetensorsReader`` of ``folder`` checked against ``params``' names,
+    {each ``--scan_layers`` stacked weight: its layers' names in the files})."""
+    blocks = getattr(module, "blocks", None)
+    stacked = {}
+    if isinstance(blocks, scan_layers.ScannedBlocks):
+        for name in params:
+            if name.startswith(scan_layers.STACKED_PREFIX):
+                leaf = name[len(scan_layers.STACKED_PREFIX):]
+                stacked[name] = [f"blocks.{i}.{leaf}" for i in range(blocks.num_layers)]
+    try:
+        reader = placement.SafetensorsReader(folder)
+    except FileNotFoundError as e:
+        raise GenerationError(f"--model_id: {e}") from None
+    want = {f for name in params for f in stacked.get(name, [name])}
+    missing, unexpected = sorted(want - reader.keys()), sorted(reader.keys() - want)
+    if missing or unexpected:
+        raise GenerationError(
+            f"--model_id: {folder} does not match its config: "
+            + (f"missing {', '.join(missing[:3])}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
+    return reader, stacked
+
+
+def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
+                      scan: bool, sp: int, fallbacks=None) -> dict:
+    """Stream a transformer's weights from ``checkpoint`` into their shards on ``mesh`` by
+    ``rules`` (plus FSDP with ``fsdp``); see ``place_module``. With ``scan`` its blocks become
+    one ``jax.lax.scan`` first (``scan_layers.scan_blocks``); with ``sp`` > 1 the residual
+    stream is sharded over "sp" between blocks. Logs what each rule matched and, at debug
+    level, every weight no rule names; weights a rule matched but the mesh cannot divide are
+    reported to ``fallbacks``. Returns as ``place_module``."""
+    if scan:
+        scan_layers.scan_blocks(transformer)  # before the sp hooks, which it keeps
+    placed = place_module(transformer, mesh, rules, fsdp=fsdp, desc="transformer",
+                          checkpoint=checkpoint)
+    for rx, n in placed["rule_counts"].items():
+        log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
+    log.debug("replicated (no rule): %s", ", ".join(placed["unmatched"]))
+    undivided = placed["undivided"]
+    if undivided and fallbacks is not None:
+        fallbacks("weight_replicated",
+                  f"{len(undivided)} weight(s) stay replicated: a sharding rule matches "
+                  f"but mesh {dict(mesh.shape)} does not divide their dims "
+                  f"({', '.join(undivided[:3])}{', ...' if len(undivided) > 3 else ''})")
+    if sp > 1:
+        add_sequence_parallel_hooks(transformer, mesh)
+    return placed
+
+
+def add_sequence_parallel_hooks(transformer, mesh) -> list:
+    """Shard the residual stream's token axis over "sp" at every block boundary.
+
+    Each ``WanTransformerBlock`` gets a forward pre-hook that constrains its hidden states
+    (batch, tokens, dim) to P("dp", "sp", None). Norms, modulation and the FFN then run on
+    1/sp of the tokens; attention re-shards as its backend needs (the Splash wrapper shards
+    heads over ("tp", "sp"), an all-to-all). The torch model code is untouched.
+
+    Returns:
+        the hook handles.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    sharding = NamedSharding(mesh, P("dp", "sp", None))
+
+    def constrain(module, args):
+        hidden = interop.call_jax(jax.lax.with_sharding_constraint, args[0], sharding)
+        return (hidden, *args[1:])
+
+    return [block.register_forward_pre_hook(constrain) for block in transformer.blocks]
+
+

@@ -1,0 +1,125 @@
+"""Staged intermediates (``--stage encode | denoise | decode``) in ``--work_dir``.
+
+``encode`` writes the prompt embeddings (safetensors, bf16 round-trips exactly) and the
+settings they were made with; ``denoise`` reads them and writes the final latents with the
+settings that made them and a digest of the VAE config they are meant for; ``decode`` reads
+those. Every reader refuses, in one line naming the file, a file that is missing, damaged,
+or made for another model or size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from engine.errors import UsageError, first_line
+from engine.report import atomic_write, save_report
+
+EMBEDDINGS_FILE = "embeddings.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
+LATENTS_FILE = "latents.safetensors"
+# The settings that, with the embeddings, determine the final latents; decode reports them.
+LATENT_SETTINGS = ("seed", "num_inference_steps", "height", "width", "frames", "flow_shift",
+                   "guidance_scale", "prompt", "negative_prompt", "model_id")
+
+
+def config_digest(config) -> str:
+    """sha256 of a diffusers config's architecture values (keys starting with "_" such as the
+    diffusers version are left out), so intermediates can name the model they came from."""
+    clean = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def save_tensors(tensors: dict, path: str, metadata: dict) -> None:
+    """Write CPU torch tensors as safetensors (bf16 round-trips exactly), atomically."""
+    from safetensors.torch import save_file
+
+    meta = {k: json.dumps(v) for k, v in metadata.items()}
+    atomic_write(path, lambda tmp: save_file(
+        {k: v.detach().clone() for k, v in tensors.items()}, tmp, metadata=meta))
+
+
+def load_tensors(path: str, keys, produced_by: str):
+    """Read ``keys`` and the JSON metadata from a safetensors file.
+
+    Raises:
+        UsageError: one line naming the file when it is missing, truncated, corrupt or lacks a
+            tensor (never a traceback from inside safetensors).
+    """
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: not found; run --stage {produced_by} with the same "
+                         "--work_dir first")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+            missing = [k for k in keys if k not in f.keys()]
+            if missing:
+                raise UsageError(f"{path}: missing tensor(s) {', '.join(missing)}")
+            return {k: f.get_tensor(k) for k in keys}, meta
+    except UsageError:
+        raise
+    except Exception as e:  # safetensors raises several types for damaged files
+        raise UsageError(f"{path}: unreadable, truncated or corrupt safetensors file "
+                         f"({first_line(e)})") from None
+
+
+def save_embeddings(work_dir: str, embeds: dict, settings: dict) -> None:
+    """Write ``embeds`` ({name: CPU tensor}) and the ``settings`` that made them (prompt,
+    negative_prompt, model_id, max_sequence_length, dtype) to ``work_dir``."""
+    os.makedirs(work_dir, exist_ok=True)
+    save_tensors(embeds, os.path.join(work_dir, EMBEDDINGS_FILE), settings)
+    save_report(settings, os.path.join(work_dir, GENERATION_CONFIG_FILE))
+
+
+def load_embeddings(work_dir: str, names, check=None):
+    """Embeddings written by ``--stage encode``: ({name: CPU tensor}, recorded settings).
+
+    ``check(embeds, settings)`` returns an error text for embeddings the transformer cannot
+    take (shape, text width), or None; the text is reported after the file's path.
+
+    Raises:
+        UsageError: the file is missing or damaged, or ``check`` refuses it.
+    """
+    path = os.path.join(work_dir, EMBEDDINGS_FILE)
+    embeds, settings = load_tensors(path, tuple(names), "encode")
+    problem = check(embeds, settings) if check is not None else None
+    if problem:
+        raise UsageError(f"{path}: {problem}")
+    return embeds, settings
+
+
+def save_latents(work_dir: str, latents, settings: dict, vae_config) -> None:
+    """Write final latents with the ``LATENT_SETTINGS`` that made them and the VAE's digest."""
+    os.makedirs(work_dir, exist_ok=True)
+    meta = {k: settings[k] for k in LATENT_SETTINGS}
+    meta["vae_config_sha256"] = config_digest(vae_config)
+    save_tensors(dict(latents=latents), os.path.join(work_dir, LATENTS_FILE), meta)
+
+
+def load_latents(work_dir: str, vae_config, model_id: str, expected_shape):
+    """Final latents written by ``--stage denoise``: (float32 CPU tensor, recorded settings).
+
+    ``expected_shape(settings)`` gives the latent shape the recorded size implies.
+
+    Raises:
+        UsageError: latents made for another VAE, recorded settings missing, or a shape that
+            disagrees with the recorded size.
+    """
+    path = os.path.join(work_dir, LATENTS_FILE)
+    t, meta = load_tensors(path, ("latents",), "denoise")
+    if meta.get("vae_config_sha256") != config_digest(vae_config):
+        raise UsageError(f"{path}: made for a different VAE config than --model_id="
+                         f"{model_id!r} (recorded model: {meta.get('model_id')!r})")
+    missing = [k for k in LATENT_SETTINGS if k not in meta]
+    if missing:
+        raise UsageError(f"{path}: metadata lacks {', '.join(missing)}")
+    settings = {k: meta[k] for k in LATENT_SETTINGS}
+    expected, lat = tuple(expected_shape(settings)), t["latents"]
+    if tuple(lat.shape) != expected:
+        raise UsageError(f"{path}: expected latents of shape {expected} for "
+                         f"{settings['frames']} frames at {settings['height']}x"
+                         f"{settings['width']}, got {tuple(lat.shape)}")
+    return lat.float(), settings

@@ -1,0 +1,127 @@
+"""Model families: everything that differs between Wan 2.1 and the next video model.
+
+A family is one ``ModelFamily`` value in its own module, registered in ``FAMILIES``. The engine
+(``engine/``) and ``generate_flax.py`` call only what this interface names; nothing outside a
+family's module knows its pipeline class, text encoders, transformer call, sharding rules or
+VAE. README's "Adding a model family" lists the steps.
+
+``detect_family(model_id)`` picks the family from ``model_index.json``'s ``_class_name`` (a
+local folder, a config shipped under ``configs/``, or the Hub).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engine.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """What a model family provides. ``config`` below is an ``engine.config.RunConfig``;
+    ``cfg`` is the transformer's config.json as a dict; tensors are torch CPU tensors.
+
+    Identity and defaults:
+        name: human name ("Wan 2.1").
+        pipeline_classes: ``model_index.json`` ``_class_name`` values it runs.
+        defaults: flag defaults (prompt, negative_prompt, height, width, frames, fps,
+            num_inference_steps, guidance_scale, max_sequence_length).
+        shipped_configs: Hub ids whose configs ``configs/`` holds, for dry runs.
+        download_hint: the command that downloads real weights.
+        required_files: files a local checkpoint folder must hold.
+        components: {stage: pipeline components that stage loads}.
+    Sizes:
+        frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
+        pixel_multiple: height and width must be multiples of it (VAE x patch).
+        default_flow_shift(height, width) -> float, with the source it documents.
+        latent_shape(vae_cfg, height, width, frames) -> (1, C, F', h, w).
+        token_count(cfg, height, width, frames) -> video tokens per sample.
+        num_heads(cfg) -> attention heads (what tp must divide).
+        transformer_flops(cfg, config) -> analytic FLOPs of one step's model call(s).
+        self_attention_flops(cfg, config) -> the self-attention part of it.
+    Loading and encoding (CPU, before any device work):
+        load_pipeline(config, components) -> diffusers pipeline, transformer with meta weights.
+        empty_transformer(cfg, torch dtype) -> transformer with meta weights, run dtypes.
+        empty_vae(folder) -> VAE with meta weights (dry run).
+        encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
+        embedding_names: the names ``encode_prompts`` returns (staged files hold these).
+        check_embeddings(embeds, settings, cfg) -> error text or None.
+        prepare_latents(pipe, config) -> float32 initial noise from ``config.seed``.
+    The model call:
+        model_inputs(embeds, config) -> pytree of (batch, ...) tensors the step takes,
+            CFG pairs concatenated on the batch axis (placed over "dp").
+        abstract_model_inputs(cfg, config) -> same pytree as ``jax.ShapeDtypeStruct`` shapes
+            and dtypes (no sharding), for the dry run.
+        step_fn(jm, config) -> torch function (params, buffers, latents, timestep, inputs)
+            -> noise prediction, CFG combined (to be viewed as JAX and jitted).
+        sharding_rules(config) -> ((regex, spec), ...) for the transformer's state dict.
+    VAE decode:
+        is_vae_decode_weight(name) -> whether the decode reads this VAE weight.
+        vae_decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
+            ``engine.vae_decode.ChunkedDecoder``.
+    """
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+    defaults: Mapping[str, Any]
+    shipped_configs: tuple[str, ...]
+    download_hint: str
+    required_files: tuple[str, ...]
+    components: Mapping[str, tuple[str, ...]]
+    frame_step: int
+    pixel_multiple: int
+    default_flow_shift: Callable
+    latent_shape: Callable
+    token_count: Callable
+    num_heads: Callable
+    transformer_flops: Callable
+    self_attention_flops: Callable
+    load_pipeline: Callable
+    empty_transformer: Callable
+    empty_vae: Callable
+    encode_prompts: Callable
+    embedding_names: tuple[str, ...]
+    check_embeddings: Callable
+    prepare_latents: Callable
+    model_inputs: Callable
+    abstract_model_inputs: Callable
+    step_fn: Callable
+    sharding_rules: Callable
+    is_vae_decode_weight: Callable
+    vae_decoder: Callable
+
+
+def _registry() -> dict[str, ModelFamily]:
+    from families import wan
+
+    return {"wan2.1": wan.FAMILY}
+
+
+FAMILIES = _registry()
+
+
+def family_for_class(class_name: str | None, model_id: str) -> str:
+    """The family key running pipeline ``class_name``.
+
+    Raises:
+        UsageError: no family runs it; the line lists the supported classes.
+    """
+    for key, family in FAMILIES.items():
+        if class_name in family.pipeline_classes:
+            return key
+    supported = ", ".join(c for f in FAMILIES.values() for c in f.pipeline_classes)
+    raise UsageError(f"--model_id={model_id!r}: pipeline class {class_name!r} is not supported "
+                     f"(supported: {supported})")
+
+
+def detect_family(model_id: str) -> str:
+    """The family key of ``model_id``, from its ``model_index.json`` ``_class_name``.
+
+    Raises:
+        UsageError: the index cannot be read or names an unsupported pipeline.
+    """
+    from engine.checkpoint import read_model_index
+
+    return family_for_class(read_model_index(model_id).get("_class_name"), model_id)

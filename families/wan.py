@@ -1,0 +1,426 @@
+"""Wan 2.1 text-to-video (diffusers ``WanPipeline``): the family module.
+
+Sources: the Wan 2.1 model card and ``generate.py`` (720p samples with flow_shift 5.0 and
+480p with 3.0; 50 UniPC steps; CFG 5.0; 16 fps; 512 UMT5 text tokens) and diffusers 0.42.1's
+``WanPipeline``, ``WanTransformer3DModel`` and ``AutoencoderKLWan``, which run unmodified.
+"""
+
+from __future__ import annotations
+
+from engine.errors import GenerationError
+from families import ModelFamily
+
+# Wan 2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
+VAE_TEMPORAL_SCALE = 4
+VAE_SPATIAL_SCALE = 8
+PIXELS_PER_TOKEN_SIDE = 16
+
+DEFAULTS = dict(
+    prompt="A cat walks on the grass, realistic style.",
+    negative_prompt=(
+        "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, "
+        "images, static, overall gray, worst quality, low quality, JPEG compression residue, ugly, "
+        "incomplete, extra fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, "
+        "misshapen limbs, fused fingers, still picture, messy background, three legs, many people "
+        "in the background, walking backwards"
+    ),
+    height=720,
+    width=1280,
+    frames=81,
+    fps=16,
+    num_inference_steps=50,
+    guidance_scale=5.0,
+    max_sequence_length=512,
+)
+
+# The pinned huggingface_hub (2.4.0) installs only the `hf` command; `huggingface-cli` is gone.
+DOWNLOAD_HINT = "hf download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH"
+
+
+def default_flow_shift(height: int, width: int) -> float:
+    """Wan 2.1's model card samples 720p with flow_shift 5.0 and 480p with 3.0. The class is
+    read from the shorter side, so portrait and landscape agree: >= 720 px is 720p class."""
+    return 5.0 if min(height, width) >= 720 else 3.0
+
+
+def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
+    return (1, vae_cfg["z_dim"], (frames - 1) // VAE_TEMPORAL_SCALE + 1,
+            height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE)
+
+
+def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
+    pt, ph, pw = cfg["patch_size"]
+    f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
+    return (f // pt) * (height // VAE_SPATIAL_SCALE // ph) * (width // VAE_SPATIAL_SCALE // pw)
+
+
+def num_heads(cfg: dict) -> int:
+    return cfg["num_attention_heads"]
+
+
+def transformer_flops(cfg: dict, config) -> float:
+    """Analytic FLOPs of one denoising step's model call (all CFG passes), counting
+    2 FLOPs per multiply-add, as nanoGPT's MFU estimate does.
+
+    Per block, with S video tokens, T text tokens, D = heads*head_dim, Fd = ffn_dim:
+        self-attention projections q,k,v,o: 8*S*D^2;  scores and P.V: 4*S^2*D
+        cross-attention q,o: 4*S*D^2;  k,v on text: 4*T*D^2;  scores and P.V: 4*S*T*D
+        FFN: 4*S*D*Fd
+    Embeddings and the output projection are < 0.1% at Wan sizes and are left out.
+    """
+    s = token_count(cfg, config.height, config.width, config.frames)
+    t = config.max_sequence_length
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    per_block = (8 * s * d * d + 4 * s * s * d + 4 * s * d * d + 4 * t * d * d
+                 + 4 * s * t * d + 4 * s * d * cfg["ffn_dim"])
+    return float(per_block * cfg["num_layers"] * config.batch)
+
+
+def self_attention_flops(cfg: dict, config) -> float:
+    """The 4*S^2*D scores-and-P.V term of ``transformer_flops``, all blocks and passes."""
+    s = token_count(cfg, config.height, config.width, config.frames)
+    return float(4 * s * s * cfg["attention_head_dim"] * cfg["num_attention_heads"]
+                 * cfg["num_layers"] * config.batch)
+
+
+def empty_transformer(cfg: dict, dtype):
+    """``WanTransformer3DModel`` of config ``cfg`` with meta parameters (no RAM for weights),
+    in ``dtype`` except the modules ``from_pretrained`` keeps in float32. Buffers (RoPE tables)
+    are real. The weights come later, streamed from the checkpoint into their shards."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    with init_empty_weights():
+        transformer = WanTransformer3DModel.from_config(cfg).eval()
+    # torch's Module.to, not diffusers' override, which warns about the fp32-kept modules.
+    torch.nn.Module.to(transformer, dtype)
+    # from_pretrained keeps a parameter in float32 when any part of its dotted name is listed
+    # (module names such as "norm1", and parameters such as "scale_shift_table").
+    keep = set(transformer._keep_in_fp32_modules or [])
+    for name, param in transformer.named_parameters():
+        if keep.intersection(name.split(".")):
+            param.data = param.data.float()
+    return transformer
+
+
+def empty_vae(folder: str):
+    """``AutoencoderKLWan`` of ``folder``'s config with meta weights (dry run)."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLWan
+
+    with init_empty_weights():
+        return AutoencoderKLWan.from_config(
+            AutoencoderKLWan.load_config(folder, subfolder="vae")).eval()
+
+
+def load_pipeline(config, components):
+    """Load the diffusers ``WanPipeline`` on CPU from safetensors only, with only
+    ``components`` (of "text_encoder", "transformer", "vae"); the others are None.
+
+    The transformer comes with meta weights (``empty_transformer``): the engine streams its
+    values from the checkpoint's safetensors straight into their device shards, so no host
+    holds the whole 14B checkpoint. The text encoder uses ``config.dtype``; the VAE stays
+    float32 as in diffusers' Wan examples (a bf16 Wan VAE under torchax fails with a conv2d
+    input/bias dtype mismatch).
+
+    Raises:
+        GenerationError: the weights could not be found or read.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    from engine.errors import first_line
+
+    dtype = getattr(torch, config.dtype)
+    skip = {name: None for name in ("text_encoder", "transformer", "vae")
+            if name not in components}
+    if "text_encoder" not in components:
+        skip["tokenizer"] = None
+    try:
+        if "transformer" in components:
+            skip["transformer"] = empty_transformer(dict(WanTransformer3DModel.load_config(
+                config.model_id, subfolder="transformer")), dtype)
+        if "vae" in components:
+            skip["vae"] = AutoencoderKLWan.from_pretrained(
+                config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
+        pipe = WanPipeline.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True,
+                                           **skip)
+    except (OSError, ValueError) as e:
+        raise GenerationError(
+            f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
+            from None
+    # flow_shift is a sampling choice (5.0 at 720p, 3.0 at 480p), not part of the checkpoint.
+    pipe.scheduler = UniPCMultistepScheduler.from_config(
+        pipe.scheduler.config, flow_shift=config.flow_shift)
+    # eval() only: torchax treats parameters with requires_grad=False as buffers, which would
+    # hide them from the sharding rules.
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
+        if m is not None:
+            m.eval()
+    return pipe
+
+
+EMBEDDING_NAMES = ("prompt_embeds", "negative_prompt_embeds")
+
+
+def encode_prompts(pipe, config) -> dict:
+    """Encode prompt and negative prompt with UMT5 on CPU, then free the text encoder.
+
+    Runs before any SDPA override or JAX placement, so the text encoder is plain PyTorch.
+
+    Returns:
+        {"prompt_embeds", "negative_prompt_embeds"}: (1, max_sequence_length, text_dim) in
+        the transformer dtype, zero-padded past the prompt as ``WanPipeline`` pads them (Wan
+        takes no mask); the negative is absent without CFG (``--stage encode`` always
+        writes it, so later stages may use either).
+    """
+    import torch
+
+    with torch.no_grad():
+        pos, neg = pipe.encode_prompt(
+            prompt=config.prompt,
+            negative_prompt=config.negative_prompt,
+            do_classifier_free_guidance=config.use_cfg or config.stage == "encode",
+            max_sequence_length=config.max_sequence_length,
+            device=torch.device("cpu"),
+            dtype=getattr(torch, config.dtype),  # the transformer's dtype, as WanPipeline casts
+        )
+    pipe.text_encoder = None  # UMT5-XXL is ~11 GB in bf16; nothing needs it after this.
+    return {"prompt_embeds": pos} if neg is None else {"prompt_embeds": pos,
+                                                       "negative_prompt_embeds": neg}
+
+
+def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | None:
+    pos, neg = embeds["prompt_embeds"], embeds["negative_prompt_embeds"]
+    seq = settings.get("max_sequence_length")
+    if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape != neg.shape or pos.shape[1] != seq:
+        return (f"expected two (1, {seq}, text_dim) tensors, got {tuple(pos.shape)} and "
+                f"{tuple(neg.shape)}")
+    if cfg and pos.shape[2] != cfg["text_dim"]:
+        return (f"embeddings have text_dim {pos.shape[2]}, the transformer of --model_id="
+                f"{settings.get('model_id')!r} expects {cfg['text_dim']}")
+    return None
+
+
+def prepare_latents(pipe, config):
+    """Initial noise exactly as ``WanPipeline.prepare_latents`` draws it: a CPU
+    ``torch.Generator`` seeded with ``config.seed``. Returns a float32 CPU tensor
+    (1, 16, (frames-1)/4+1, height/8, width/8)."""
+    import torch
+
+    generator = torch.Generator("cpu").manual_seed(config.seed)
+    return pipe.prepare_latents(1, pipe.transformer.config.in_channels, config.height,
+                                config.width, config.frames, torch.float32,
+                                torch.device("cpu"), generator)
+
+
+def model_inputs(embeds: dict, config) -> dict:
+    """{"encoder_hidden_states": (B, T, text_dim)} in the model dtype, B = 2 with CFG
+    ([cond, uncond], as ``WanPipeline`` orders its two calls)."""
+    import torch
+
+    pos = embeds["prompt_embeds"]
+    x = torch.cat([pos, embeds["negative_prompt_embeds"]]) if config.use_cfg else pos
+    return {"encoder_hidden_states": x.to(getattr(torch, config.dtype))}
+
+
+def abstract_model_inputs(cfg: dict, config) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    return {"encoder_hidden_states": jax.ShapeDtypeStruct(
+        (config.batch, config.max_sequence_length, cfg["text_dim"]),
+        getattr(jnp, config.dtype))}
+
+
+def step_fn(jm, config):
+    """The torch function of one denoising step's model call, to be viewed as JAX and jitted.
+
+    latents (1, C, F, H, W) float32 -> noise prediction (1, C, F, H, W) in the model dtype.
+    With CFG, cond and uncond run as one batch-2 call; the guidance combination is done in the
+    model dtype, exactly as ``WanPipeline`` does it.
+    """
+    import torch
+
+    dtype, cfg, scale = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
+
+    def step(params, buffers, latents, timestep, inputs):
+        x = latents.to(dtype)  # diffusers: latent_model_input = latents.to(transformer_dtype)
+        if cfg:
+            x = torch.cat([x, x])  # (2, C, F, H, W): [cond, uncond]
+        t = timestep.expand(x.shape[0])
+        out = jm.functional_call("forward", params, buffers, hidden_states=x, timestep=t,
+                                 return_dict=False, **inputs)[0]
+        if not cfg:
+            return out
+        cond, uncond = out.chunk(2)
+        return uncond + scale * (cond - uncond)
+
+    return step
+
+
+# Megatron tensor parallelism for WanTransformer3DModel (torch Linear weights are (out, in)):
+# column-parallel layers split output features, row-parallel layers split input features, so
+# each attention/FFN block needs one all-reduce. Norms, patch embedding, modulation tables and
+# proj_out are small and replicated. First match wins. The per-head RMSNorm weights follow q/k.
+COLUMN_PARALLEL_RULES = (
+    (r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v)\.weight$", ("tp", None)),
+    (r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v)\.bias$", ("tp",)),
+    (r"blocks\.\d+\.attn[12]\.norm_[qk]\.weight$", ("tp",)),
+    (r"blocks\.\d+\.ffn\.net\.0\.proj\.weight$", ("tp", None)),
+    (r"blocks\.\d+\.ffn\.net\.0\.proj\.bias$", ("tp",)),
+    (r"condition_embedder\.(time_embedder|text_embedder)\.linear_1\.weight$", ("tp", None)),
+    (r"condition_embedder\.(time_embedder|text_embedder)\.linear_1\.bias$", ("tp",)),
+)
+ROW_PARALLEL_RULES = (
+    (r"blocks\.\d+\.attn[12]\.to_out\.0\.weight$", (None, "tp")),
+    (r"blocks\.\d+\.ffn\.net\.2\.weight$", (None, "tp")),
+)
+
+
+def transformer_sharding_rules(*, replicate_row_parallel: bool = False) -> tuple:
+    """The regex table for the Wan transformer's state dict.
+
+    With ``replicate_row_parallel`` the attention-out and FFN-down weights are replicated: their
+    all-reduce disappears at the cost of gathering the column-parallel activations first (an
+    earlier TPU port of a similar video DiT measured +11% on v6e-8 for this trade).
+    """
+    if replicate_row_parallel:
+        return COLUMN_PARALLEL_RULES
+    return COLUMN_PARALLEL_RULES + ROW_PARALLEL_RULES
+
+
+def sharding_rules(config) -> tuple:
+    return transformer_sharding_rules(replicate_row_parallel=config.replicate_row_parallel)
+
+
+# The VAE decode reads only these weights; the encoder (~0.2 GB float32) stays on the host.
+VAE_DECODE_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+def is_vae_decode_weight(name: str) -> bool:
+    return name.startswith(VAE_DECODE_PREFIXES)
+
+
+def _vae_full_fn(jm):
+    """Torch function: normalised latents (1, 16, F', H/8, W/8) -> video (1, 3, F, H, W) in
+    [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
+    import torch
+
+    def decode(params, buffers, latents, mean, inv_std):
+        z = latents.to(torch.float32) / inv_std + mean
+        return jm.functional_call("decode", params, buffers, z, return_dict=False)[0]
+
+    return decode
+
+
+def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
+    """Torch function decoding ONE latent frame with the causal-conv cache as explicit state.
+
+    diffusers' ``AutoencoderKLWan._decode`` loops over latent frames in Python, keeping each
+    causal conv's last input frames in a list (``feat_cache``) whose entries are None, the
+    string "Rep" (an upsampler's first chunk) or a tensor. Jitting that whole loop unrolls it:
+    at 720p x 81 frames XLA then needs 88 GB of temporaries per v6e chip. Here one call decodes
+    one latent frame; the tensor entries go in and out as arrays and the None/"Rep" pattern
+    (``kinds``) is static, so the decode compiles to three programs (first frame, second
+    frame, every later frame) whose memory is one frame's worth.
+
+    ``record[(kinds, first)]`` receives the kinds of the cache this call returns. ``spatial``
+    (a ``NamedSharding``) splits the frame's width over the mesh: GSPMD then partitions every
+    conv spatially, exchanging halos, so each chip decodes 1/n of the width instead of all chips
+    decoding the same frame.
+    Signature of the returned function:
+        (params, buffers, z (1, 16, 1, h, w), mean, inv_std, cache list)
+        -> (video chunk (1, 3, 1 or 4, 8h, 8w) float32 in [-1, 1], new cache list)
+    """
+    import jax
+    import torch
+    from torchax import interop
+
+    def run(model, z, feat):
+        x = model.post_quant_conv(z)
+        return model.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first)
+
+    def chunk(params, buffers, z, mean, inv_std, cache):
+        if spatial is not None:
+            z = interop.call_jax(jax.lax.with_sharding_constraint, z, spatial)
+        z = z.to(torch.float32) / inv_std + mean
+        tensors = iter(cache)
+        feat = [None if k == "none" else "Rep" if k == "rep" else next(tensors) for k in kinds]
+        out = jm.functional_call(run, params, buffers, z, feat)
+        record[(kinds, first)] = tuple(
+            "none" if f is None else "rep" if isinstance(f, str) else "tensor" for f in feat)
+        new_cache = [f for f in feat if f is not None and not isinstance(f, str)]
+        out = torch.clamp(out, min=-1.0, max=1.0)
+        if spatial is not None:
+            # Keep the carried cache and the frames width-sharded too, or they come back
+            # replicated: at 720p the cache alone is ~8 GB per chip.
+            out, *new_cache = (interop.call_jax(jax.lax.with_sharding_constraint, t, spatial)
+                               for t in (out, *new_cache))
+        return out, list(new_cache)
+
+    return chunk
+
+
+
+
+def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
+                fallbacks=None):
+    """The Wan VAE decode as an ``engine.vae_decode.ChunkedDecoder``: frame-chunked with the
+    causal-conv cache as explicit state (default) or, with ``tiling``, diffusers' spatially
+    tiled ``decode`` in one program.
+
+    Raises:
+        GenerationError: a Wan 2.2 VAE (patch_size set), whose decode this does not cover.
+    """
+    from engine.vae_decode import ChunkedDecoder
+
+    if vae.config.patch_size is not None:
+        raise GenerationError("VAE with patch_size (Wan 2.2) is not supported yet")
+    if tiling:
+        vae.enable_tiling()
+    return ChunkedDecoder(
+        placed, mesh, chunk_fn=_vae_chunk_fn,
+        initial_kinds=("none",) * vae._cached_conv_counts["decoder"],
+        latents_mean=vae.config.latents_mean, latents_std=vae.config.latents_std,
+        full_fn=_vae_full_fn if tiling else None, abstract=abstract, fallbacks=fallbacks)
+
+
+FAMILY = ModelFamily(
+    name="Wan 2.1",
+    pipeline_classes=("WanPipeline",),
+    defaults=DEFAULTS,
+    shipped_configs=("Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+    download_hint=DOWNLOAD_HINT,
+    required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
+    components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
+                "denoise": ("transformer",), "decode": ("vae",)},
+    frame_step=VAE_TEMPORAL_SCALE,
+    pixel_multiple=PIXELS_PER_TOKEN_SIDE,
+    default_flow_shift=default_flow_shift,
+    latent_shape=latent_shape,
+    token_count=token_count,
+    num_heads=num_heads,
+    transformer_flops=transformer_flops,
+    self_attention_flops=self_attention_flops,
+    load_pipeline=load_pipeline,
+    empty_transformer=empty_transformer,
+    empty_vae=empty_vae,
+    encode_prompts=encode_prompts,
+    embedding_names=EMBEDDING_NAMES,
+    check_embeddings=check_embeddings,
+    prepare_latents=prepare_latents,
+    model_inputs=model_inputs,
+    abstract_model_inputs=abstract_model_inputs,
+    step_fn=step_fn,
+    sharding_rules=sharding_rules,
+    is_vae_decode_weight=is_vae_decode_weight,
+    vae_decoder=vae_decoder,
+)
