@@ -1039,7 +1039,7 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     return o.astype(q.dtype)
 
 
-def xla_attention(q, k, v, *, scale=None):
+def xla_attention(q, k, v, *, scale=None, segment_ids=None):
     """Softmax attention through ``jax.nn.dot_product_attention`` (XLA).
 
     Under ``jax.jit`` with sharded inputs XLA partitions it by itself, so it needs no
@@ -1048,13 +1048,19 @@ def xla_attention(q, k, v, *, scale=None):
     Args:
         q: (batch, heads, q_len, head_dim); k, v: (batch, heads, kv_len, head_dim).
         scale: softmax scale; ``None`` means 1/sqrt(head_dim).
+        segment_ids: optional ``SegmentIds``: a query attends only keys of its own id (a
+            dense (batch, 1, q_len, kv_len) mask: for small or debugging runs).
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
     """
+    mask = None
+    if segment_ids is not None:
+        ids = _as_segment_ids(segment_ids)
+        mask = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
     # jax.nn.dot_product_attention takes (batch, len, heads, head_dim).
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    out = jax.nn.dot_product_attention(qt, kt, vt, scale=scale)
+    out = jax.nn.dot_product_attention(qt, kt, vt, scale=scale, mask=mask)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
@@ -1082,6 +1088,71 @@ def forced_attention(attention: str):
         _FORCED_ATTENTION.reset(token)
 
 
+class KeyPadding(NamedTuple):
+    """Self-attention keys at positions >= ``valid_len`` of a ``padded_len`` sequence are
+    padding (``pad_self_attention_keys``)."""
+
+    padded_len: int
+    valid_len: int
+
+
+_KEY_PADDING: contextvars.ContextVar[KeyPadding | None] = contextvars.ContextVar(
+    "key_padding", default=None
+)
+_IN_SELF_ATTENTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "in_self_attention", default=False
+)
+
+
+def pad_self_attention_keys(padded_len: int, valid_len: int) -> contextvars.Token:
+    """Declare, until ``unpad_self_attention_keys(token)``, that the token axis of the
+    sequences being traced was zero-padded from ``valid_len`` to ``padded_len``.
+
+    Self-attention calls (inside a module ``mark_self_attention`` marked) whose key length
+    is ``padded_len`` then give real tokens segment id 1 and padding id 0: the kernels mask
+    the padded keys exactly (never zero keys left in the softmax denominator), and padded
+    query rows attend only padding, so they stay finite. Used by sequence parallelism to run
+    token counts the "sp" axis does not divide. Trace-time state: set and reset around the
+    traced blocks, not inside the compiled program.
+    """
+    return _KEY_PADDING.set(KeyPadding(padded_len, valid_len))
+
+
+def unpad_self_attention_keys(token: contextvars.Token) -> None:
+    _KEY_PADDING.reset(token)
+
+
+def mark_self_attention(module) -> list:
+    """Hooks that flag SDPA calls traced inside ``module`` as self-attention (keys are the
+    video tokens themselves), for ``pad_self_attention_keys``. Returns the hook handles."""
+    tokens = []
+
+    def enter(_module, _args):
+        tokens.append(_IN_SELF_ATTENTION.set(True))
+
+    def leave(_module, _args, _output):
+        _IN_SELF_ATTENTION.reset(tokens.pop())
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+
+def _padding_segment_ids(q, k) -> SegmentIds | None:
+    """Segment ids hiding declared key padding in a self-attention call, else None."""
+    pad = _KEY_PADDING.get()
+    if pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] != pad.padded_len:
+        return None
+    if pad.valid_len >= pad.padded_len:
+        return None
+
+    def ids(length):
+        return jnp.broadcast_to((jnp.arange(length) < pad.valid_len).astype(jnp.int32),
+                                (q.shape[0], length))
+
+    q_len = q.shape[2]
+    q_ids = ids(q_len) if q_len == pad.padded_len else jnp.ones((q.shape[0], q_len), jnp.int32)
+    return SegmentIds(q_ids, ids(k.shape[2]))
+
+
 def _sdpa(
     query,
     key,
@@ -1106,17 +1177,18 @@ def _sdpa(
     attention = _FORCED_ATTENTION.get() or attention
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
+    segment_ids = _padding_segment_ids(q, k)
     if mask is not None or is_causal:
         # Masks the kernels were not built for take the exact reference path.
         out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
     elif attention == "xla":
-        out = xla_attention(q, k, v, scale=scale)
+        out = xla_attention(q, k, v, scale=scale, segment_ids=segment_ids)
     elif attention in SPLASH_KERNELS:
         mesh = options["mesh"]
         if mesh is None:
             fn = stock_splash_attention if attention == "stock_splash" else splash_attention
             out = fn(q, k, v, scale=scale, block_sizes=options["block_sizes"],
-                     interpret=options["interpret"])
+                     segment_ids=segment_ids, interpret=options["interpret"])
         elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
             # The wrapper cannot split this call: XLA, which GSPMD partitions as it likes,
             # instead of failing; reported, never silent.
@@ -1126,10 +1198,11 @@ def _sdpa(
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
-            out = xla_attention(q, k, v, scale=scale)
+            out = xla_attention(q, k, v, scale=scale, segment_ids=segment_ids)
         else:
             kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
-                          interpret=options["interpret"], kernel=attention)
+                          segment_ids=segment_ids, interpret=options["interpret"],
+                          kernel=attention)
             if attention == "splash":
                 kwargs["k_smoothing"] = options["k_smoothing"]
             out = sharded_splash_attention(q, k, v, mesh=mesh, **kwargs)

@@ -27,7 +27,9 @@ def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices
     Args:
         batch: the transformer's batch (2 with CFG, else 1).
         num_heads: attention heads (None when the config is not known yet).
-        tokens: video tokens per sample (None when unknown).
+        tokens: video tokens per sample (None when unknown). Any count works with sp: the
+            token axis is padded to a multiple of sp inside the model call
+            (``sharding.add_sequence_parallel_hooks``); it is kept for callers and reports.
 
     Raises:
         UsageError: naming --dp/--tp/--sp and the rule they break.
@@ -48,9 +50,6 @@ def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices
         fail("--dp", dp, f"must divide the transformer batch ({batch}: 2 with CFG, else 1)")
     if num_heads is not None and num_heads % tp:
         fail("--tp", tp, f"must divide the attention head count {num_heads}")
-    if tokens is not None and sp > 1 and tokens % sp:
-        fail("--sp", sp, f"must divide the video token count {tokens} "
-             "(frames, height and width set it)")
     return MeshShape(dp, tp, sp)
 
 

@@ -218,28 +218,65 @@ def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
     return placed
 
 
-def add_sequence_parallel_hooks(transformer, mesh) -> list:
+def add_sequence_parallel_hooks(transformer, mesh, *, self_attention: str = "attn1") -> list:
     """Shard the residual stream's token axis over "sp" at every block boundary.
 
-    Each ``WanTransformerBlock`` gets a forward pre-hook that constrains its hidden states
-    (batch, tokens, dim) to P("dp", "sp", None). Norms, modulation and the FFN then run on
-    1/sp of the tokens; attention re-shards as its backend needs (the Splash wrapper shards
-    heads over ("tp", "sp"), an all-to-all). The torch model code is untouched.
+    Each block (``transformer.blocks``; with ``--scan_layers`` the scanned blocks, whose
+    pre-hooks run before every layer) gets a forward pre-hook that constrains its hidden
+    states (batch, tokens, dim) to P("dp", "sp", None). Norms, modulation and the FFN then
+    run on 1/sp of the tokens; attention re-shards as its backend needs (the Splash wrapper
+    shards heads over ("tp", "sp"), an all-to-all). The torch model code is untouched.
+
+    Any token count works: when "sp" does not divide it, the first hook zero-pads the token
+    axis (hidden states and every per-token input, such as the RoPE tables) to the next
+    multiple, and ``custom_splash_attention.pad_self_attention_keys`` makes the
+    self-attention (modules named ``self_attention``) mask the padded keys exactly; a
+    forward hook after the last block slices the padding off. Padded rows are never read by
+    a real token.
 
     Returns:
         the hook handles.
     """
     import jax
+    import torch
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
+    import custom_splash_attention as csa
+
     sharding = NamedSharding(mesh, P("dp", "sp", None))
+    sp, padding = mesh.shape["sp"], {}
+
+    def pad(x, n: int, extra: int):
+        # (batch, tokens, ...) -> (batch, tokens + extra, ...), zeros appended.
+        if isinstance(x, (tuple, list)):
+            return type(x)(pad(t, n, extra) for t in x)
+        if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[1] != n:
+            return x
+        return torch.cat([x, x.new_zeros((x.shape[0], extra, *x.shape[2:]))], dim=1)
 
     def constrain(module, args):
-        hidden = interop.call_jax(jax.lax.with_sharding_constraint, args[0], sharding)
-        return (hidden, *args[1:])
+        hidden, encoder, *rest = args
+        n, extra = hidden.shape[1], -hidden.shape[1] % sp
+        if extra:  # first block only: afterwards the count is a multiple of sp
+            padding.update(valid=n, token=csa.pad_self_attention_keys(n + extra, n))
+            hidden, rest = pad(hidden, n, extra), pad(rest, n, extra)
+        hidden = interop.call_jax(jax.lax.with_sharding_constraint, hidden, sharding)
+        return (hidden, encoder, *rest)
 
-    return [block.register_forward_pre_hook(constrain) for block in transformer.blocks]
+    def unpad(module, args, output):
+        if not padding:
+            return output
+        csa.unpad_self_attention_keys(padding.pop("token"))
+        valid = padding.pop("valid")
+        # Sliced in JAX: a torchax slice is a lazy view that diffusers' later type_as rejects.
+        return interop.call_jax(lambda x: x[:, :valid], output)
 
-
+    blocks = list(transformer.blocks)
+    hooks = [block.register_forward_pre_hook(constrain) for block in blocks]
+    hooks.append(blocks[-1].register_forward_hook(unpad))
+    for name, module in transformer.named_modules():
+        if name.rsplit(".", 1)[-1] == self_attention:
+            hooks += csa.mark_self_attention(module)
+    return hooks

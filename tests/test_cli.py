@@ -98,7 +98,6 @@ BAD = [
     (["--dp", "3"], "--dp/--tp/--sp", "device count 8"),
     (["--bq", "100"], "--bq=100", "expected a multiple of 128"),
     (["--bkv", "1024", "--bkv_compute", "384"], "--bkv=1024", "multiple of block_kv_compute"),
-    (["--height", "48", "--width", "80"], "--sp=2", "must divide the video token count 315"),
     (["--dp", "2", "--tp", "4", "--sp", "1"], "--tp=4", "head count 2"),
     (["--dp", "2", "--tp", "1", "--sp", "4", "--guidance_scale", "1"], "--dp=2",
      "must divide the transformer batch"),

@@ -50,6 +50,26 @@ def test_sequence_parallel_splash_equals_unsharded(tiny_checkpoint_8h, unsharded
     np.testing.assert_allclose(frames, unsharded, atol=1e-4, rtol=0)
 
 
+ODD = ["--height", "48", "--width", "80"]  # 3 x 3 x 5 = 45 video tokens: no sp divides it
+
+
+@pytest.fixture(scope="module")
+def odd_unsharded(tiny_checkpoint_8h):
+    return _frames(tiny_checkpoint_8h, (1, 1, 1), ODD)
+
+
+@pytest.mark.parametrize("mesh,attention", [((2, 2, 2), "xla"), ((1, 2, 4), "splash"),
+                                            ((1, 1, 8), "stock_splash")],
+                         ids=["dp2-tp2-sp2-xla", "tp2-sp4-splash", "sp8-stock_splash"])
+def test_sequence_parallel_pads_a_token_count_sp_does_not_divide(tiny_checkpoint_8h,
+                                                                  odd_unsharded, mesh,
+                                                                  attention):
+    # The token axis is zero-padded to a multiple of sp inside the model call and the
+    # padded keys are masked exactly: frames equal the unsharded, unpadded run's.
+    frames = _frames(tiny_checkpoint_8h, mesh, [*ODD, "--attention", attention])
+    np.testing.assert_allclose(frames, odd_unsharded, atol=1e-4, rtol=0)
+
+
 def test_unrolled_layers_equal_scanned_unsharded(tiny_checkpoint_8h, unsharded):
     # The default is --scan_layers (so `unsharded` is scanned); diffusers' own block loop on a
     # mesh must give the same frames.
