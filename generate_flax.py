@@ -48,7 +48,6 @@ from engine.checkpoint import (
     looks_local,
     model_config_dir,
     read_component_config,
-    shipped_ids,
 )
 from engine.config import RunConfig
 from engine.errors import EXIT_RUNTIME, EXIT_USAGE, GenerationError, UsageError, fail, first_line
@@ -311,8 +310,9 @@ def _validate_model(args) -> str:
     """Check --model_id's folder (or shipped config for --dry_run) and detect its family."""
     model_id = args.model_id
     if args.dry_run and model_config_dir(model_id) is None:
+        shipped = [c for family in FAMILIES.values() for c in family.shipped_configs]
         fail("--model_id", model_id, "no local folder or shipped config under configs/ "
-             f"(shipped: {', '.join(shipped_ids())})")
+             f"(shipped: {', '.join(shipped)})")
     hint = FAMILIES["wan2.1"].download_hint
     if looks_local(model_id) and not os.path.isdir(model_id):
         fail("--model_id", model_id, "local folder not found; build the tiny test checkpoint "

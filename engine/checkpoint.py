@@ -18,21 +18,6 @@ def looks_local(model_id: str) -> bool:
     return os.path.exists(model_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", model_id)
 
 
-def shipped_config_dir(model_id: str) -> str | None:
-    """``configs/<model_id>`` when this project ships that id's configs, else None."""
-    path = os.path.join(CONFIGS_DIR, model_id)
-    return path if os.path.isfile(os.path.join(path, "model_index.json")) else None
-
-
-def shipped_ids() -> list[str]:
-    """Hub ids under ``configs/`` (folders holding a model_index.json)."""
-    out = []
-    for root, _, files in os.walk(CONFIGS_DIR):
-        if "model_index.json" in files:
-            out.append(os.path.relpath(root, CONFIGS_DIR))
-    return sorted(out)
-
-
 def model_config_dir(model_id: str) -> str | None:
     """A folder holding the component configs for ``model_id``: the local folder, else the
     configs this project ships for public ids (``configs/``), else None."""

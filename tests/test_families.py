@@ -1,0 +1,49 @@
+"""Model families: detection from model_index.json, the registry, and the interface contract."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import families
+from engine.checkpoint import model_config_dir
+from engine.errors import UsageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_shipped_config_detects_its_own_family():
+    for key, family in families.FAMILIES.items():
+        assert family.shipped_configs, key
+        for hub_id in family.shipped_configs:
+            assert model_config_dir(hub_id) is not None, hub_id
+            assert families.detect_family(hub_id) == key
+
+
+def test_tiny_checkpoint_is_wan(tiny_checkpoint):
+    assert families.detect_family(tiny_checkpoint) == "wan2.1"
+
+
+def test_every_interface_field_is_set():
+    for family in families.FAMILIES.values():
+        for field in dataclasses.fields(families.ModelFamily):
+            assert getattr(family, field.name) is not None, field.name
+
+
+def test_unknown_pipeline_class_is_one_line_listing_the_supported_ones(tmp_path):
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FooPipeline"}))
+    with pytest.raises(UsageError, match="pipeline class 'FooPipeline' is not supported "
+                                         r"\(supported: WanPipeline\)"):
+        families.detect_family(str(folder))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate_flax.py"),
+                           "--model_id", str(folder), "--output_dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "FooPipeline" in lines[0] and "WanPipeline" in lines[0]
