@@ -20,7 +20,7 @@ $(STAMP): requirements.txt
 
 checkpoint: $(TINY)/model_index.json
 
-$(TINY)/model_index.json: $(STAMP) tools/make_tiny_checkpoint.py
+$(TINY)/model_index.json: $(STAMP) tools/make_tiny_checkpoint.py tools/tiny_checkpoint.py
 	$(CPU_ENV) $(PY) tools/make_tiny_checkpoint.py --output $(TINY) --force
 
 demo: $(STAMP) $(TINY)/model_index.json

@@ -18,10 +18,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
+
+from tiny_checkpoint import write_pipeline  # tools/, beside this script
 
 # A small English corpus for the tokenizer; Wan prompts are English or Chinese prose.
 _CORPUS = """
@@ -148,23 +147,10 @@ def build_pipeline(args: argparse.Namespace):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = os.path.abspath(args.output)
-    if os.path.exists(os.path.join(out, "model_index.json")) and not args.force:
-        print(f"tiny checkpoint already at {out}")
+    pipe, out = write_pipeline(lambda: build_pipeline(args), args.output, force=args.force,
+                               prefix=".tiny-wan-")
+    if pipe is None:
         return 0
-    pipe = build_pipeline(args)
-    # Write beside the target, then rename, so an interrupted build leaves no half checkpoint.
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-wan-", dir=parent)
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     print(f"wrote tiny Wan 2.1 checkpoint to {out} (transformer: {n_params:,} parameters)")
     return 0

@@ -44,10 +44,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
+
+from tiny_checkpoint import write_pipeline  # tools/, beside this script
 
 # Qwen-style byte-level BPE training text, besides the pipeline's system message.
 _CORPUS = """
@@ -288,23 +287,10 @@ def _mrope_section(head_dim: int) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = os.path.abspath(args.output)
-    if os.path.exists(os.path.join(out, "model_index.json")) and not args.force:
-        print(f"tiny checkpoint already at {out}")
+    pipe, out = write_pipeline(lambda: build_pipeline(args), args.output, force=args.force,
+                               prefix=".tiny-hunyuan15-")
+    if pipe is None:
         return 0
-    pipe = build_pipeline(args)
-    # Write beside the target, then rename, so an interrupted build leaves no half checkpoint.
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-hunyuan15-", dir=parent)
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     sizes = ", ".join(
         f"{name}: {sum(p.numel() for p in getattr(pipe, name).parameters()):,}"
         for name in ("transformer", "vae", "text_encoder", "text_encoder_2")
