@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny Wan checkpoint, built once per session through save_pretrained."""
+"""Shared fixtures: the tiny Wan and HunyuanVideo-1.5 checkpoints, built once per session
+through save_pretrained."""
 
 import os
 import subprocess
@@ -36,6 +37,18 @@ def tiny_checkpoint_8h(tmp_path_factory):
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"),
          "--output", str(path), "--heads", "8", "--head_dim", "12", "--ffn_dim", "64"],
+        check=True, capture_output=True, text=True,
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def hunyuan_checkpoint(tmp_path_factory):
+    """Path of a freshly built tiny random HunyuanVideo-1.5 T2V checkpoint."""
+    path = tmp_path_factory.mktemp("ckpt-hy15") / "tiny-hunyuan15"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "make_tiny_hunyuan_checkpoint.py"),
+         "--output", str(path)],
         check=True, capture_output=True, text=True,
     )
     return str(path)

@@ -5,32 +5,18 @@ compared against, so a broken builder shows up here rather than as a parity fail
 """
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILDER = os.path.join(ROOT, "tools", "make_tiny_hunyuan_checkpoint.py")
 
 QUOTED = 'A sign that says "hello"'
 PLAIN = "A cat walks on the grass, realistic style"
 HEIGHT, WIDTH, FRAMES = 32, 48, 5  # latents (32, 2, 2, 3): non-square catches h/w swaps
 WEIGHTED = ("transformer", "vae", "text_encoder", "text_encoder_2")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-
-
-@pytest.fixture(scope="session")
-def hunyuan_checkpoint(tmp_path_factory):
-    """Path of a freshly built tiny random HunyuanVideo-1.5 T2V checkpoint."""
-    path = tmp_path_factory.mktemp("ckpt-hy15") / "tiny-hunyuan15"
-    subprocess.run(
-        [sys.executable, BUILDER, "--output", str(path)],
-        check=True, capture_output=True, text=True,
-    )
-    return str(path)
 
 
 @pytest.fixture(scope="session")
