@@ -1039,7 +1039,7 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     return o.astype(q.dtype)
 
 
-def xla_attention(q, k, v, *, scale=None, segment_ids=None):
+def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
     """Softmax attention through ``jax.nn.dot_product_attention`` (XLA).
 
     Under ``jax.jit`` with sharded inputs XLA partitions it by itself, so it needs no
@@ -1050,6 +1050,9 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None):
         scale: softmax scale; ``None`` means 1/sqrt(head_dim).
         segment_ids: optional ``SegmentIds``: a query attends only keys of its own id (a
             dense (batch, 1, q_len, kv_len) mask: for small or debugging runs).
+        key_mask: optional (batch, kv_len) bool, True = a real key; every query attends only
+            those (broadcast as (batch, 1, 1, kv_len): no dense mask). Not with
+            ``segment_ids``.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
@@ -1058,6 +1061,8 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None):
     if segment_ids is not None:
         ids = _as_segment_ids(segment_ids)
         mask = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
+    elif key_mask is not None:
+        mask = key_mask[:, None, None, :]
     # jax.nn.dot_product_attention takes (batch, len, heads, head_dim).
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     out = jax.nn.dot_product_attention(qt, kt, vt, scale=scale, mask=mask)
@@ -1136,21 +1141,62 @@ def mark_self_attention(module) -> list:
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
-def _padding_segment_ids(q, k) -> SegmentIds | None:
-    """Segment ids hiding declared key padding in a self-attention call, else None."""
+def key_padding_mask(mask, q, k):
+    """The (batch, kv_len) bool of real keys when ``mask`` is a boolean key-padding mask,
+    else None.
+
+    A key-padding mask is a boolean SDPA ``attn_mask`` of shape (batch or 1, 1 or heads, 1,
+    kv_len): one row of allowed keys broadcast over every query, as diffusers'
+    ``Attention.prepare_attention_mask`` leaves a (batch, 1, 1, kv_len) mask (repeated over
+    heads) and as the HunyuanVideo-1.5 family passes its text padding. Such a mask must be
+    the same for every head; the heads are combined with AND.
+    """
+    batch, heads, _, _ = q.shape
+    kv_len = k.shape[2]
+    if (mask is None or mask.dtype != jnp.bool_ or mask.ndim != 4 or mask.shape[2] != 1
+            or mask.shape[3] != kv_len or mask.shape[0] not in (1, batch)
+            or mask.shape[1] not in (1, heads)):
+        return None
+    return jnp.broadcast_to(jnp.all(mask[:, :, 0, :], axis=1), (batch, kv_len))
+
+
+def _declared_padding(q, k):
+    """(batch, kv_len) bool, False at the keys ``pad_self_attention_keys`` declared padding
+    (self-attention calls only; the video tokens come first in the key sequence), else
+    None."""
     pad = _KEY_PADDING.get()
-    if pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] != pad.padded_len:
+    if pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] < pad.padded_len:
         return None
     if pad.valid_len >= pad.padded_len:
         return None
+    pos = jnp.arange(k.shape[2])
+    real = (pos < pad.valid_len) | (pos >= pad.padded_len)
+    return jnp.broadcast_to(real, (q.shape[0], k.shape[2]))
 
-    def ids(length):
-        return jnp.broadcast_to((jnp.arange(length) < pad.valid_len).astype(jnp.int32),
-                                (q.shape[0], length))
 
-    q_len = q.shape[2]
-    q_ids = ids(q_len) if q_len == pad.padded_len else jnp.ones((q.shape[0], q_len), jnp.int32)
-    return SegmentIds(q_ids, ids(k.shape[2]))
+def _real_keys(q, k, mask):
+    """(real keys (batch, kv_len) bool or None, the mask left for the reference path).
+
+    A key-padding ``mask`` is consumed; declared sequence-parallel padding is added."""
+    real = key_padding_mask(mask, q, k)
+    if real is not None:
+        mask = None
+    declared = _declared_padding(q, k)
+    if declared is not None:
+        real = declared if real is None else real & declared
+    return real, mask
+
+
+def _key_segment_ids(q, k, real) -> SegmentIds:
+    """Segment ids for the kernels from real keys: real = 1, padding = 0.
+
+    In self-attention (q_len == kv_len, the same tokens) a query gets its own key's id, so a
+    padded query attends only padding (its own key among them) and stays finite; no real
+    token reads it. Otherwise every query is real (id 1)."""
+    kv_ids = real.astype(jnp.int32)
+    if q.shape[2] == k.shape[2]:
+        return SegmentIds(kv_ids, kv_ids)
+    return SegmentIds(jnp.ones((q.shape[0], q.shape[2]), jnp.int32), kv_ids)
 
 
 def _sdpa(
@@ -1177,12 +1223,15 @@ def _sdpa(
     attention = _FORCED_ATTENTION.get() or attention
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
-    segment_ids = _padding_segment_ids(q, k)
+    real, mask = _real_keys(q, k, mask)
+    segment_ids = None if real is None else _key_segment_ids(q, k, real)
     if mask is not None or is_causal:
         # Masks the kernels were not built for take the exact reference path.
+        if real is not None:
+            mask = mask & real[:, None, None, :]
         out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
     elif attention == "xla":
-        out = xla_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+        out = xla_attention(q, k, v, scale=scale, key_mask=real)
     elif attention in SPLASH_KERNELS:
         mesh = options["mesh"]
         if mesh is None:
@@ -1198,7 +1247,7 @@ def _sdpa(
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
-            out = xla_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            out = xla_attention(q, k, v, scale=scale, key_mask=real)
         else:
             kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
                           segment_ids=segment_ids, interpret=options["interpret"],
@@ -1223,8 +1272,12 @@ def install_sdpa_override(
 ) -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
 
-    Calls with ``attn_mask``, ``is_causal=True`` take ``reference_attention`` (exact)
-    whatever ``attention`` says; the rest take ``attention``.
+    A boolean key-padding ``attn_mask`` (``key_padding_mask``: one row of allowed keys for
+    every query, as HunyuanVideo-1.5's text padding) becomes segment ids (real = 1,
+    padding = 0) for the kernels, or a (batch, 1, 1, kv_len) mask for XLA: no dense
+    (batch, 1, q_len, kv_len) mask is built. Calls with other masks or ``is_causal=True``
+    take ``reference_attention`` (exact) whatever ``attention`` says; the rest take
+    ``attention``.
 
     Args:
         env: a ``torchax.tensor.Environment`` (``torchax.default_env()``).

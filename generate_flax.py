@@ -224,11 +224,17 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     _validate_distributed(args)
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
-    values = {k: family.defaults[k] if getattr(args, k) is None else getattr(args, k)
+    defaults = {**family.defaults, **family.checkpoint_defaults(args.model_id)}
+    values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
     _validate_size(family, values)
+    broken = family.check_flags(values)
+    if broken is not None:
+        fail(broken[0], values[broken[0].lstrip("-")], broken[1])
     flow_shift, source = args.flow_shift, "flag"
-    if flow_shift is None:
+    if flow_shift is None and "flow_shift" in defaults:
+        flow_shift, source = defaults["flow_shift"], "checkpoint"
+    elif flow_shift is None:
         flow_shift = family.default_flow_shift(values["height"], values["width"])
         source = "resolution"
     if args.profile_dir is not None:
@@ -507,7 +513,8 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
         with runtime.hardware_errors("compiling the transformer step", oom_hint):
             step, timings["compile_transformer_s"] = compile_transformer(
                 config, family, pipe, placed, mesh, latents0, inputs)
-        parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs)
+        parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
+                     sigmas=family.scheduler_sigmas)
     else:
         latents0 = placement.place_array(placement.host_array(staged), replicated)
     if config.stage in ("all", "decode"):
@@ -536,7 +543,8 @@ def place_transformer(config, family, pipe, mesh, fallbacks) -> dict:
     return sharding.place_transformer(
         pipe.transformer, mesh, family.sharding_rules(config),
         checkpoint=component_folder(config.model_id, "transformer"), fsdp=config.fsdp,
-        scan=config.scan_layers, sp=mesh.shape["sp"], fallbacks=fallbacks)
+        scan=config.scan_layers, sp=mesh.shape["sp"], fallbacks=fallbacks,
+        stack=family.block_stack)
 
 
 def place_model_inputs(config, family, pipe, embeds: dict, mesh):
@@ -569,10 +577,10 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from engine.benchmark import timestep_array
+    from engine.benchmark import set_timesteps, timestep_array
     from engine.step import compile_step
 
-    pipe.scheduler.set_timesteps(config.num_inference_steps)
+    set_timesteps(pipe.scheduler, config.num_inference_steps, family.scheduler_sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
     compiled, seconds = compile_step(placed, mesh, family.step_fn(placed["module"], config),
                                      latents0, t, inputs)

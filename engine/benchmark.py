@@ -27,6 +27,8 @@ class Programs:
     step: compiled model call ``(latents, t, embeds) -> noise prediction`` (weights bound).
     scheduler_config: the diffusers scheduler's config; a fresh scheduler is built from it
         per run (its ``_class_name`` names the class).
+    sigmas: optional ``f(num_inference_steps) -> sigmas`` for ``set_timesteps`` (the
+        family's ``scheduler_sigmas``); None, or returning None, keeps the scheduler's own.
     embeds: the placed prompt embeddings pytree the step takes.
     timesteps_sharding: where the (1,) timestep arrays go (replicated).
     vae_decode: latents -> (1, 3, F, H, W) float32 video in [-1, 1] (a ``ChunkedDecoder``).
@@ -34,6 +36,7 @@ class Programs:
 
     step: Callable | None = None
     scheduler_config: Any = None
+    sigmas: Callable | None = None
     embeds: Any = None
     timesteps_sharding: Any = None
     vae_decode: Callable | None = None
@@ -48,14 +51,25 @@ def timestep_array(t):
     return a.astype(np.int32 if a.dtype.kind in "iu" else np.float32)
 
 
-def new_scheduler(scheduler_config, num_inference_steps: int, timesteps_sharding):
-    """A fresh scheduler of the config's class with its timesteps set, and
-    [(torch t, (1,) jax.Array t)]."""
+def set_timesteps(scheduler, num_inference_steps: int, sigmas=None) -> None:
+    """``scheduler.set_timesteps`` as the family's pipeline calls it: with the sigmas
+    ``sigmas(num_inference_steps)`` gives (HunyuanVideo-1.5), else by step count (Wan)."""
+    values = None if sigmas is None else sigmas(num_inference_steps)
+    if values is None:
+        scheduler.set_timesteps(num_inference_steps)
+    else:
+        scheduler.set_timesteps(sigmas=values)
+
+
+def new_scheduler(scheduler_config, num_inference_steps: int, timesteps_sharding,
+                  sigmas=None):
+    """A fresh scheduler of the config's class with its timesteps set (see
+    ``set_timesteps``), and [(torch t, (1,) jax.Array t)]."""
     import diffusers
     import jax
 
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
-    scheduler.set_timesteps(num_inference_steps)
+    set_timesteps(scheduler, num_inference_steps, sigmas)
     timesteps = [(t, jax.device_put(timestep_array(t), timesteps_sharding))
                  for t in scheduler.timesteps]
     return scheduler, timesteps
@@ -115,7 +129,7 @@ def decode(vae_decode, latents):
 def _fresh_loop(programs: Programs, num_inference_steps: int, limit: int | None = None):
     """(scheduler, timesteps) for one sampling loop, built before its clock starts."""
     scheduler, timesteps = new_scheduler(programs.scheduler_config, num_inference_steps,
-                                         programs.timesteps_sharding)
+                                         programs.timesteps_sharding, programs.sigmas)
     return scheduler, timesteps[:limit] if limit is not None else timesteps
 
 
@@ -209,7 +223,7 @@ def profile_step(profile_dir: str, programs: Programs, latents0, *,
 
     p = programs
     scheduler, steps = new_scheduler(p.scheduler_config, num_inference_steps,
-                                     p.timesteps_sharding)
+                                     p.timesteps_sharding, p.sigmas)
     scheduler.set_begin_index(0)
     steps = steps[:2]
     latents = latents0

@@ -55,8 +55,10 @@ def read_model_index(model_id: str) -> dict:
             from None
 
 
-def read_component_config(model_id: str, subfolder: str, *, download: bool = False) -> dict | None:
-    """``<subfolder>/config.json`` of a local folder or shipped config as a dict.
+def read_component_config(model_id: str, subfolder: str, *, download: bool = False,
+                          filename: str = "config.json") -> dict | None:
+    """``<subfolder>/<filename>`` of a local folder or shipped config as a dict
+    (``filename``: "scheduler_config.json" for a scheduler).
 
     Otherwise None, or with ``download`` the Hub's copy (from the local cache, or fetched).
 
@@ -64,7 +66,7 @@ def read_component_config(model_id: str, subfolder: str, *, download: bool = Fal
         UsageError: ``download`` and the file cannot be found or read.
     """
     folder = model_config_dir(model_id)
-    path = os.path.join(folder or model_id, subfolder, "config.json")
+    path = os.path.join(folder or model_id, subfolder, filename)
     if not os.path.isfile(path):
         if not download:
             return None
@@ -73,7 +75,7 @@ def read_component_config(model_id: str, subfolder: str, *, download: bool = Fal
                 raise FileNotFoundError(path)
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(model_id, f"{subfolder}/config.json")
+            path = hf_hub_download(model_id, f"{subfolder}/{filename}")
         except Exception as e:
             raise UsageError(f"--model_id={model_id!r}: no {subfolder} config "
                              f"({first_line(e, 200)})") from None

@@ -108,9 +108,9 @@ def _abstract_transformer(config, family, cfg: dict, mesh, sp: int) -> dict:
 
     transformer = family.empty_transformer(cfg, getattr(torch, config.dtype))
     if config.scan_layers:
-        scan_layers.scan_blocks(transformer)
+        scan_layers.scan_blocks(transformer, stack=family.block_stack)
     if sp > 1:
-        add_sequence_parallel_hooks(transformer, mesh)
+        add_sequence_parallel_hooks(transformer, mesh, stack=family.block_stack)
     jm = interop.JittableModule(transformer)
     specs, counts, _ = module_sharding_specs(
         transformer, {k: v.shape for k, v in jm.params.items()}, family.sharding_rules(config),
@@ -142,7 +142,8 @@ def _abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
     latents = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
     inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=over_dp),
                           family.abstract_model_inputs(cfg, config))
-    return latents, jax.ShapeDtypeStruct((1,), jax.numpy.int32, sharding=rep), inputs
+    t = jax.ShapeDtypeStruct((1,), getattr(jax.numpy, family.timestep_dtype), sharding=rep)
+    return latents, t, inputs
 
 
 def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,

@@ -1,15 +1,17 @@
-"""Run Wan's transformer blocks as one ``jax.lax.scan`` instead of 40 unrolled copies.
+"""Run a transformer's blocks as one ``jax.lax.scan`` instead of L unrolled copies.
 
-``WanTransformer3DModel.forward`` runs ``for block in self.blocks: hidden_states = block(...)``.
-Traced through torchax, that loop unrolls: the jitted program holds every block's ops, and XLA
-compile time grows with the block count. Here the per-block weights are stacked along a new
-leading layer axis and ``model.blocks`` is replaced by :class:`ScannedBlocks`, whose forward
-scans ONE block module over the stacked weights. Everything else in ``forward`` (patch
-embedding, condition embedder, RoPE, ``norm_out``, ``proj_out``, unpatchify) is still
-diffusers' own code, untouched.
+``WanTransformer3DModel.forward`` runs ``for block in self.blocks: hidden_states = block(...)``
+(HunyuanVideo-1.5: ``self.transformer_blocks``, two streams in and out). Traced through torchax,
+that loop unrolls: the jitted program holds every block's ops, and XLA compile time grows with
+the block count. Here the per-block weights are stacked along a new leading layer axis and the
+block list is replaced by :class:`ScannedBlocks`, whose forward scans ONE block module over the
+stacked weights. Everything else in ``forward`` (patch embedding, condition embedder, RoPE,
+``norm_out``, ``proj_out``, unpatchify) is still diffusers' own code, untouched. A family
+describes its block list with a :class:`BlockStack` (Wan's is the default).
 
 State-dict names change from ``blocks.{i}.<name>`` (shape S) to ``blocks.stacked.<name>``
-(shape (L, *S)). Sharding stays per-layer Megatron with an unsharded layer axis:
+(shape (L, *S)); ``blocks`` is ``BlockStack.attr``. Sharding stays per-layer Megatron with an
+unsharded layer axis:
 :func:`stacked_sharding_specs` runs ``engine.sharding.sharding_specs`` on the unstacked view,
 so the decisions are exactly the unrolled model's, ``--fsdp`` included (FSDP never picks the
 layer axis).
@@ -31,13 +33,54 @@ constraint) run inside it for every layer. Pure-torch (non-torchax) calls loop i
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
 
 STACKED = "stacked"
-STACKED_PREFIX = f"blocks.{STACKED}."
-_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStack:
+    """Where a transformer keeps its identical blocks and how one is called.
+
+    attr: the ``nn.ModuleList`` attribute ("blocks" for Wan, "transformer_blocks" for
+        HunyuanVideo-1.5).
+    carry: how many leading positional arguments a block returns, in order (Wan's block
+        returns hidden_states; HunyuanVideo-1.5's returns (hidden_states,
+        encoder_hidden_states)). The rest are the same for every layer.
+    token_axes: per positional argument, the axis of the video tokens, or None: sequence
+        parallelism zero-pads these axes (``sharding.add_sequence_parallel_hooks``). A tuple
+        argument (RoPE (cos, sin)) has the axis in each element.
+    self_attention: the name (last dotted part) of the modules whose keys are the video
+        tokens, which mask sequence-parallel padding.
+    """
+
+    attr: str = "blocks"
+    carry: int = 1
+    token_axes: tuple = (1, None, None, 1)  # hidden, encoder, temb, rotary (Wan 2.1)
+    self_attention: str = "attn1"
+
+    @property
+    def prefix(self) -> str:
+        """State-dict prefix of the stacked weights: "blocks.stacked."."""
+        return f"{self.attr}.{STACKED}."
+
+    def layer_name(self, i: int, leaf: str) -> str:
+        return f"{self.attr}.{i}.{leaf}"
+
+
+WAN_BLOCKS = BlockStack()
+STACKED_PREFIX = WAN_BLOCKS.prefix  # Wan's, kept for callers that predate BlockStack
+
+
+def scanned_blocks(model: torch.nn.Module):
+    """The model's :class:`ScannedBlocks`, or None when its blocks are not scanned."""
+    for child in model.children():
+        if isinstance(child, ScannedBlocks):
+            return child
+    return None
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -54,14 +97,16 @@ def _tensor_at(module: torch.nn.Module, name: str):
 
 
 class ScannedBlocks(torch.nn.Module):
-    """Drop-in for ``WanTransformer3DModel.blocks`` that runs all L blocks as one scan.
+    """Drop-in for a block list (``WanTransformer3DModel.blocks``) that runs all L blocks as
+    one scan.
 
     Holds one ``WanTransformerBlock`` (``self.stacked``) whose parameters have a leading layer
     axis: ``stacked.attn1.to_q.weight`` is (L, out, in), ``stacked.scale_shift_table`` is
     (L, 1, 6, dim), each in its original dtype (bf16 weights stay bf16, the fp32-kept tables
     stay fp32). Iterating it yields itself once, so diffusers' ``for block in self.blocks``
-    loop makes exactly one call: ``forward(hidden_states, encoder_hidden_states, temb,
-    rotary_emb)``.
+    loop makes exactly one call with the block's own arguments (Wan: ``(hidden_states,
+    encoder_hidden_states, temb, rotary_emb)``); the first ``stack.carry`` of them are carried
+    from layer to layer.
 
     Under torchax (tensors are ``torchax.tensor.Tensor``) that call is a ``jax.lax.scan`` whose
     body is ``torch.func.functional_call(self.stacked, <layer i's slices>, ...)``: the jitted
@@ -74,12 +119,13 @@ class ScannedBlocks(torch.nn.Module):
     """
 
     def __init__(self, template: torch.nn.Module, num_layers: int, names: tuple[str, ...],
-                 *, unroll: int = 1):
+                 *, unroll: int = 1, stack: BlockStack = WAN_BLOCKS):
         super().__init__()
         self.stacked = template
         self.num_layers = num_layers
         self.param_names = names
         self.unroll = unroll
+        self.stack = stack
 
     def __iter__(self):
         # diffusers iterates ``self.blocks``; one "block" that runs them all.
@@ -99,29 +145,35 @@ class ScannedBlocks(torch.nn.Module):
                 args = out if isinstance(out, tuple) else (out,)
         return args
 
-    def _layer(self, params: dict, hidden, enc, temb, rotary):
-        """One block with ``params`` ({name: tensor without the layer axis})."""
-        hidden, enc, temb, rotary = self._pre_hooks((hidden, enc, temb, rotary))
+    def _layer(self, params: dict, *args):
+        """One block with ``params`` ({name: tensor without the layer axis}); returns the
+        carried arguments' new values as a tuple."""
+        args = self._pre_hooks(args)
         # functional_call swaps the (L, ...) tensors for this layer's slices and back; hooks on
         # the template block run too, as they would on blocks.0.
-        return torch.func.functional_call(self.stacked, params, (hidden, enc, temb, rotary))
+        out = torch.func.functional_call(self.stacked, params, args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
-        """Args and result as ``WanTransformerBlock.forward``, applied L times.
+    def _result(self, carry: tuple):
+        return carry[0] if self.stack.carry == 1 else carry
 
-        hidden_states (B, N, dim) in the model dtype; encoder_hidden_states (B, T, dim);
+    def forward(self, *args):
+        """Args and result as the block's own forward, applied L times.
+
+        Wan: hidden_states (B, N, dim) in the model dtype; encoder_hidden_states (B, T, dim);
         temb (B, 6, dim) float32 (Wan 2.1) or (B, N, 6, dim); rotary_emb (cos, sin), each
-        (1, N, 1, head_dim) float32. Returns (B, N, dim) in the model dtype.
+        (1, N, 1, head_dim) float32; returns (B, N, dim) in the model dtype. The first
+        ``stack.carry`` arguments are carried (and returned, as a tuple when more than one).
         """
         import torchax.tensor
 
+        n = self.stack.carry
         stacked = self.stacked_params()
-        if not isinstance(hidden_states, torchax.tensor.Tensor):
+        if not isinstance(args[0], torchax.tensor.Tensor):
+            carry = tuple(args[:n])
             for i in range(self.num_layers):
-                hidden_states = self._layer({k: v[i] for k, v in stacked.items()},
-                                            hidden_states, encoder_hidden_states, temb,
-                                            rotary_emb)
-            return hidden_states
+                carry = self._layer({k: v[i] for k, v in stacked.items()}, *carry, *args[n:])
+            return self._result(carry)
 
         import jax
         from torchax import interop
@@ -130,19 +182,21 @@ class ScannedBlocks(torch.nn.Module):
         # inside (call_torch enters the default env), JAX arrays out.
         body = interop.jax_view(self._layer)
 
-        def run(hidden, params, enc, temb, rotary):
+        def run(carry, params, rest):
             def step(carry, layer_params):
-                return body(layer_params, carry, enc, temb, rotary), None
+                return body(layer_params, *carry, *rest), None
 
-            out, _ = jax.lax.scan(step, hidden, params, unroll=self.unroll)
+            out, _ = jax.lax.scan(step, carry, params, unroll=self.unroll)
             return out
 
-        return interop.call_jax(run, hidden_states, stacked, encoder_hidden_states, temb,
-                                rotary_emb)
+        carry = interop.call_jax(run, tuple(args[:n]), stacked, tuple(args[n:]))
+        return self._result(tuple(carry))
 
 
-def scan_blocks(model: torch.nn.Module, *, unroll: int = 1) -> ScannedBlocks:
-    """Replace ``model.blocks`` (a ModuleList of identical blocks) by :class:`ScannedBlocks`.
+def scan_blocks(model: torch.nn.Module, *, unroll: int = 1,
+                stack: BlockStack = WAN_BLOCKS) -> ScannedBlocks:
+    """Replace ``model.<stack.attr>`` (a ModuleList of identical blocks) by
+    :class:`ScannedBlocks`.
 
     In place. The weights of ``blocks.{i}.<name>`` are stacked into
     ``blocks.stacked.<name>`` with shape (L, ...), block by block so that host memory grows by
@@ -151,13 +205,14 @@ def scan_blocks(model: torch.nn.Module, *, unroll: int = 1) -> ScannedBlocks:
     parameters without it as buffers, which sharding rules do not see).
 
     Args:
-        model: a ``WanTransformer3DModel`` (anything with a ``blocks`` ModuleList).
+        model: a ``WanTransformer3DModel`` (anything with a ``stack.attr`` ModuleList).
         unroll: ``jax.lax.scan`` unroll factor (1 = one block in the program).
+        stack: the family's :class:`BlockStack`.
 
     Returns:
-        the new ``model.blocks``.
+        the new block list.
     """
-    blocks = model.blocks
+    blocks = getattr(model, stack.attr)
     if isinstance(blocks, ScannedBlocks):
         return blocks
     template, num_layers = blocks[0], len(blocks)
@@ -177,13 +232,13 @@ def scan_blocks(model: torch.nn.Module, *, unroll: int = 1) -> ScannedBlocks:
             (b.get_submodule(owner) if owner else b)._parameters[leaf] = None
         mod = template.get_submodule(owner) if owner else template
         mod._parameters[leaf] = torch.nn.Parameter(data, requires_grad=requires_grad)
-    scanned = ScannedBlocks(template, num_layers, names, unroll=unroll)
-    model.blocks = scanned
+    scanned = ScannedBlocks(template, num_layers, names, unroll=unroll, stack=stack)
+    setattr(model, stack.attr, scanned)
     return scanned
 
 
 def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
-                           num_layers: int, **kwargs):
+                           num_layers: int, stack: BlockStack = WAN_BLOCKS, **kwargs):
     """Specs for a scanned model that equal the unrolled model's, layer axis prepended.
 
     Calls ``sharding_specs`` (``engine.sharding``'s, passed in to keep this module free of
@@ -199,6 +254,7 @@ def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
         rules: the UNSTACKED rule table (e.g. ``transformer_sharding_rules()``).
         mesh: the mesh.
         num_layers: L.
+        stack: the family's :class:`BlockStack` (names the block list).
         **kwargs: passed on (e.g. ``fsdp=True``).
 
     Returns:
@@ -207,21 +263,23 @@ def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
     """
     from jax.sharding import PartitionSpec as P
 
+    prefix = stack.prefix
     flat = {}
     for name, shape in names_shapes.items():
-        if name.startswith(STACKED_PREFIX):
-            leaf = name[len(STACKED_PREFIX):]
+        if name.startswith(prefix):
+            leaf = name[len(prefix):]
             for i in range(num_layers):
-                flat[f"blocks.{i}.{leaf}"] = tuple(shape[1:])
+                flat[stack.layer_name(i, leaf)] = tuple(shape[1:])
         else:
             flat[name] = tuple(shape)
     specs, counts, unmatched = sharding_specs(flat, rules, mesh, **kwargs)
     out = {}
     for name in names_shapes:
-        if name.startswith(STACKED_PREFIX):
-            out[name] = P(None, *specs["blocks.0." + name[len(STACKED_PREFIX):]])
+        if name.startswith(prefix):
+            out[name] = P(None, *specs[stack.layer_name(0, name[len(prefix):])])
         else:
             out[name] = specs[name]
-    unmatched_out = sorted({STACKED_PREFIX + n.split(".", 2)[2] if _BLOCK_NAME.match(n) else n
+    layer = re.compile(rf"^{re.escape(stack.attr)}\.(\d+)\.(.+)$")
+    unmatched_out = sorted({prefix + m.group(2) if (m := layer.match(n)) else n
                             for n in unmatched})
     return out, counts, unmatched_out

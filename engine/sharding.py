@@ -80,21 +80,23 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
 def module_sharding_specs(module, names_shapes: dict, rules, mesh, *, fsdp: bool = False):
     """``sharding_specs`` for a module's weights; for blocks stacked by ``--scan_layers`` the
     per-layer decisions are made on the unstacked view and get an unsharded layer axis."""
-    blocks = getattr(module, "blocks", None)
-    if isinstance(blocks, scan_layers.ScannedBlocks):
+    blocks = scan_layers.scanned_blocks(module)
+    if blocks is not None:
         return scan_layers.stacked_sharding_specs(sharding_specs, names_shapes, rules, mesh,
-                                                  num_layers=blocks.num_layers, fsdp=fsdp)
+                                                  num_layers=blocks.num_layers,
+                                                  stack=blocks.stack, fsdp=fsdp)
     return sharding_specs(names_shapes, rules, mesh, fsdp=fsdp)
 
 
-def undivided_weights(specs: dict, rules) -> list:
+def undivided_weights(specs: dict, rules, stack=scan_layers.WAN_BLOCKS) -> list:
     """Names a sharding rule matched but left replicated because the mesh does not divide
-    the rule's dimensions (``sharding_specs`` skips such a rule silently)."""
+    the rule's dimensions (``sharding_specs`` skips such a rule silently). ``stack`` names
+    the scanned block list, if any."""
     out = []
     for name, spec in specs.items():
         probe, axes = name, tuple(spec)
-        if name.startswith(scan_layers.STACKED_PREFIX):  # judge on layer 0's unstacked name
-            probe, axes = "blocks.0." + name[len(scan_layers.STACKED_PREFIX):], axes[1:]
+        if name.startswith(stack.prefix):  # judge on layer 0's unstacked name
+            probe, axes = stack.layer_name(0, name[len(stack.prefix):]), axes[1:]
         rule = next((tuple(r) for rx, r in rules if re.search(rx, probe)), None)
         if rule is not None and tuple(axes[:len(rule)]) != rule:
             out.append(name)
@@ -111,8 +113,8 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
     ``checkpoint`` the module's weights may be meta tensors: each device's slice is read from
     the safetensors files in that folder (``placement.place_from_safetensors``), so a host
     reads only what its own devices hold; stacked ``blocks.stacked.*`` weights
-    (``--scan_layers``) read their layers' ``blocks.{i}.*``. Buffers (RoPE tables) are
-    replicated from the module's tensors.
+    (``--scan_layers``; the block list is the family's) read their layers' ``blocks.{i}.*``.
+    Buffers (RoPE tables) are replicated from the module's tensors.
 
     Args:
         module: a torch module on CPU.
@@ -161,22 +163,30 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
     param_bytes = sum(int(math.prod(t.shape)) * t.element_size() for t in params.values())
     return dict(module=jm, params=placed, buffers=placed_buffers, specs=specs,
                 rule_counts=counts, unmatched=unmatched,
-                undivided=undivided_weights(specs, rules), param_bytes=param_bytes,
+                undivided=undivided_weights(specs, rules, _stack(module)),
+                param_bytes=param_bytes,
                 bytes=param_bytes + sum(t.numel() * t.element_size() for t in buffers.values()),
                 bytes_read=None if reader is None else reader.bytes_read,
                 seconds=time.perf_counter() - t0)
 
 
+def _stack(module):
+    blocks = scan_layers.scanned_blocks(module)
+    return scan_layers.WAN_BLOCKS if blocks is None else blocks.stack
+
+
 def _checkpoint_reader(module, folder: str, params: dict):
     """(``placement.SafetensorsReader`` of ``folder`` checked against ``params``' names,
     {each ``--scan_layers`` stacked weight: its layers' names in the files})."""
-    blocks = getattr(module, "blocks", None)
+    blocks = scan_layers.scanned_blocks(module)
     stacked = {}
-    if isinstance(blocks, scan_layers.ScannedBlocks):
+    if blocks is not None:
+        prefix = blocks.stack.prefix
         for name in params:
-            if name.startswith(scan_layers.STACKED_PREFIX):
-                leaf = name[len(scan_layers.STACKED_PREFIX):]
-                stacked[name] = [f"blocks.{i}.{leaf}" for i in range(blocks.num_layers)]
+            if name.startswith(prefix):
+                leaf = name[len(prefix):]
+                stacked[name] = [blocks.stack.layer_name(i, leaf)
+                                 for i in range(blocks.num_layers)]
     try:
         reader = placement.SafetensorsReader(folder)
     except FileNotFoundError as e:
@@ -193,15 +203,17 @@ def _checkpoint_reader(module, folder: str, params: dict):
 
 
 def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
-                      scan: bool, sp: int, fallbacks=None) -> dict:
+                      scan: bool, sp: int, fallbacks=None,
+                      stack=scan_layers.WAN_BLOCKS) -> dict:
     """Stream a transformer's weights from ``checkpoint`` into their shards on ``mesh`` by
     ``rules`` (plus FSDP with ``fsdp``); see ``place_module``. With ``scan`` its blocks become
     one ``jax.lax.scan`` first (``scan_layers.scan_blocks``); with ``sp`` > 1 the residual
     stream is sharded over "sp" between blocks. Logs what each rule matched and, at debug
     level, every weight no rule names; weights a rule matched but the mesh cannot divide are
-    reported to ``fallbacks``. Returns as ``place_module``."""
+    reported to ``fallbacks``. ``stack`` is the family's ``scan_layers.BlockStack``.
+    Returns as ``place_module``."""
     if scan:
-        scan_layers.scan_blocks(transformer)  # before the sp hooks, which it keeps
+        scan_layers.scan_blocks(transformer, stack=stack)  # before the sp hooks, which it keeps
     placed = place_module(transformer, mesh, rules, fsdp=fsdp, desc="transformer",
                           checkpoint=checkpoint)
     for rx, n in placed["rule_counts"].items():
@@ -214,25 +226,26 @@ def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
                   f"but mesh {dict(mesh.shape)} does not divide their dims "
                   f"({', '.join(undivided[:3])}{', ...' if len(undivided) > 3 else ''})")
     if sp > 1:
-        add_sequence_parallel_hooks(transformer, mesh)
+        add_sequence_parallel_hooks(transformer, mesh, stack=stack)
     return placed
 
 
-def add_sequence_parallel_hooks(transformer, mesh, *, self_attention: str = "attn1") -> list:
+def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.WAN_BLOCKS) -> list:
     """Shard the residual stream's token axis over "sp" at every block boundary.
 
-    Each block (``transformer.blocks``; with ``--scan_layers`` the scanned blocks, whose
+    Each block (``transformer.<stack.attr>``; with ``--scan_layers`` the scanned blocks, whose
     pre-hooks run before every layer) gets a forward pre-hook that constrains its hidden
-    states (batch, tokens, dim) to P("dp", "sp", None). Norms, modulation and the FFN then
+    states (batch, tokens, dim) to P("dp", "sp", None); a second stream (HunyuanVideo-1.5's
+    text tokens) is left as it is. Norms, modulation and the FFN then
     run on 1/sp of the tokens; attention re-shards as its backend needs (the Splash wrapper
     shards heads over ("tp", "sp"), an all-to-all). The torch model code is untouched.
 
     Any token count works: when "sp" does not divide it, the first hook zero-pads the token
-    axis (hidden states and every per-token input, such as the RoPE tables) to the next
-    multiple, and ``custom_splash_attention.pad_self_attention_keys`` makes the
-    self-attention (modules named ``self_attention``) mask the padded keys exactly; a
-    forward hook after the last block slices the padding off. Padded rows are never read by
-    a real token.
+    axis (hidden states and every per-token input ``stack.token_axes`` names, such as the
+    RoPE tables) to the next multiple, and ``custom_splash_attention.pad_self_attention_keys``
+    makes the self-attention (modules named ``stack.self_attention``) mask the padded keys
+    exactly; a forward hook after the last block slices the padding off. Padded rows are
+    never read by a real token.
 
     Returns:
         the hook handles.
@@ -248,35 +261,45 @@ def add_sequence_parallel_hooks(transformer, mesh, *, self_attention: str = "att
     sharding = NamedSharding(mesh, P("dp", "sp", None))
     sp, padding = mesh.shape["sp"], {}
 
-    def pad(x, n: int, extra: int):
-        # (batch, tokens, ...) -> (batch, tokens + extra, ...), zeros appended.
+    def pad(x, axis, n: int, extra: int):
+        # tokens on `axis`: n -> n + extra, zeros appended.
         if isinstance(x, (tuple, list)):
-            return type(x)(pad(t, n, extra) for t in x)
-        if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[1] != n:
+            return type(x)(pad(t, axis, n, extra) for t in x)
+        if axis is None or not isinstance(x, torch.Tensor) or x.shape[axis] != n:
             return x
-        return torch.cat([x, x.new_zeros((x.shape[0], extra, *x.shape[2:]))], dim=1)
+        zeros = x.new_zeros((*x.shape[:axis], extra, *x.shape[axis + 1:]))
+        return torch.cat([x, zeros], dim=axis)
 
     def constrain(module, args):
-        hidden, encoder, *rest = args
+        hidden, *rest = args
         n, extra = hidden.shape[1], -hidden.shape[1] % sp
         if extra:  # first block only: afterwards the count is a multiple of sp
-            padding.update(valid=n, token=csa.pad_self_attention_keys(n + extra, n))
-            hidden, rest = pad(hidden, n, extra), pad(rest, n, extra)
+            padding.update(valid=n, padded=n + extra,
+                           token=csa.pad_self_attention_keys(n + extra, n))
+            hidden = pad(hidden, 1, n, extra)
+        if padding:
+            # Every block: unrolled, each block gets forward's unpadded per-token inputs.
+            valid, padded = padding["valid"], padding["padded"]
+            rest = [pad(x, axis, valid, padded - valid)
+                    for x, axis in zip(rest, stack.token_axes[1:], strict=True)]
         hidden = interop.call_jax(jax.lax.with_sharding_constraint, hidden, sharding)
-        return (hidden, encoder, *rest)
+        return (hidden, *rest)
 
     def unpad(module, args, output):
         if not padding:
             return output
         csa.unpad_self_attention_keys(padding.pop("token"))
         valid = padding.pop("valid")
+        padding.clear()
         # Sliced in JAX: a torchax slice is a lazy view that diffusers' later type_as rejects.
-        return interop.call_jax(lambda x: x[:, :valid], output)
+        hidden = interop.call_jax(lambda x: x[:, :valid], output[0] if stack.carry > 1
+                                  else output)
+        return (hidden, *output[1:]) if stack.carry > 1 else hidden
 
-    blocks = list(transformer.blocks)
+    blocks = list(getattr(transformer, stack.attr))
     hooks = [block.register_forward_pre_hook(constrain) for block in blocks]
     hooks.append(blocks[-1].register_forward_hook(unpad))
     for name, module in transformer.named_modules():
-        if name.rsplit(".", 1)[-1] == self_attention:
+        if name.rsplit(".", 1)[-1] == stack.self_attention and stack.attr in name:
             hooks += csa.mark_self_attention(module)
     return hooks

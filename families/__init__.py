@@ -61,6 +61,16 @@ class ModelFamily:
         is_vae_decode_weight(name) -> whether the decode reads this VAE weight.
         vae_decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
             ``engine.vae_decode.ChunkedDecoder``.
+    Engine details:
+        block_stack: ``engine.scan_layers.BlockStack``: the transformer's block list, what a
+            block carries, where the video tokens are (scan, sequence parallelism).
+        checkpoint_defaults(model_id) -> {flag: value} the checkpoint's own configs set
+            (e.g. its guider's guidance_scale, its scheduler's shift as "flow_shift"); they
+            win over ``defaults``. May raise ``UsageError``.
+        check_flags(values) -> (flag, rule) a resolved flag value breaks, or None.
+        scheduler_sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for
+            the scheduler's own spacing.
+        timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
     """
 
     name: str
@@ -91,12 +101,39 @@ class ModelFamily:
     sharding_rules: Callable
     is_vae_decode_weight: Callable
     vae_decoder: Callable
+    block_stack: Any
+    checkpoint_defaults: Callable
+    check_flags: Callable
+    scheduler_sigmas: Callable
+    timestep_dtype: str
+
+
+def empty_model(cls, cfg: dict, dtype):
+    """A diffusers model of class ``cls`` and config ``cfg`` with meta parameters (no RAM
+    for weights), in ``dtype`` except the parameters ``from_pretrained`` keeps in float32.
+    Buffers (RoPE tables) are real. The weights come later, streamed from the checkpoint
+    into their shards."""
+    import torch
+    from accelerate import init_empty_weights
+
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    with init_empty_weights():
+        model = cls.from_config(cfg).eval()
+    # torch's Module.to, not diffusers' override, which warns about the fp32-kept modules.
+    torch.nn.Module.to(model, dtype)
+    # from_pretrained keeps a parameter in float32 when any part of its dotted name is listed
+    # (module names such as "norm1", and parameters such as "scale_shift_table").
+    keep = set(model._keep_in_fp32_modules or [])
+    for name, param in model.named_parameters():
+        if keep.intersection(name.split(".")):
+            param.data = param.data.float()
+    return model
 
 
 def _registry() -> dict[str, ModelFamily]:
-    from families import wan
+    from families import hunyuan, wan
 
-    return {"wan2.1": wan.FAMILY}
+    return {"wan2.1": wan.FAMILY, "hunyuanvideo1.5": hunyuan.FAMILY}
 
 
 FAMILIES = _registry()

@@ -8,7 +8,8 @@ Sources: the Wan 2.1 model card and ``generate.py`` (720p samples with flow_shif
 from __future__ import annotations
 
 from engine.errors import GenerationError
-from families import ModelFamily
+from engine.scan_layers import WAN_BLOCKS
+from families import ModelFamily, empty_model
 
 # Wan 2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
 VAE_TEMPORAL_SCALE = 4
@@ -84,25 +85,11 @@ def self_attention_flops(cfg: dict, config) -> float:
 
 
 def empty_transformer(cfg: dict, dtype):
-    """``WanTransformer3DModel`` of config ``cfg`` with meta parameters (no RAM for weights),
-    in ``dtype`` except the modules ``from_pretrained`` keeps in float32. Buffers (RoPE tables)
-    are real. The weights come later, streamed from the checkpoint into their shards."""
-    import torch
-    from accelerate import init_empty_weights
+    """``WanTransformer3DModel`` of config ``cfg`` with meta parameters in ``dtype`` (see
+    ``families.empty_model``)."""
     from diffusers import WanTransformer3DModel
 
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    with init_empty_weights():
-        transformer = WanTransformer3DModel.from_config(cfg).eval()
-    # torch's Module.to, not diffusers' override, which warns about the fp32-kept modules.
-    torch.nn.Module.to(transformer, dtype)
-    # from_pretrained keeps a parameter in float32 when any part of its dotted name is listed
-    # (module names such as "norm1", and parameters such as "scale_shift_table").
-    keep = set(transformer._keep_in_fp32_modules or [])
-    for name, param in transformer.named_parameters():
-        if keep.intersection(name.split(".")):
-            param.data = param.data.float()
-    return transformer
+    return empty_model(WanTransformer3DModel, cfg, dtype)
 
 
 def empty_vae(folder: str):
@@ -423,4 +410,9 @@ FAMILY = ModelFamily(
     sharding_rules=sharding_rules,
     is_vae_decode_weight=is_vae_decode_weight,
     vae_decoder=vae_decoder,
+    block_stack=WAN_BLOCKS,
+    checkpoint_defaults=lambda model_id: {},  # flow_shift is by resolution (model card)
+    check_flags=lambda values: None,
+    scheduler_sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
+    timestep_dtype="int32",
 )

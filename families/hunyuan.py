@@ -1,0 +1,540 @@
+"""HunyuanVideo-1.5 text-to-video (diffusers ``HunyuanVideo15Pipeline``): the family module.
+
+Sources: diffusers 0.42.1's ``HunyuanVideo15Pipeline``, ``HunyuanVideo15Transformer3DModel``
+and ``AutoencoderKLHunyuanVideo15``, which run unmodified, and diffusers'
+``scripts/convert_hunyuan_video1_5_to_diffusers.py``, which wrote the public checkpoints
+(720p T2V: flow shift 9.0, CFG 6.0; 480p T2V: 5.0 and 6.0). 121 frames are the model
+card's 5 s at 24 fps.
+
+What differs from diffusers, and why (none of it changes a real token's output):
+
+* **Static T2V, fixed token order.** diffusers' ``forward`` tests ``torch.all(image_embeds ==
+  0)`` with a Python ``if`` and reorders each sample's text tokens by boolean indexing
+  (valid first). Neither traces under ``jax.jit``. Text-to-video is a static fact here, and
+  the text tokens keep a fixed order, [ByT5 (256), Qwen (1000)], with their masks. Attention
+  does not depend on the order of keys, and text tokens carry no RoPE. The 729 image
+  tokens, all of them padding in T2V, are left out: no real token may attend them.
+* **Exact key masking without a dense mask.** diffusers builds a (B, 1, S, S) boolean mask in
+  every block (about 12.9 GB per sample at 720p x 121) and in the token refiner. Here the
+  joint attention and the refiner pass a (B, 1, 1, S) key-padding mask, which our SDPA
+  override turns into segment ids (real = 1, padding = 0) for the Splash kernels. Padded
+  queries attend only padding, so they stay finite; no output reads them. (diffusers'
+  padded rows come out zero; torchax's stock SDPA gives NaN there.)
+* **CFG in one batch-2 call.** diffusers' guider makes two batch-1 transformer calls; here
+  [cond, uncond] run as one call with the batch over "dp", combined with the checkpoint's
+  guidance formula.
+* **Latents stay float32 between steps** (diffusers keeps them in the transformer dtype,
+  bf16); the model input and the timestep are cast to the transformer dtype as diffusers
+  casts them, and the initial noise is drawn in that dtype as diffusers draws it.
+"""
+
+from __future__ import annotations
+
+from engine.errors import GenerationError, UsageError
+from engine.scan_layers import BlockStack
+from families import ModelFamily, empty_model
+
+VAE_TEMPORAL_SCALE = 4
+VAE_SPATIAL_SCALE = 16
+# The pipeline hard-codes its text lengths in __init__, not in any config.
+QWEN_TOKENS = 1000
+BYT5_TOKENS = 256
+
+DEFAULTS = dict(
+    prompt="A cat walks on the grass, realistic style.",
+    negative_prompt="",  # HunyuanVideo15Pipeline encodes "" when no negative prompt is given
+    height=720,
+    width=1280,
+    frames=121,
+    fps=24,
+    num_inference_steps=50,
+    guidance_scale=6.0,
+    max_sequence_length=QWEN_TOKENS,
+)
+
+DOWNLOAD_HINT = ("hf download hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v "
+                 "--local-dir PATH")
+
+BLOCKS = BlockStack(attr="transformer_blocks", carry=2,
+                    # hidden, encoder, temb, text mask, RoPE (cos, sin) each (N, head_dim)
+                    token_axes=(1, None, None, None, 0), self_attention="attn")
+
+
+def checkpoint_defaults(model_id: str) -> dict:
+    """Flag defaults the checkpoint sets: its guider's CFG scale and its scheduler's shift.
+
+    Raises:
+        UsageError: the guider uses an option this port does not implement.
+    """
+    from engine.checkpoint import read_component_config
+
+    out = {}
+    guider = read_component_config(model_id, "guider", filename="guider_config.json") or {}
+    unsupported = {k: guider[k] for k, default in (
+        ("guidance_rescale", 0.0), ("use_original_formulation", False), ("start", 0.0),
+        ("stop", 1.0), ("enabled", True)) if k in guider and guider[k] != default}
+    if unsupported:
+        raise UsageError(f"--model_id={model_id!r}: guider options {unsupported} are not "
+                         "supported (plain CFG only)")
+    if "guidance_scale" in guider:
+        out["guidance_scale"] = float(guider["guidance_scale"])
+    scheduler = read_component_config(model_id, "scheduler",
+                                      filename="scheduler_config.json") or {}
+    if "shift" in scheduler:
+        out["flow_shift"] = float(scheduler["shift"])
+    return out
+
+
+def check_flags(values: dict) -> tuple[str, str] | None:
+    """(flag, rule) a value breaks, or None."""
+    if values["max_sequence_length"] != QWEN_TOKENS:
+        return ("--max_sequence_length", f"is fixed at {QWEN_TOKENS} for HunyuanVideo-1.5 "
+                "(HunyuanVideo15Pipeline hard-codes its text length)")
+    return None
+
+
+def default_flow_shift(height: int, width: int) -> float:
+    """The public checkpoints' shifts: 9.0 for 720p T2V, 5.0 for 480p (read from the
+    checkpoint's scheduler whenever it has one)."""
+    return 9.0 if min(height, width) >= 720 else 5.0
+
+
+def scheduler_sigmas(num_inference_steps: int) -> list:
+    """``HunyuanVideo15Pipeline``'s sigmas: linspace(1, 0, n + 1)[:-1] (the scheduler's shift
+    is applied to them in ``set_timesteps``)."""
+    import numpy as np
+
+    return list(np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1])
+
+
+def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
+    return (1, vae_cfg.get("latent_channels", 32), (frames - 1) // VAE_TEMPORAL_SCALE + 1,
+            height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE)
+
+
+def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
+    p, pt = cfg.get("patch_size", 1), cfg.get("patch_size_t", 1)
+    f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
+    return (f // pt) * (height // VAE_SPATIAL_SCALE // p) * (width // VAE_SPATIAL_SCALE // p)
+
+
+def num_heads(cfg: dict) -> int:
+    return cfg["num_attention_heads"]
+
+
+def text_tokens() -> int:
+    """Text tokens in the joint sequence: ByT5 then Qwen (the image tokens are left out)."""
+    return BYT5_TOKENS + QWEN_TOKENS
+
+
+def transformer_flops(cfg: dict, config) -> float:
+    """Analytic FLOPs of one step's model call(s), 2 per multiply-add (nanoGPT's MFU count).
+
+    Per dual-stream block, with L = S video + T text tokens in one joint sequence,
+    D = heads*head_dim and r = mlp_ratio (each stream has its own weights, same sizes):
+        q, k, v, o projections: 8*L*D^2;  scores and P.V: 4*L^2*D;  MLP: 4*r*L*D^2.
+    The 2-block token refiner on 1000 text tokens and the embedders are < 0.1% at 720p and
+    are left out.
+    """
+    s = token_count(cfg, config.height, config.width, config.frames)
+    seq = s + text_tokens()
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    per_block = 8 * seq * d * d + 4 * seq * seq * d + 4 * cfg["mlp_ratio"] * seq * d * d
+    return float(per_block * cfg["num_layers"] * config.batch)
+
+
+def self_attention_flops(cfg: dict, config) -> float:
+    """The 4*L^2*D joint-attention term of ``transformer_flops``, all blocks and passes."""
+    seq = token_count(cfg, config.height, config.width, config.frames) + text_tokens()
+    return float(4 * seq * seq * cfg["attention_head_dim"] * cfg["num_attention_heads"]
+                 * cfg["num_layers"] * config.batch)
+
+
+def empty_transformer(cfg: dict, dtype):
+    """``HunyuanVideo15Transformer3DModel`` of config ``cfg`` with meta parameters in
+    ``dtype`` (see ``families.empty_model``), with ``install_attention_processors`` applied.
+
+    Raises:
+        UsageError: the checkpoint is an image-to-video or MeanFlow (distilled SR) model.
+    """
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    if cfg.get("task_type", "t2v") != "t2v" or cfg.get("use_meanflow"):
+        raise UsageError(f"transformer task_type={cfg.get('task_type')!r}, use_meanflow="
+                         f"{cfg.get('use_meanflow')!r}: only text-to-video (t2v) is supported")
+    transformer = empty_model(HunyuanVideo15Transformer3DModel, cfg, dtype)
+    install_attention_processors(transformer)
+    return transformer
+
+
+def empty_vae(folder: str):
+    """``AutoencoderKLHunyuanVideo15`` of ``folder``'s config with meta weights (dry run)."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    with init_empty_weights():
+        return AutoencoderKLHunyuanVideo15.from_config(
+            AutoencoderKLHunyuanVideo15.load_config(folder, subfolder="vae")).eval()
+
+
+TEXT_COMPONENTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+
+
+def load_pipeline(config, components):
+    """Load diffusers' ``HunyuanVideo15Pipeline`` on CPU from safetensors only, with only
+    ``components`` (of "text_encoder" (both encoders and tokenizers), "transformer", "vae");
+    the others are None.
+
+    The transformer comes with meta weights (``empty_transformer``), streamed later into
+    its device shards. Text encoders use ``config.dtype``; the VAE stays float32.
+
+    Raises:
+        GenerationError: the weights could not be found or read.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+
+    from engine.errors import first_line
+
+    dtype = getattr(torch, config.dtype)
+    skip = {"transformer": None} if "transformer" not in components else {}
+    if "vae" not in components:
+        # The pipeline's __init__ reads vae.config (it cannot be None): meta weights, no RAM.
+        skip["vae"] = empty_vae(config.model_id)
+    if "text_encoder" not in components:
+        skip.update({name: None for name in TEXT_COMPONENTS})
+    try:
+        if "transformer" in components:
+            skip["transformer"] = empty_transformer(dict(
+                HunyuanVideo15Transformer3DModel.load_config(config.model_id,
+                                                             subfolder="transformer")), dtype)
+        if "vae" in components:
+            skip["vae"] = AutoencoderKLHunyuanVideo15.from_pretrained(
+                config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
+        pipe = HunyuanVideo15Pipeline.from_pretrained(config.model_id, dtype=dtype,
+                                                      use_safetensors=True, **skip)
+    except (OSError, ValueError) as e:
+        raise GenerationError(
+            f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
+            from None
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        pipe.scheduler.config, shift=config.flow_shift)
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+        if m is not None:
+            m.eval()
+    return pipe
+
+
+EMBEDDING_NAMES = tuple(f"{side}{name}" for side in ("", "negative_") for name in (
+    "prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2"))
+
+
+def encode_prompts(pipe, config) -> dict:
+    """Encode prompt and negative prompt with Qwen2.5-VL and ByT5 on CPU (diffusers'
+    ``encode_prompt``), then free both encoders.
+
+    Returns:
+        {"prompt_embeds": (1, 1000, text_embed_dim), "prompt_embeds_mask": (1, 1000),
+        "prompt_embeds_2": (1, 256, text_embed_2_dim), "prompt_embeds_mask_2": (1, 256)},
+        and the same with a "negative_" prefix unless CFG is off (``--stage encode`` always
+        writes both). Embeddings and masks in the transformer dtype, as diffusers casts them;
+        the ByT5 pair is zeros when the prompt has no quoted text.
+    """
+    import torch
+
+    dtype = getattr(torch, config.dtype)
+    out = {}
+    sides = [("", config.prompt)]
+    if config.use_cfg or config.stage == "encode":
+        sides.append(("negative_", config.negative_prompt or ""))
+    with torch.no_grad():
+        for side, prompt in sides:
+            tensors = pipe.encode_prompt(prompt=prompt, device=torch.device("cpu"),
+                                         dtype=dtype)
+            for name, t in zip(EMBEDDING_NAMES[:4], tensors, strict=True):
+                out[side + name] = t
+    # Qwen2.5-VL-7B is ~15 GB in bf16; nothing needs the encoders after this.
+    pipe.text_encoder = pipe.text_encoder_2 = None
+    return out
+
+
+def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | None:
+    want = {"prompt_embeds": (1, QWEN_TOKENS), "prompt_embeds_mask": (1, QWEN_TOKENS),
+            "prompt_embeds_2": (1, BYT5_TOKENS), "prompt_embeds_mask_2": (1, BYT5_TOKENS)}
+    for side in ("", "negative_"):
+        for name, lead in want.items():
+            got = tuple(embeds[side + name].shape)
+            if got[:2] != lead or len(got) != (2 if "mask" in name else 3):
+                return f"{side + name}: expected shape {lead} + (dim,) or {lead}, got {got}"
+    if cfg:
+        for name, key in (("prompt_embeds", "text_embed_dim"),
+                          ("prompt_embeds_2", "text_embed_2_dim")):
+            if embeds[name].shape[2] != cfg[key]:
+                return (f"{name} has width {embeds[name].shape[2]}, the transformer of "
+                        f"--model_id={settings.get('model_id')!r} expects {cfg[key]}")
+    return None
+
+
+def prepare_latents(pipe, config):
+    """Initial noise as ``HunyuanVideo15Pipeline.prepare_latents`` draws it: a CPU
+    ``torch.Generator`` seeded with ``config.seed``, in the transformer dtype. Returns a
+    float32 CPU tensor (1, 32, (frames-1)/4+1, height/16, width/16)."""
+    import torch
+
+    generator = torch.Generator("cpu").manual_seed(config.seed)
+    return pipe.prepare_latents(1, pipe.num_channels_latents, config.height, config.width,
+                                config.frames, getattr(torch, config.dtype),
+                                torch.device("cpu"), generator).float()
+
+
+def model_inputs(embeds: dict, config) -> dict:
+    """The text inputs of the model call, batch [cond, uncond] with CFG:
+    encoder_hidden_states (B, 1000, 3584) and encoder_hidden_states_2 (B, 256, 1472) in the
+    model dtype, their masks (B, 1000) and (B, 256) bool."""
+    import torch
+
+    dtype = getattr(torch, config.dtype)
+    sides = ("", "negative_") if config.use_cfg else ("",)
+
+    def batch(name):
+        return torch.cat([embeds[side + name] for side in sides])
+
+    return {"encoder_hidden_states": batch("prompt_embeds").to(dtype),
+            "encoder_attention_mask": batch("prompt_embeds_mask").bool(),
+            "encoder_hidden_states_2": batch("prompt_embeds_2").to(dtype),
+            "encoder_attention_mask_2": batch("prompt_embeds_mask_2").bool()}
+
+
+def abstract_model_inputs(cfg: dict, config) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    b, dtype = config.batch, getattr(jnp, config.dtype)
+    return {
+        "encoder_hidden_states": jax.ShapeDtypeStruct((b, QWEN_TOKENS, cfg["text_embed_dim"]),
+                                                      dtype),
+        "encoder_attention_mask": jax.ShapeDtypeStruct((b, QWEN_TOKENS), jnp.bool_),
+        "encoder_hidden_states_2": jax.ShapeDtypeStruct(
+            (b, BYT5_TOKENS, cfg["text_embed_2_dim"]), dtype),
+        "encoder_attention_mask_2": jax.ShapeDtypeStruct((b, BYT5_TOKENS), jnp.bool_),
+    }
+
+
+class KeyPaddingAttnProcessor:
+    """``HunyuanVideo15AttnProcessor2_0`` with the text padding passed to SDPA as a
+    (B, 1, 1, S) key-padding mask instead of a dense (B, 1, S, S) one.
+
+    The projections, QK norms, RoPE on the video stream, joint [video, text] sequence and
+    output projections are diffusers' own modules, called in diffusers' order. The SDPA
+    override (``custom_splash_attention``) turns the mask into segment ids.
+    """
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        import torch
+        import torch.nn.functional as F
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def heads(x):  # (B, N, H*D) -> (B, N, H, D)
+            return x.unflatten(2, (attn.heads, -1))
+
+        query = attn.norm_q(heads(attn.to_q(hidden_states)))
+        key = attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        n_text = encoder_hidden_states.shape[1]
+        text_q = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
+        text_k = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
+        text_v = heads(attn.add_v_proj(encoder_hidden_states))
+        # (B, N + T, H, D) -> (B, H, N + T, D), the layout SDPA takes.
+        query, key, value = (torch.cat(pair, dim=1).transpose(1, 2) for pair in (
+            (query, text_q), (key, text_k), (value, text_v)))
+        # Video tokens are always real: the mask is [ones(N), text mask], (B, 1, 1, N + T).
+        real = F.pad(attention_mask.bool(), (query.shape[2] - n_text, 0), value=True)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=real[:, None, None, :])
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)  # (B, N + T, H*D)
+        video, text = out[:, :-n_text], out[:, -n_text:]
+        return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text)
+
+
+def install_attention_processors(transformer) -> None:
+    """Give every dual-stream block's attention a ``KeyPaddingAttnProcessor`` (at run time;
+    diffusers' files are untouched). The token refiner keeps diffusers' own processor: it
+    is called with a key-padding mask (``forward_t2v``)."""
+    for block in transformer.transformer_blocks:
+        block.attn.set_processor(KeyPaddingAttnProcessor())
+
+
+def refine_text(refiner, text, timestep, mask):
+    """``HunyuanVideo15TokenRefiner.forward`` with a (B, 1, 1, T) key-padding mask instead of
+    its dense (B, 1, T, T) one.
+
+    text (B, T, text_dim), timestep (B,), mask (B, T) bool -> (B, T, D)."""
+    weights = mask.float().unsqueeze(-1)  # mask-weighted mean, as diffusers pools
+    pooled = ((text * weights).sum(dim=1) / weights.sum(dim=1)).to(text.dtype)
+    temb = refiner.time_text_embed(timestep, pooled)
+    hidden = refiner.proj_in(text)
+    key_mask = mask[:, None, None, :]
+    for block in refiner.token_refiner.refiner_blocks:
+        hidden = block(hidden, temb, key_mask)
+    return hidden
+
+
+def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                encoder_hidden_states_2, encoder_attention_mask_2):
+    """``HunyuanVideo15Transformer3DModel.forward`` for text-to-video, traceable by ``jit``.
+
+    Same modules and math as diffusers' forward; what differs is listed in the module
+    docstring (static T2V, fixed token order [ByT5, Qwen] with masks, image tokens left
+    out, key-padding masks).
+
+    Args:
+        hidden_states: (B, 65, F, h, w) noisy latents + condition latents + mask.
+        timestep: (B,) in the model dtype.
+        encoder_hidden_states: (B, 1000, 3584) Qwen; encoder_attention_mask (B, 1000) bool.
+        encoder_hidden_states_2: (B, 256, 1472) ByT5; encoder_attention_mask_2 (B, 256) bool.
+
+    Returns:
+        (B, 32, F, h, w) noise prediction in the model dtype.
+    """
+    import torch
+
+    b, _, f, h, w = hidden_states.shape
+    cfg = model.config
+    pt, p = cfg.patch_size_t, cfg.patch_size
+    rotary = model.rope(hidden_states)
+    temb = model.time_embed(timestep)
+    video = model.x_embedder(hidden_states)  # (B, N, D)
+
+    def typed(x, kind):  # + cond_type_embed: 0 = Qwen text, 1 = ByT5
+        return x + model.cond_type_embed(torch.full_like(x[:, :, 0], kind, dtype=torch.long))
+
+    qwen = typed(refine_text(model.context_embedder, encoder_hidden_states, timestep,
+                             encoder_attention_mask), 0)
+    byt5 = typed(model.context_embedder_2(encoder_hidden_states_2), 1)
+    mask = torch.cat([encoder_attention_mask_2, encoder_attention_mask], dim=1)  # (B, T)
+    # diffusers zeroes padded text tokens; they only ever meet other padding here.
+    text = torch.cat([byt5, qwen], dim=1) * mask.unsqueeze(-1).to(byt5.dtype)
+    for block in model.transformer_blocks:
+        video, text = block(video, text, temb, mask, rotary)
+    out = model.proj_out(model.norm_out(video, temb))
+    # (B, N, C*pt*p*p) -> (B, C, F*pt, h*p, w*p), as diffusers unpatchifies.
+    out = out.reshape(b, f // pt, h // p, w // p, -1, pt, p, p)
+    out = out.permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def step_fn(jm, config):
+    """The torch function of one denoising step's model call, to be viewed as JAX and jitted.
+
+    latents (1, 32, F, h, w) float32 -> noise prediction (1, 32, F, h, w) in the model dtype.
+    The input is [latents, zero condition latents, zero mask] (T2V), cast to the model dtype
+    with the timestep, as diffusers casts both. With CFG, cond and uncond run as one batch-2
+    call, combined as ``ClassifierFreeGuidance``: uncond + scale * (cond - uncond).
+    """
+    import torch
+
+    dtype, cfg, scale = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
+
+    def step(params, buffers, latents, timestep, inputs):
+        x = latents.to(dtype)
+        mask = x.new_zeros((x.shape[0], 1, *x.shape[2:]))
+        x = torch.cat([x, torch.zeros_like(x), mask], dim=1)  # (1, 65, F, h, w)
+        if cfg:
+            x = torch.cat([x, x])  # [cond, uncond]
+        t = timestep.expand(x.shape[0]).to(dtype)
+        out = jm.functional_call(forward_t2v, params, buffers, x, t, **inputs)
+        if not cfg:
+            return out
+        cond, uncond = out.chunk(2)
+        return uncond + scale * (cond - uncond)
+
+    return step
+
+
+# Megatron tensor parallelism for the dual-stream blocks (torch Linear weights are (out, in)):
+# each stream's q/k/v and MLP-up are column-parallel, its attention-out and MLP-down
+# row-parallel, so attention and MLP each need one all-reduce per stream. The per-head RMS
+# norms act on head_dim (replicated). Modulation, embedders, refiner and proj_out are small
+# and replicated. First match wins.
+COLUMN_PARALLEL_RULES = (
+    (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
+     r"\.weight$", ("tp", None)),
+    (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
+     r"\.bias$", ("tp",)),
+    (r"transformer_blocks\.\d+\.ff(_context)?\.net\.0\.proj\.weight$", ("tp", None)),
+    (r"transformer_blocks\.\d+\.ff(_context)?\.net\.0\.proj\.bias$", ("tp",)),
+)
+ROW_PARALLEL_RULES = (
+    (r"transformer_blocks\.\d+\.attn\.(to_out\.0|to_add_out)\.weight$", (None, "tp")),
+    (r"transformer_blocks\.\d+\.ff(_context)?\.net\.2\.weight$", (None, "tp")),
+)
+
+
+def sharding_rules(config) -> tuple:
+    """The regex table for the transformer's state dict; ``--replicate_row_parallel`` drops
+    the row-parallel rules (see ``families.wan.transformer_sharding_rules``)."""
+    if config.replicate_row_parallel:
+        return COLUMN_PARALLEL_RULES
+    return COLUMN_PARALLEL_RULES + ROW_PARALLEL_RULES
+
+
+def is_vae_decode_weight(name: str) -> bool:
+    from families import hunyuan_vae
+
+    return hunyuan_vae.is_vae_decode_weight(name)
+
+
+def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
+                fallbacks=None):
+    """The HunyuanVideo-1.5 VAE decode (``families.hunyuan_vae``)."""
+    from families import hunyuan_vae
+
+    return hunyuan_vae.vae_decoder(placed, vae, mesh, tiling=tiling, abstract=abstract,
+                                   fallbacks=fallbacks)
+
+
+FAMILY = ModelFamily(
+    name="HunyuanVideo-1.5",
+    pipeline_classes=("HunyuanVideo15Pipeline",),
+    defaults=DEFAULTS,
+    shipped_configs=("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
+                     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"),
+    download_hint=DOWNLOAD_HINT,
+    required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
+    components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
+                "denoise": ("transformer",), "decode": ("vae",)},
+    frame_step=VAE_TEMPORAL_SCALE,
+    pixel_multiple=VAE_SPATIAL_SCALE,
+    default_flow_shift=default_flow_shift,
+    latent_shape=latent_shape,
+    token_count=token_count,
+    num_heads=num_heads,
+    transformer_flops=transformer_flops,
+    self_attention_flops=self_attention_flops,
+    load_pipeline=load_pipeline,
+    empty_transformer=empty_transformer,
+    empty_vae=empty_vae,
+    encode_prompts=encode_prompts,
+    embedding_names=EMBEDDING_NAMES,
+    check_embeddings=check_embeddings,
+    prepare_latents=prepare_latents,
+    model_inputs=model_inputs,
+    abstract_model_inputs=abstract_model_inputs,
+    step_fn=step_fn,
+    sharding_rules=sharding_rules,
+    is_vae_decode_weight=is_vae_decode_weight,
+    vae_decoder=vae_decoder,
+    block_stack=BLOCKS,
+    checkpoint_defaults=checkpoint_defaults,
+    check_flags=check_flags,
+    scheduler_sigmas=scheduler_sigmas,
+    timestep_dtype="float32",
+)
