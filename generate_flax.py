@@ -93,8 +93,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="generate_flax.py", formatter_class=_HelpFormatter,
-        description="Text-to-video (Wan 2.1) on JAX/TPU through torchax. Flags marked "
-                    "'family default' take the detected model family's value when omitted.")
+        description="Text-to-video (Wan 2.1, HunyuanVideo-1.5) on JAX/TPU through torchax. "
+                    "Flags marked 'family default' take the detected model family's value "
+                    "(or its checkpoint's) when omitted.")
     _add_generation_flags(p.add_argument_group("generation"))
     _add_run_flags(p.add_argument_group("run and benchmark"))
     _add_parallel_flags(p.add_argument_group("parallelism and kernel"))
@@ -114,18 +115,20 @@ def _add_generation_flags(g) -> None:
                         "model_index.json picks the model family")
     g.add_argument("--prompt", default=None, help=f"text prompt ({fam})")
     g.add_argument("--negative_prompt", default=None, help=f"negative prompt for CFG ({fam})")
-    g.add_argument("--height", type=int, default=None, help=f"pixels ({fam}: Wan 720)")
-    g.add_argument("--width", type=int, default=None, help=f"pixels ({fam}: Wan 1280)")
+    g.add_argument("--height", type=int, default=None, help=f"pixels ({fam}: 720)")
+    g.add_argument("--width", type=int, default=None, help=f"pixels ({fam}: 1280)")
     g.add_argument("--frames", type=int, default=None,
-                   help=f"video frames, of the form 4n+1 ({fam}: Wan 81)")
+                   help=f"video frames, of the form 4n+1 ({fam}: Wan 81, HunyuanVideo 121)")
     g.add_argument("--fps", type=int, default=None, help=f"frames per second of the mp4 ({fam})")
     g.add_argument("--num_inference_steps", type=int, default=None,
                    help=f"denoising steps ({fam}: Wan 50)")
     g.add_argument("--guidance_scale", type=float, default=None,
-                   help=f"CFG scale; > 1 runs cond and uncond as one batch-2 call ({fam})")
+                   help=f"CFG scale; > 1 runs cond and uncond as one batch-2 call ({fam}; "
+                        "HunyuanVideo: the checkpoint's guider)")
     g.add_argument("--flow_shift", type=float, default=d["flow_shift"],
                    help="scheduler flow shift; Wan 2.1 default by resolution as its model "
-                        "card says: 5.0 when the shorter side is >= 720 px, else 3.0")
+                        "card says: 5.0 when the shorter side is >= 720 px, else 3.0; "
+                        "HunyuanVideo: the checkpoint scheduler's shift")
     g.add_argument("--seed", type=int, default=d["seed"],
                    help="seed of the CPU torch.Generator that draws the initial latents")
     g.add_argument("--max_sequence_length", type=int, default=None,

@@ -434,10 +434,13 @@ def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_a
 def step_fn(jm, config):
     """The torch function of one denoising step's model call, to be viewed as JAX and jitted.
 
-    latents (1, 32, F, h, w) float32 -> noise prediction (1, 32, F, h, w) in the model dtype.
+    latents (1, 32, F, h, w) float32 -> noise prediction (1, 32, F, h, w) float32.
     The input is [latents, zero condition latents, zero mask] (T2V), cast to the model dtype
     with the timestep, as diffusers casts both. With CFG, cond and uncond run as one batch-2
-    call, combined as ``ClassifierFreeGuidance``: uncond + scale * (cond - uncond).
+    call, combined in the model dtype as ``ClassifierFreeGuidance``: uncond + scale * (cond -
+    uncond). The prediction is returned as float32 because the flow-matching Euler step
+    casts the new latents to the prediction's dtype: so they stay float32 between steps
+    (diffusers' bf16 run rounds them to bf16 every step).
     """
     import torch
 
@@ -451,10 +454,10 @@ def step_fn(jm, config):
             x = torch.cat([x, x])  # [cond, uncond]
         t = timestep.expand(x.shape[0]).to(dtype)
         out = jm.functional_call(forward_t2v, params, buffers, x, t, **inputs)
-        if not cfg:
-            return out
-        cond, uncond = out.chunk(2)
-        return uncond + scale * (cond - uncond)
+        if cfg:
+            cond, uncond = out.chunk(2)
+            out = uncond + scale * (cond - uncond)
+        return out.float()
 
     return step
 
@@ -462,9 +465,13 @@ def step_fn(jm, config):
 # Megatron tensor parallelism for the dual-stream blocks (torch Linear weights are (out, in)):
 # each stream's q/k/v and MLP-up are column-parallel, its attention-out and MLP-down
 # row-parallel, so attention and MLP each need one all-reduce per stream. The per-head RMS
-# norms act on head_dim (replicated). Modulation, embedders, refiner and proj_out are small
-# and replicated. First match wins.
+# norms act on head_dim (replicated). Each block's two AdaLayerNormZero modulation linears
+# (D -> 6D, 50M parameters per block, 2.7B of the 8.3B) are split over their outputs too:
+# replicated they would hold 5.4 GB per chip in bf16, while gathering their (B, 6D) output
+# moves kilobytes. Embedders, refiner and proj_out are small and replicated. First match wins.
 COLUMN_PARALLEL_RULES = (
+    (r"transformer_blocks\.\d+\.norm1(_context)?\.linear\.weight$", ("tp", None)),
+    (r"transformer_blocks\.\d+\.norm1(_context)?\.linear\.bias$", ("tp",)),
     (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
      r"\.weight$", ("tp", None)),
     (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"

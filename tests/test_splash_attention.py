@@ -460,6 +460,60 @@ def test_sdpa_override_masked_fallback(torchax_env):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("attention,mesh_shape,mask_heads", [
+    ("splash", None, 1), ("splash", (2, 2, 2), 4), ("stock_splash", (2, 2, 1), 1),
+    ("xla", None, 4),
+])
+def test_sdpa_override_key_padding_mask_is_exact(torchax_env, attention, mesh_shape,
+                                                 mask_heads):
+    """A boolean (B, 1 or H, 1, S) key-padding mask (HunyuanVideo-1.5's text padding) takes
+    the kernels through segment ids: real queries equal torch's masked SDPA, padded query
+    rows stay finite (stock SDPA gives NaN for a fully masked row; diffusers' dense mask
+    makes such rows), and a padded key's value cannot reach a real query."""
+    import torch
+
+    mesh = None if mesh_shape is None else _mesh(*mesh_shape)
+    csa.install_sdpa_override(torchax_env, attention=attention, mesh=mesh,
+                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+    s = 200  # odd tail: not a multiple of the 128 blocks
+    q, k, v = _torch_inputs(s, s, seed=4)
+    real = torch.ones(2, s, dtype=torch.bool)
+    real[0, 150:] = False  # sample 0: 50 padded tokens at the end
+    real[1, 37:41] = False  # sample 1: padding in the middle
+    mask = real[:, None, None, :].expand(2, mask_heads, 1, s)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).numpy()
+    got = _run_sdpa(torchax_env, q, k, v, attn_mask=mask)
+    assert np.isfinite(got).all()
+    rows = real.numpy()
+    np.testing.assert_allclose(got.transpose(0, 2, 1, 3)[rows],
+                               want.transpose(0, 2, 1, 3)[rows], atol=2e-5, rtol=2e-5)
+    v_poisoned = v.clone()
+    v_poisoned[~real[:, None, :].expand(2, 4, s)] = 1e4
+    poisoned = _run_sdpa(torchax_env, q, k, v_poisoned, attn_mask=mask)
+    np.testing.assert_allclose(poisoned.transpose(0, 2, 1, 3)[rows],
+                               got.transpose(0, 2, 1, 3)[rows], atol=2e-5, rtol=2e-5)
+
+
+def test_key_padding_mask_builds_no_dense_mask(torchax_env):
+    """Through the Splash kernel the compiled program holds no (S, S) array at all."""
+    import jax
+    import torch
+    from torchax import interop
+
+    csa.install_sdpa_override(torchax_env, attention="splash",
+                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+    s = 300
+
+    def attend(q, k, v, real):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=real[:, None, None, :])
+
+    args = [jax.ShapeDtypeStruct((1, 2, s, 64), jax.numpy.float32)] * 3 + [
+        jax.ShapeDtypeStruct((1, s), jax.numpy.bool_)]
+    hlo = jax.jit(interop.jax_view(attend)).lower(*args).as_text()
+    assert f"{s},{s}" not in hlo.replace(" ", "")
+
+
 def test_sdpa_override_rejects_unknown_backend(torchax_env):
     with pytest.raises(ValueError, match="attention: expected one of"):
         csa.install_sdpa_override(torchax_env, attention="flash")
