@@ -175,3 +175,40 @@ def test_transformer_weights_are_sharded_by_the_rules(hunyuan_checkpoint):
     # 2 modulation linears (w+b), q, k, v, add_q/k/v (w+b), to_out, to_add_out,
     # 2 x (MLP up w+b, MLP down).
     assert checked == 4 + 12 + 2 + 6
+
+
+def test_three_stages_equal_one_shot(hunyuan_checkpoint, ours, tmp_path):
+    """--stage encode | denoise | decode through files gives the one-shot frames; the staged
+    embeddings carry both encoders' masks."""
+    from safetensors import safe_open
+
+    work = str(tmp_path / "work")
+    for stage in ("encode", "denoise", "decode"):
+        frames, _ = _ours(hunyuan_checkpoint, PLAIN, jax.devices()[:1], "--attention", "xla",
+                          "--stage", stage, "--work_dir", work)
+    with safe_open(os.path.join(work, "embeddings.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert set(hunyuan.EMBEDDING_NAMES) <= names
+    np.testing.assert_allclose(frames, ours[PLAIN, "1 device"][0], atol=1e-5)
+
+
+def test_dry_run_compiles_the_480p_step(tmp_path):
+    """The shipped 480p T2V config compiles for a TPU topology with our kernel and the text
+    padding as segment ids (one block, deviceless libtpu compile)."""
+    import glob
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "generate_flax.py"), "--model_id",
+         "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", "--dry_run",
+         "--topology", "v5e:2x2", "--dry_run_layers", "1", "--dry_run_skip_vae",
+         "--height", "480", "--width", "848", "--frames", "21", "--output_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(open(glob.glob(str(tmp_path / "*_dry_run.json"))[0]).read())
+    assert report["tokens"] == 6 * 30 * 53 and report["fits"] is True
+    assert report["settings"]["flow_shift"] == 5.0  # the 480p checkpoint's scheduler shift
+    assert report["per_chip"][0]["program"] == "transformer step"

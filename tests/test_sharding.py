@@ -58,15 +58,17 @@ def odd_unsharded(tiny_checkpoint_8h):
     return _frames(tiny_checkpoint_8h, (1, 1, 1), ODD)
 
 
-@pytest.mark.parametrize("mesh,attention", [((2, 2, 2), "xla"), ((1, 2, 4), "splash"),
-                                            ((1, 1, 8), "stock_splash")],
-                         ids=["dp2-tp2-sp2-xla", "tp2-sp4-splash", "sp8-stock_splash"])
+@pytest.mark.parametrize("mesh,attention,extra", [
+    ((2, 2, 2), "xla", ["--no_scan_layers"]), ((1, 2, 4), "splash", []),
+    ((1, 1, 8), "stock_splash", [])],
+    ids=["dp2-tp2-sp2-xla-unrolled", "tp2-sp4-splash", "sp8-stock_splash"])
 def test_sequence_parallel_pads_a_token_count_sp_does_not_divide(tiny_checkpoint_8h,
                                                                   odd_unsharded, mesh,
-                                                                  attention):
+                                                                  attention, extra):
     # The token axis is zero-padded to a multiple of sp inside the model call and the
-    # padded keys are masked exactly: frames equal the unsharded, unpadded run's.
-    frames = _frames(tiny_checkpoint_8h, mesh, [*ODD, "--attention", attention])
+    # padded keys are masked exactly: frames equal the unsharded, unpadded run's. Unrolled,
+    # every block gets forward's unpadded RoPE tables and pads them again.
+    frames = _frames(tiny_checkpoint_8h, mesh, [*ODD, "--attention", attention, *extra])
     np.testing.assert_allclose(frames, odd_unsharded, atol=1e-4, rtol=0)
 
 
