@@ -23,8 +23,9 @@ def test_every_shipped_config_detects_its_own_family():
             assert families.detect_family(hub_id) == key
 
 
-def test_tiny_checkpoint_is_wan(tiny_checkpoint):
+def test_tiny_checkpoints_detect_their_families(tiny_checkpoint, hunyuan_checkpoint):
     assert families.detect_family(tiny_checkpoint) == "wan2.1"
+    assert families.detect_family(hunyuan_checkpoint) == "hunyuanvideo1.5"
 
 
 def test_every_interface_field_is_set():
@@ -38,7 +39,7 @@ def test_unknown_pipeline_class_is_one_line_listing_the_supported_ones(tmp_path)
     folder.mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "FooPipeline"}))
     with pytest.raises(UsageError, match="pipeline class 'FooPipeline' is not supported "
-                                         r"\(supported: WanPipeline\)"):
+                                         r"\(supported: WanPipeline, HunyuanVideo15Pipeline\)"):
         families.detect_family(str(folder))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate_flax.py"),
