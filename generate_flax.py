@@ -261,6 +261,10 @@ def _validate_numbers(args) -> None:
         fail("--flow_shift", shift, "must be a finite number > 0")
     if args.estimate and not args.dry_run:
         fail("--estimate", True, "needs --dry_run (it estimates the compiled step's time)")
+    if args.estimate and args.attention == "stock_splash":
+        fail("--attention", args.attention, "--estimate profiles our kernel (splash) or xla")
+    if args.estimate and args.topology and args.topology.split(":")[0] not in ("v5e", "v6e"):
+        fail("--topology", args.topology, "--estimate knows the clock of v5e and v6e only")
     if args.dry_run and (not args.topology or not re.fullmatch(
             r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?", args.topology)):
         fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 or "

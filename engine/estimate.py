@@ -779,10 +779,11 @@ def print_estimate(est: dict) -> None:
     """The estimate as the dry-run table's footer."""
     p = est["parts"]
     print(f"\n== Estimated step time ({est['label']}) ==")
-    print(f"{'self-attention':<26}{p['self_attention_s']:8.3f} s   "
-          f"(kernel MXU use {_pct(est['attention']['self']['kernel_mxu_use'])})")
-    print(f"{'cross-attention':<26}{p['cross_attention_s']:8.3f} s   "
-          f"(kernel MXU use {_pct(est['attention']['cross']['kernel_mxu_use'])})")
+    if not est["kernels"]:
+        print("(no Splash kernel call: attention is XLA ops, in the linear and elementwise rows)")
+    for kind in ("self", "cross"):
+        print(f"{kind + '-attention':<26}{p[kind + '_attention_s']:8.3f} s   "
+              f"(kernel MXU use {_pct(est['attention'][kind]['kernel_mxu_use'])})")
     print(f"{'linear layers':<26}{p['linear_s']:8.3f} s")
     print(f"{'elementwise and other':<26}{p['elementwise_and_other_s']:8.3f} s")
     print(f"{'collectives':<26}{p['collectives_s']:8.3f} s   "

@@ -131,8 +131,11 @@ def test_estimate_needs_dry_run():
     from engine.errors import UsageError
     from generate_flax import parse_args, validate_args
 
+    model = ["--model_id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]
     with pytest.raises(UsageError, match="--estimate=True: needs --dry_run"):
-        validate_args(parse_args(["--model_id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        validate_args(parse_args([*model, "--estimate"]))
+    with pytest.raises(UsageError, match="--topology='v5p:2x2x1': --estimate knows"):
+        validate_args(parse_args([*model, "--dry_run", "--topology", "v5p:2x2x1",
                                   "--estimate"]))
 
 
