@@ -209,8 +209,9 @@ def _add_dry_run_flags(g) -> None:
                    help="compile convolutions in --dry_run with the TPU compiler's default "
                         "effort (5-10x slower VAE compile; same HBM figures measured here)")
     g.add_argument("--estimate", action="store_true",
-                   help="with --dry_run: estimated s/step from libtpu's static cost model "
-                        "(v5e, v6e; assumed clock; not a measurement), engine/estimate.py")
+                   help="with --dry_run: estimated s/step from libtpu's static profile (the "
+                        "kernel) and the roofline (a compiled block); v5e, v6e; assumed clock; "
+                        "not a measurement (engine/estimate.py)")
 
 
 def validate_args(args: argparse.Namespace) -> RunConfig:

@@ -19,12 +19,17 @@ How a step is put together (per chip; see the project's shared notes, tpu-static
 * **Everything else in a block** (linear layers, norms, modulation, RoPE, copies): ONE
   transformer block compiled at the real per-chip shapes (the inputs the model hands its
   first block, laid out as between blocks), the kernel replaced by a no-op Pallas call of
-  the same operands. Per op, max(compute, HBM bytes / HBM bandwidth), where compute is
-  FLOPs / MXU peak for ops with a convolution or dot, and XLA's own TPU fusion cost model
-  (``estimated_cycles`` in the op's backend config) for the rest. Not libtpu's profile:
-  on this block libtpu 0.0.42.1's static profiler grew past 14 GB of host memory (on the
-  RoPE de-interleave fusions) and aborted on the whole model at small sizes ("Unsupported
-  DMA direction"). Ops inside a ``while`` body count x its trip count. x blocks.
+  the same operands. Linear layers (ops with a convolution or dot): per op,
+  max(FLOPs / MXU peak, HBM bytes / HBM bandwidth). Other ops: HBM bytes / HBM bandwidth.
+  Not libtpu's profile: on this block libtpu 0.0.42.1's static profiler grew past 14 GB
+  of host memory (on the RoPE de-interleave fusions) and aborted on the whole model at
+  small sizes ("Unsupported DMA direction"). Why bytes for the other ops: on a Wan-sized
+  layer norm (bf16 18,900 x 5,120, v6e; ``benchmarks/elementwise_cycles.py``) libtpu's
+  profile gives 94k / 159k / 244k cycles for its three fusions, the bytes take 207k /
+  207k / 413k, and XLA's own fusion cost model (``estimated_cycles`` in the compiled HLO)
+  says 843k / 844k / 1,033k: 4x the profile. max(profile, bytes) is the bytes there. The
+  step with XLA's figures (max with the bytes) is reported beside, as a pessimistic
+  variant. Ops inside a ``while`` body count x its trip count. x blocks.
 * **Collectives** (no cost in either model): the bytes each chip sends for every
   all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute of the
   compiled block (ring algorithms: all-reduce 2(n-1)/n of its operand, all-gather and
@@ -89,8 +94,8 @@ def clock_hz(chip: str) -> float:
 
 def label(chip: str) -> str:
     """The words every estimated figure carries."""
-    return (f"estimate from libtpu's static cost models, assumed clock {clock_hz(chip) / 1e9:.2f} "
-            "GHz, not a measurement, not checked on hardware")
+    return (f"estimate from libtpu's static model and the roofline, assumed clock "
+            f"{clock_hz(chip) / 1e9:.2f} GHz, not a measurement, not checked on hardware")
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,7 +352,7 @@ def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
 
     Returns:
         dict: linear_s, other_s (seconds), other_hbm_floor_s (the other ops at HBM bytes /
-        bandwidth alone: a floor, since XLA's cost model may be pessimistic), hbm_bound_s
+        bandwidth alone, which ``combine`` uses: see the module docstring), hbm_bound_s
         (seconds of ops whose bytes term won), flops (of the linear ops), bytes, ops,
         source (op counts per cycle source), top_ops (the 8 slowest), collective_sent_bytes
         and collectives (per kind).
@@ -698,10 +703,10 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
     parts = dict(
         self_attention_s=attn["self"]["seconds"], cross_attention_s=attn["cross"]["seconds"],
         linear_s=layers * block["linear_s"],
-        elementwise_and_other_s=layers * block["other_s"],
+        elementwise_and_other_s=layers * block["other_hbm_floor_s"],
         collectives_s=coll_bytes / (ICI_EGRESS_GBPS[chip] * 1e9))
     total = sum(parts.values())
-    floor = total - parts["elementwise_and_other_s"] + layers * block["other_hbm_floor_s"]
+    xla = total - parts["elementwise_and_other_s"] + layers * block["other_s"]
     peak = chips.CHIPS[chip].peak_bf16_tflops * 1e12
     for a in attn.values():
         a["kernel_mxu_use"] = (a["flops"] / (MXU_FLOPS_PER_CYCLE[chip] * a["seconds"] * hz)
@@ -711,8 +716,8 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
         clock_source="published bf16 peak / MXU FLOPs per cycle (an assumption)",
         hbm_gbps=chips.CHIPS[chip].hbm_gbps, ici_egress_gbps=ICI_EGRESS_GBPS[chip],
         ici_source=ICI_SOURCE, seconds_per_step=total, parts=parts,
-        elementwise_hbm_floor_s=layers * block["other_hbm_floor_s"],
-        seconds_per_step_elementwise_at_hbm_floor=floor,
+        elementwise_xla_cost_model_s=layers * block["other_s"],
+        seconds_per_step_elementwise_by_xla_cost_model=xla,
         mxu_use=model_flops_per_chip / (peak * total) if total else None,
         model_flops_per_chip=model_flops_per_chip,
         collective_gb_per_chip=coll_bytes / 1e9,
@@ -728,8 +733,9 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
 METHOD = ("attention: our kernel's cycles per grid step from libtpu's static profile (tiny "
           "grid, real block sizes) x the real per-chip grid; linear layers: FLOPs / MXU peak "
           "(roofline) or HBM bytes / bandwidth, whichever is larger, per op of one compiled "
-          "block; elementwise: XLA's TPU fusion cost model's cycles in the compiled HLO or "
-          "HBM bytes / bandwidth, whichever is larger; x blocks; collectives: ring bytes / ICI "
+          "block; elementwise: HBM bytes / bandwidth (libtpu's profile of a Wan-sized layer "
+          "norm is below it; XLA's fusion cost model, 4x above the profile there, is given "
+          "apart); x blocks; collectives: ring bytes / ICI "
           "egress, serial; work outside the blocks (patch embedding, RoPE tables, output "
           "projection) left out")
 
@@ -785,15 +791,16 @@ def print_estimate(est: dict) -> None:
         print(f"{kind + '-attention':<26}{p[kind + '_attention_s']:8.3f} s   "
               f"(kernel MXU use {_pct(est['attention'][kind]['kernel_mxu_use'])})")
     print(f"{'linear layers':<26}{p['linear_s']:8.3f} s")
-    print(f"{'elementwise and other':<26}{p['elementwise_and_other_s']:8.3f} s")
+    print(f"{'elementwise and other':<26}{p['elementwise_and_other_s']:8.3f} s   "
+          "(HBM bytes / bandwidth)")
     print(f"{'collectives':<26}{p['collectives_s']:8.3f} s   "
           f"({est['collective_gb_per_chip']:.2f} GB sent per chip at "
           f"{est['ici_egress_gbps']:.0f} GB/s ICI egress)")
     print(f"{'total per denoising step':<26}{est['seconds_per_step']:8.3f} s   "
           f"(MXU use {_pct(est['mxu_use'])} of the model's FLOPs)")
-    print(f"{'  elementwise at HBM floor':<26}"
-          f"{est['seconds_per_step_elementwise_at_hbm_floor']:8.3f} s   (elementwise "
-          f"{est['elementwise_hbm_floor_s']:.3f} s: bytes / HBM bandwidth alone)")
+    print(f"{'  by XLA cost model':<26}"
+          f"{est['seconds_per_step_elementwise_by_xla_cost_model']:8.3f} s   (elementwise "
+          f"{est['elementwise_xla_cost_model_s']:.3f} s by XLA's fusion cost model: pessimistic)")
     print(f"ICI figure: {est['ici_source']}; {est['elapsed_s']:.0f} s to estimate")
 
 

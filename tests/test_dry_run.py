@@ -77,7 +77,8 @@ def test_dry_run_estimate_adds_a_labelled_step_time(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     est = report["estimate"]
     assert "not a measurement" in est["label"] and "1.50 GHz" in est["label"]
-    assert "== Estimated step time (estimate from libtpu's static cost models" in proc.stdout
+    assert "== Estimated step time (estimate from libtpu's static model" in proc.stdout
+    assert "not checked on hardware" in proc.stdout
     # The estimate covers all 30 blocks although --dry_run_layers 1 compiled one. Per chip
     # (dp2 x tp2): 1 sample, 12/2 heads; 9,360 tokens in ceil(9360/3328) = 3 q blocks and
     # ceil(9360/2816) = 4 kv blocks, fitted to 3200 and 2560: 72 grid steps per block.
