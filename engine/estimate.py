@@ -60,9 +60,12 @@ import time
 
 from engine import chips
 
-# MXU bf16 FLOPs per cycle per TensorCore: MXUs x width^2 x 2 (Google Cloud's v5e and v6e
-# system-architecture pages: 4 MXUs of 128^2 on v5e; v6e's 256^2 MXUs, 4 per the shared
-# notes' derivation that reproduces the published 918 TFLOP/s at 1.75 GHz).
+# MXU bf16 FLOPs per cycle per TensorCore, as libtpu's cycle counts imply. v5e: 4 MXUs of
+# 128^2 (Google Cloud's v5e page) x 2. v6e: Google's v6e page lists two 256^2 MXUs per
+# TensorCore, which at the published 918 TFLOP/s would need 3.5 GHz; libtpu's static profile
+# of a large bf16 matmul does ~0.94 x 524,288 FLOPs per cycle (tests/test_estimate.py), so
+# 524,288 (= 4 x 256^2 x 2, the shared notes' figure) is the one consistent with its cycles,
+# and the clock follows from it.
 MXU_FLOPS_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 4 * 256 * 256 * 2}
 # ICI egress per chip, GB/s: half of the "bidirectional inter-chip interconnect bandwidth
 # per chip" of Google Cloud's TPU v5e (400 GB/s) and v6e (800 GB/s) pages. It assumes every
@@ -723,7 +726,7 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
         collective_gb_per_chip=coll_bytes / 1e9,
         collectives={k: dict(calls=layers * v["calls"], sent_bytes=layers * v["sent_bytes"])
                      for k, v in block["collectives"].items()},
-        hbm_bound_s=layers * block["hbm_bound_s"], attention=attn, kernels=kernels,
+        attention=attn, kernels=kernels,
         layers=layers, block=dict(compile_s=block["compile_s"], ops=block["ops"],
                                   cycle_sources=block["source"], top_ops=block["top_ops"],
                                   linear_flops=block["flops"]),
