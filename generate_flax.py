@@ -211,6 +211,10 @@ def _add_dry_run_flags(g) -> None:
     g.add_argument("--dry_run_exact_convs", action="store_true",
                    help="compile convolutions in --dry_run with the TPU compiler's default "
                         "effort (5-10x slower VAE compile; same HBM figures measured here)")
+    g.add_argument("--estimate", action="store_true",
+                   help="with --dry_run: estimated s/step from libtpu's static profile (the "
+                        "kernel) and the roofline (a compiled block); v5e, v6e; assumed clock; "
+                        "not a measurement (engine/estimate.py)")
 
 
 def validate_args(args: argparse.Namespace) -> RunConfig:
@@ -265,6 +269,12 @@ def _validate_numbers(args) -> None:
     shift = args.flow_shift
     if shift is not None and (not math.isfinite(shift) or shift <= 0):
         fail("--flow_shift", shift, "must be a finite number > 0")
+    if args.estimate and not args.dry_run:
+        fail("--estimate", True, "needs --dry_run (it estimates the compiled step's time)")
+    if args.estimate and args.attention == "stock_splash":
+        fail("--attention", args.attention, "--estimate profiles our kernel (splash) or xla")
+    if args.estimate and args.topology and args.topology.split(":")[0] not in ("v5e", "v6e"):
+        fail("--topology", args.topology, "--estimate knows the clock of v5e and v6e only")
     if args.dry_run and (not args.topology or not re.fullmatch(
             r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?", args.topology)):
         fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 or "

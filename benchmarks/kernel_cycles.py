@@ -28,128 +28,30 @@ this module (or call ``setup_environment``) before anything else touches the TPU
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import re
-import shutil
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine import estimate  # noqa: E402
 
 # MXU bf16 FLOPs per cycle per TensorCore: MXUs x width^2 x 2 (tpu7x: assumed as v6e).
-MXU_FLOPS_PER_CYCLE = {
-    "v5e": 4 * 128 * 128 * 2,
-    "v6e": 4 * 256 * 256 * 2,
-    "tpu7x": 4 * 256 * 256 * 2,
-}
-# Clock derived from the published bf16 peak (an assumption, not read from libtpu).
-CLOCK_HZ = {"v5e": 1.5e9, "v6e": 1.75e9, "tpu7x": None}
+MXU_FLOPS_PER_CYCLE = {**estimate.MXU_FLOPS_PER_CYCLE, "tpu7x": 4 * 256 * 256 * 2}
 TOPOLOGY = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "tpu7x": "tpu7x:2x2x1"}
-
-_PROFILE_DIR = None
 
 
 def setup_environment(profile_dir: str | None = None) -> str:
     """Set the deviceless libtpu environment and the profile flag; returns the dump dir."""
-    global _PROFILE_DIR
-    if _PROFILE_DIR is not None:
-        return _PROFILE_DIR
-    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
-    m = re.search(r"--xla_jf_dump_static_llo_profile_to=(\S+)", flags)
-    if m:
-        _PROFILE_DIR = m.group(1)
-    else:
-        _PROFILE_DIR = profile_dir or tempfile.mkdtemp(prefix="splash_profile_")
-        os.environ["LIBTPU_INIT_ARGS"] = (
-            flags + f" --xla_jf_dump_static_llo_profile_to={_PROFILE_DIR}"
-        ).strip()
-    for key, value in {
-        "TPU_ACCELERATOR_TYPE": "v6e-8",
-        "TPU_WORKER_HOSTNAMES": "localhost",
-        "TPU_SKIP_MDS_QUERY": "1",
-        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-        "JAX_PLATFORMS": "cpu",
-    }.items():
-        os.environ.setdefault(key, value)
-    os.makedirs(_PROFILE_DIR, exist_ok=True)
-    return _PROFILE_DIR
+    return estimate.setup_profile_environment(profile_dir)
 
 
 setup_environment()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
 
-_KERNEL_NAME = "wan_splash_attention"
 
-
-def _device(chip: str):
-    from jax.experimental import topologies
-
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGY[chip])
-    return topo.devices[0]
-
-
-def _read_profile(profile_dir: str) -> dict[str, int]:
-    """{hlo op name: estimated cycles} over the profile files in ``profile_dir``."""
-    out = {}
-    for path in glob.glob(os.path.join(profile_dir, "*_static_llo_profile.textproto")):
-        text = open(path).read()
-        for block in re.findall(r"hlo_op_estimate\s*\{(.*?)\n\}", text, re.S):
-            name = re.search(r'hlo_op_name:\s*"([^"]*)"', block)
-            cycles = re.search(r"estimated_cycles:\s*(\d+)", block)
-            if name and cycles:
-                out[name.group(1)] = out.get(name.group(1), 0) + int(cycles.group(1))
-    return out
-
-
-def kernel_cycles(
-    chip: str,
-    block_sizes,
-    *,
-    head_dim: int = 128,
-    heads: int = 1,
-    q_blocks: int = 2,
-    kv_blocks: int = 2,
-    q_len: int | None = None,
-    kv_len: int | None = None,
-    dtype=jnp.bfloat16,
-    **kernel_kwargs,
-) -> tuple[int, int]:
+def kernel_cycles(chip: str, block_sizes, **kwargs) -> tuple[int, int]:
     """(estimated kernel cycles, grid steps) of one deviceless compile on ``chip``."""
-    profile_dir = setup_environment()
-    bs = block_sizes if isinstance(block_sizes, csa.BlockSizes) else csa.BlockSizes(*block_sizes)
-    q_len = q_len or q_blocks * bs.block_q
-    kv_len = kv_len or kv_blocks * bs.block_kv
-    fitted = csa._fit_block_sizes(bs, q_len, kv_len)
-    steps = heads * (-(-q_len // fitted.block_q)) * (-(-kv_len // fitted.block_kv))
-    mesh = Mesh(np.array([_device(chip)]), ("x",))
-    sharding = NamedSharding(mesh, P())
-    args = [
-        jax.ShapeDtypeStruct((1, heads, q_len, head_dim), dtype, sharding=sharding),
-        jax.ShapeDtypeStruct((1, heads, kv_len, head_dim), dtype, sharding=sharding),
-        jax.ShapeDtypeStruct((1, heads, kv_len, head_dim), dtype, sharding=sharding),
-    ]
-    for path in glob.glob(os.path.join(profile_dir, "*")):
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
-
-    def fn(q, k, v):
-        return csa.splash_attention(q, k, v, block_sizes=bs, **kernel_kwargs)
-
-    jax.jit(fn).lower(*args).compile()
-    profile = _read_profile(profile_dir)
-    cycles = sum(c for name, c in profile.items() if _KERNEL_NAME in name)
-    if not cycles:
-        raise RuntimeError(f"no {_KERNEL_NAME} op in the static profile: {sorted(profile)}")
-    return cycles, steps
+    return estimate.kernel_cycles(TOPOLOGY[chip], block_sizes, **kwargs)
 
 
 def cycles_per_grid_step(chip: str, block_sizes, head_dim: int = 128, **kwargs) -> float:

@@ -49,6 +49,7 @@ class RunConfig:
     dry_run_layers: int | None
     dry_run_skip_vae: bool
     dry_run_exact_convs: bool
+    estimate: bool
     vae_tiling: bool
     scan_layers: bool
     replicate_row_parallel: bool

@@ -16,7 +16,7 @@ import time
 
 from engine import chips, placement, runtime
 from engine.checkpoint import model_config_dir, read_component_config
-from engine.errors import EXIT_DOES_NOT_FIT, UsageError, fail, first_line
+from engine.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.mesh import make_mesh, resolve_mesh_shape
 from engine.report import versions
 from engine.sharding import add_sequence_parallel_hooks, module_sharding_specs
@@ -268,7 +268,25 @@ def dry_run(config, family) -> tuple[int, dict]:
         analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
         hosts=_hosts(placed, vae_placed))
+    if config.estimate:
+        report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
     return (0 if fits else EXIT_DOES_NOT_FIT), report
+
+
+def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
+    """``--estimate``: the step time from libtpu's static model (``engine.estimate``), for
+    the real block count whatever ``--dry_run_layers`` compiled."""
+    from engine import estimate
+
+    print(f"estimating the step time for {config.topology} (one block, and the kernel on a "
+          "tiny grid with libtpu's static profile)...", flush=True)
+    try:
+        return estimate.estimate(config, family, read_component_config(
+            config.model_id, "transformer"), mesh, shape, chip, attention)
+    except ValueError as e:
+        raise UsageError(f"--estimate: {e}") from None
+    except RuntimeError as e:
+        raise GenerationError(str(e)) from None
 
 
 def print_dry_run(report: dict) -> None:
@@ -303,5 +321,9 @@ def print_dry_run(report: dict) -> None:
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
     print("verdict:", "fits" if report["fits"] else "does not fit",
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
+    if "estimate" in report:
+        from engine.estimate import print_estimate
+
+        print_estimate(report["estimate"])
 
 

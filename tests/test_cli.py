@@ -103,6 +103,7 @@ BAD = [
      "must divide the transformer batch"),
     (["--stage", "decode", "--profile_dir", "prof"], "--profile_dir='prof'",
      "needs a denoising run"),
+    (["--estimate"], "--estimate=True", "needs --dry_run"),
 ]
 
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -68,6 +70,30 @@ def test_dry_run_reports_compiler_oom_and_exits_3(tmp_path):
     assert f"transformer step: does not fit: {need:.1f} GiB needed, 15.75 GiB available" \
         in proc.stdout
     assert "verdict: does not fit" in proc.stdout
+
+
+def test_dry_run_estimate_adds_a_labelled_step_time(tmp_path):
+    proc, report = dry_run_1p3b(tmp_path, "--frames", "21", "--estimate")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    est = report["estimate"]
+    assert "not a measurement" in est["label"] and "1.50 GHz" in est["label"]
+    assert "== Estimated step time (estimate from libtpu's static model" in proc.stdout
+    assert "not checked on hardware" in proc.stdout
+    # The estimate covers all 30 blocks although --dry_run_layers 1 compiled one. Per chip
+    # (dp2 x tp2): 1 sample, 12/2 heads; 9,360 tokens in ceil(9360/3328) = 3 q blocks and
+    # ceil(9360/2816) = 4 kv blocks, fitted to 3200 and 2560: 72 grid steps per block.
+    assert est["layers"] == 30 and est["attention"]["self"]["grid_steps"] == 30 * 72
+    per_step = next(k["cycles_per_step"] for k in est["kernels"].values()
+                    if k["block_sizes"] == [3200, 2560, 256])
+    clock = 197e12 / (4 * 128 * 128 * 2)  # v5e's published peak / MXU FLOPs per cycle
+    assert est["parts"]["self_attention_s"] == pytest.approx(30 * 72 * per_step / clock)
+    total = sum(est["parts"].values())
+    assert est["seconds_per_step"] == pytest.approx(total) and total > 0
+    # The report's analytic FLOPs are those of the 1 block compiled; 30 blocks, 4 chips.
+    flops = report["analytic_transformer_flops_per_step"] * 30 / 4
+    assert est["mxu_use"] == pytest.approx(flops / (197e12 * total), rel=2e-3)
+    # Tensor parallelism's all-reduces, read from the compiled block.
+    assert est["collectives"]["all-reduce"]["calls"] > 0 and est["collective_gb_per_chip"] > 0
 
 
 def test_dry_run_needs_a_topology(tmp_path):

@@ -1,0 +1,242 @@
+"""``--estimate`` (engine/estimate.py): libtpu's static profile read right, checked against
+independent references: the matmul roofline, the kernel's linear cost in grid steps, and
+collective sizes known from the program that was compiled."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine import chips, estimate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The shape of libtpu 0.0.42.1's files: some entries describe the instruction, some not.
+SAMPLE = """\
+hlo_op_estimate {
+  hlo_op_name: "copy.1"
+  estimated_cycles: 303249
+  num_equivalent_hlos: 1
+  dma_instruction_type: DMA_INSTRUCTION_TYPE_LOCAL
+  hlo_instruction {
+    name: "copy.1"
+    opcode: "copy"
+    shape {
+      element_type: BF16
+      dimensions: 10
+      dimensions: 128
+      layout {
+        minor_to_major: 1
+        minor_to_major: 0
+        tiles {
+          dimensions: 8
+          dimensions: 128
+        }
+      }
+    }
+    backend_config: "{\\"flag_configs\\":[]}"
+  }
+}
+
+hlo_op_estimate {
+  hlo_op_name: "multiply_convert_fusion"
+  estimated_cycles: 30883
+  num_equivalent_hlos: 1
+  scalar_inputs: 0
+}
+"""
+
+
+def test_profile_textproto_is_parsed():
+    assert estimate.profile_ops(SAMPLE) == [dict(name="copy.1", cycles=303249),
+                                            dict(name="multiply_convert_fusion", cycles=30883)]
+    parsed = estimate.parse_textproto(SAMPLE)["hlo_op_estimate"][0]
+    shape = parsed["hlo_instruction"][0]["shape"][0]
+    assert shape["element_type"] == ["BF16"] and shape["dimensions"] == ["10", "128"]
+    assert shape["layout"][0]["tiles"][0]["dimensions"] == ["8", "128"]
+
+
+def test_clock_is_the_published_peak_over_mxu_flops_per_cycle():
+    # 918 TFLOP/s = 4 MXUs x 256^2 x 2 x 1.75 GHz; 197 TFLOP/s = 4 x 128^2 x 2 x 1.5 GHz.
+    assert estimate.clock_hz("v6e") == pytest.approx(1.75e9, rel=1e-3)
+    assert estimate.clock_hz("v5e") == pytest.approx(1.5e9, rel=3e-3)
+    assert "not a measurement" in estimate.label("v6e") and "1.75 GHz" in estimate.label("v6e")
+    with pytest.raises(ValueError, match="no clock assumption"):
+        estimate.clock_hz("v4")
+
+
+def _compiled_text(fn, *args):
+    import jax
+
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def test_collective_bytes_of_a_known_all_reduce_and_all_gather():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x = jnp.zeros((4 * 1024,), jnp.float32)
+
+    def psum(x):
+        return jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh, in_specs=P("x"),
+                             out_specs=P("x"))(x)
+
+    found = [c for c in estimate.collectives(_compiled_text(psum, x))
+             if c["kind"] == "all-reduce"]
+    # Each device holds 1024 float32 (4 KiB); a ring all-reduce over 4 devices sends
+    # 2 x 3/4 of it per device.
+    assert len(found) == 1
+    assert found[0]["group"] == 4 and found[0]["operand_bytes"] == 4096
+    assert found[0]["sent_bytes"] == pytest.approx(2 * 3 / 4 * 4096)
+
+    def gather(x):
+        return jax.shard_map(lambda b: jax.lax.all_gather(b, "x", tiled=True), mesh=mesh,
+                             in_specs=P("x"), out_specs=P(), check_vma=False)(x)
+
+    found = [c for c in estimate.collectives(_compiled_text(gather, x))
+             if c["kind"] == "all-gather"]
+    assert len(found) == 1 and found[0]["result_bytes"] == 4 * 4096
+    assert found[0]["sent_bytes"] == pytest.approx(3 / 4 * 4 * 4096)
+
+
+def test_collectives_in_a_scan_count_times_its_trip_count():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def body(c, _):
+        return jax.lax.psum(jnp.sin(c), "x"), None
+
+    def f(x):
+        return jax.shard_map(lambda b: jax.lax.scan(body, b, None, length=7)[0], mesh=mesh,
+                             in_specs=P("x"), out_specs=P("x"), check_vma=False)(x)
+
+    found = [c for c in estimate.collectives(_compiled_text(f, jnp.zeros((512,))))
+             if c["kind"] == "all-reduce"]
+    assert [c["count"] for c in found] == [7]
+
+
+def test_estimate_needs_dry_run():
+    from engine.errors import UsageError
+    from generate_flax import parse_args, validate_args
+
+    model = ["--model_id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]
+    with pytest.raises(UsageError, match="--estimate=True: needs --dry_run"):
+        validate_args(parse_args([*model, "--estimate"]))
+    with pytest.raises(UsageError, match="--topology='v5p:2x2x1': --estimate knows"):
+        validate_args(parse_args([*model, "--dry_run", "--topology", "v5p:2x2x1",
+                                  "--estimate"]))
+
+
+def test_stub_records_the_real_per_chip_kernel_grid():
+    # Wan 14B at 720p x 81 with CFG on dp2 x tp4: per chip 1 sample x 40/4 heads, and
+    # the default blocks fitted to 75,600 tokens: ceil(75600/3328) = 23 q blocks and
+    # ceil(75600/2816) = 27 kv blocks (the shared notes' 6,210 grid steps per layer).
+    # Cross-attention: 512 text keys in one kv block.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import custom_splash_attention as csa
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4, 1), ("dp", "tp", "sp"))
+    q = jax.ShapeDtypeStruct((2, 40, 75600, 128), jnp.bfloat16)
+    text = jax.ShapeDtypeStruct((2, 40, 512, 128), jnp.bfloat16)
+    calls = []
+    with estimate.stub_attention_kernel(calls):
+        for kv in (q, text):
+            out = jax.eval_shape(lambda a, b: csa.sharded_splash_attention(
+                a, b, b, mesh=mesh, block_sizes=csa.BlockSizes()), q, kv)
+            assert out.shape == q.shape
+    assert [c["grid"] for c in calls] == [[1, 10, 23, 27], [1, 10, 23, 1]]
+    assert [c["block_sizes"] for c in calls] == [[3328, 2816, 256], [3328, 512, 256]]
+    assert [c["kv_len"] for c in calls] == [75600, 512]
+
+
+def test_combine_scales_one_block_to_all_layers():
+    self_call = dict(grid=[1, 2, 3, 4], q_len=100, kv_len=100, head_dim=128, dtype="bfloat16",
+                     block_sizes=[128, 128, 128], segment_ids=False, window_size=None)
+    cross_call = dict(self_call, grid=[1, 2, 3, 1], kv_len=10)
+    block = dict(linear_s=0.5, other_s=0.25, other_hbm_floor_s=0.125, hbm_bound_s=0.1,
+                 collective_sent_bytes=1e9,
+                 collectives={"all-reduce": dict(calls=2, sent_bytes=1e9)}, compile_s=0.0,
+                 ops=3, source={}, top_ops=[], flops=0.0, kernel_calls=[self_call, cross_call])
+    kernels = {estimate._kernel_key(self_call): dict(cycles_per_step=1.75e6)}
+    out = estimate.combine(block, kernels, chip="v6e", layers=40, model_flops_per_chip=1e15)
+    parts = out["parts"]
+    assert parts["linear_s"] == pytest.approx(20.0)
+    assert parts["elementwise_and_other_s"] == pytest.approx(5.0)  # at the HBM floor
+    # 24 grid steps x 1.75e6 cycles / 1.75 GHz per block; 6 steps for cross-attention.
+    assert parts["self_attention_s"] == pytest.approx(40 * 24e-3, rel=1e-3)
+    assert parts["cross_attention_s"] == pytest.approx(40 * 6e-3, rel=1e-3)
+    assert out["collective_gb_per_chip"] == pytest.approx(40.0)
+    assert parts["collectives_s"] == pytest.approx(40.0 / 400)
+    total = sum(parts.values())
+    assert out["seconds_per_step"] == pytest.approx(total)
+    assert out["seconds_per_step_elementwise_by_xla_cost_model"] == pytest.approx(total + 5.0)
+    assert out["mxu_use"] == pytest.approx(1e15 / (918e12 * total))
+    assert "not a measurement" in out["label"]
+
+
+PROFILED = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {root!r})
+    from engine import estimate
+    estimate.setup_profile_environment()
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    rep = NamedSharding(Mesh(np.array([estimate.topology_device("v6e:2x4")]), ("x",)), P())
+    n = {n}
+    a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=rep)
+    path = estimate.clear_profile()
+    compiled = jax.jit(lambda x, y: x @ y).lower(a, a).compile()
+    profile = {{op["name"]: op["cycles"] for op in estimate.read_profile(path)}}
+    matmul = estimate.program_summary(compiled.as_text(), "v6e", profile=profile)
+    small = estimate.kernel_cycles("v6e:2x4", (1024, 1024, 512), heads=1, q_blocks=1,
+                                   kv_blocks=2)
+    large = estimate.kernel_cycles("v6e:2x4", (1024, 1024, 512), heads=1, q_blocks=2,
+                                   kv_blocks=4)
+    print(json.dumps(dict(matmul=matmul, small=small, large=large)))
+""")
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """One subprocess (the profile flag must precede libtpu's start) compiling, deviceless
+    for v6e: a bf16 n^3 matmul and our kernel on a 1x2 and a 2x4 grid."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("LIBTPU_INIT_ARGS", None)
+    n = 4096
+    proc = subprocess.run([sys.executable, "-c", PROFILED.format(root=ROOT, n=n)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), n=n)
+
+
+def test_large_bf16_matmul_estimate_is_near_its_roofline(profiled):
+    n, matmul = profiled["n"], profiled["matmul"]
+    roofline = 2 * n**3 / (chips.CHIPS["v6e"].peak_bf16_tflops * 1e12)
+    # The dot's cycles are libtpu's static profile's (not the roofline fallback). The
+    # program's other ops (layout copies of the operands) are HBM-bound and apart.
+    assert matmul["source"]["profile"] >= 1 and matmul["source"]["roofline"] == 0
+    assert matmul["flops"] == 2 * n**3
+    assert 0.8 <= matmul["linear_s"] / roofline <= 1.3, (matmul["linear_s"], roofline)
+
+
+def test_kernel_estimate_grows_linearly_with_grid_steps(profiled):
+    (small, small_steps), (large, large_steps) = profiled["small"], profiled["large"]
+    assert (small_steps, large_steps) == (2, 8)
+    per_step_small, per_step_large = small / small_steps, large / large_steps
+    assert per_step_large == pytest.approx(per_step_small, rel=0.10)
