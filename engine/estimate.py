@@ -581,7 +581,8 @@ def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
                 tuple(x.shape), mappings.t2j_dtype(x.dtype)) if isinstance(x, torch.Tensor)
                 else x, args))
 
-    handle = placed["module"]._model.blocks[0].register_forward_pre_hook(record)
+    blocks = getattr(placed["module"]._model, family.block_stack.attr)
+    handle = blocks[0].register_forward_pre_hook(record)
     try:
         jax.eval_shape(interop.jax_view(family.step_fn(placed["module"], config)),
                        placed["params"], placed["buffers"], latents, t, inputs)
@@ -609,10 +610,11 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     unrolled = config.replace(scan_layers=False)
     placed = dry_run._abstract_transformer(unrolled, family, cfg, mesh, shape.sp)
     args = _block_inputs(unrolled, family, cfg, mesh, placed)
-    tokens = args[0].shape[1]
+    batch, tokens = args[0].shape[:2]
+    stack = family.block_stack
 
     def sharding(x):
-        if x.ndim >= 2 and x.shape[0] % shape.dp == 0 and x.shape[0] > 1:
+        if x.ndim >= 2 and x.shape[0] == batch and batch % shape.dp == 0 and batch > 1:
             spec = ["dp"] + [None] * (x.ndim - 1)
         else:
             spec = [None] * x.ndim
@@ -625,8 +627,12 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     jm = placed["module"]
 
     def block(params, buffers, *block_args):
-        return jm.functional_call(lambda model, *a: model.blocks[0](*a), params, buffers,
-                                  *block_args)
+        return jm.functional_call(lambda model, *a: getattr(model, stack.attr)[0](*a), params,
+                                  buffers, *block_args)
+
+    # The carried streams come out laid out as they went in (HunyuanVideo-1.5: two).
+    out_sh = args[0].sharding if stack.carry == 1 else tuple(
+        a.sharding for a in args[:stack.carry])
 
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
     calls = []
@@ -634,7 +640,7 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
         t0 = time.perf_counter()
         compiled = jax.jit(interop.jax_view(block), in_shardings=(
             param_sh, NamedSharding(mesh, P()), *jax.tree.map(lambda x: x.sharding, args)),
-            out_shardings=args[0].sharding).lower(
+            out_shardings=out_sh).lower(
             placed["params"], placed["buffers"], *args).compile()
     return compiled, time.perf_counter() - t0, calls
 
