@@ -228,6 +228,10 @@ class HunyuanVaeDecoder:
             abstract=abstract, fallbacks=fallbacks)
         self.placed, self.mid = placed, None
 
+    def spatial(self, shape):
+        """The frame programs' width sharding for latents of ``shape``, or None."""
+        return self.frames.spatial(shape)
+
     def _mid_args(self, latents):
         p, f = self.placed, self.frames
         return p["params"], p["buffers"], latents, f.mean, f.inv_std
