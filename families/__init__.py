@@ -60,7 +60,8 @@ class ModelFamily:
     VAE decode:
         is_vae_decode_weight(name) -> whether the decode reads this VAE weight.
         vae_decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
-            ``engine.vae_decode.ChunkedDecoder``.
+            ``engine.vae_decode.ChunkedDecoder`` or an object with its interface
+            (``compile``, ``memory``, ``spatial``, call).
     Engine details:
         block_stack: ``engine.scan_layers.BlockStack``: the transformer's block list, what a
             block carries, where the video tokens are (scan, sequence parallelism).
