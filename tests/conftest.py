@@ -18,37 +18,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="wan-flax-test-cache-")
 
 
+def _build(tmp_path_factory, tool: str, name: str, *flags) -> str:
+    """Run the builder ``tools/<tool>`` into a fresh folder ``name``; returns its path."""
+    path = tmp_path_factory.mktemp(name) / name
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), "--output", str(path),
+                    *flags], check=True, capture_output=True, text=True)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Path of a freshly built tiny random Wan 2.1 checkpoint (diffusers format)."""
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-wan"
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"),
-         "--output", str(path)],
-        check=True, capture_output=True, text=True,
-    )
-    return str(path)
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan")
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint_8h(tmp_path_factory):
     """A tiny checkpoint with 8 heads, so tensor parallelism up to 8 ways divides them."""
-    path = tmp_path_factory.mktemp("ckpt8") / "tiny-wan-8h"
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"),
-         "--output", str(path), "--heads", "8", "--head_dim", "12", "--ffn_dim", "64"],
-        check=True, capture_output=True, text=True,
-    )
-    return str(path)
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-8h", "--heads", "8",
+                  "--head_dim", "12", "--ffn_dim", "64")
 
 
 @pytest.fixture(scope="session")
 def hunyuan_checkpoint(tmp_path_factory):
     """Path of a freshly built tiny random HunyuanVideo-1.5 T2V checkpoint."""
-    path = tmp_path_factory.mktemp("ckpt-hy15") / "tiny-hunyuan15"
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "make_tiny_hunyuan_checkpoint.py"),
-         "--output", str(path)],
-        check=True, capture_output=True, text=True,
-    )
-    return str(path)
+    return _build(tmp_path_factory, "make_tiny_hunyuan_checkpoint.py", "tiny-hunyuan15")

@@ -91,6 +91,18 @@ def test_sharded_equals_unsharded(ours):
                                atol=2e-5)
 
 
+def _with_guider(checkpoint, tmp_path, guider: dict) -> str:
+    """A copy of ``checkpoint`` (symlinks) whose guider config is ``guider``."""
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for name in os.listdir(checkpoint):
+        if name != "guider":
+            os.symlink(os.path.join(checkpoint, name), copy / name)
+    (copy / "guider").mkdir()
+    (copy / "guider" / "guider_config.json").write_text(json.dumps(guider))
+    return str(copy)
+
+
 def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     """Guidance scale and flow shift are the checkpoint's (its guider and scheduler configs),
     frames and fps the family's; a flag still wins."""
@@ -100,18 +112,11 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     assert (config.guidance_scale, config.flow_shift, config.flow_shift_source) == (
         6.0, 9.0, "checkpoint")
     assert (config.frames, config.height, config.width, config.fps) == (121, 720, 1280, 24)
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for name in os.listdir(hunyuan_checkpoint):
-        if name != "guider":
-            os.symlink(os.path.join(hunyuan_checkpoint, name), copy / name)
-    (copy / "guider").mkdir()
     with open(os.path.join(hunyuan_checkpoint, "guider", "guider_config.json")) as f:
         guider = json.load(f)
-    (copy / "guider" / "guider_config.json").write_text(
-        json.dumps({**guider, "guidance_scale": 3.5}))
+    copy = _with_guider(hunyuan_checkpoint, tmp_path, {**guider, "guidance_scale": 3.5})
     config = generate_flax.validate_args(generate_flax.parse_args(
-        ["--model_id", str(copy), "--flow_shift", "7"]))
+        ["--model_id", copy, "--flow_shift", "7"]))
     assert (config.guidance_scale, config.flow_shift, config.flow_shift_source) == (
         3.5, 7.0, "flag")
 
@@ -133,17 +138,11 @@ def test_bad_flags_are_one_line_errors(hunyuan_checkpoint, argv, needle):
 def test_unsupported_guider_option_is_refused(hunyuan_checkpoint, tmp_path):
     from engine.errors import UsageError
 
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for name in os.listdir(hunyuan_checkpoint):
-        if name != "guider":
-            os.symlink(os.path.join(hunyuan_checkpoint, name), copy / name)
-    (copy / "guider").mkdir()
-    (copy / "guider" / "guider_config.json").write_text(json.dumps(
-        {"_class_name": "ClassifierFreeGuidance", "guidance_scale": 6.0,
-         "guidance_rescale": 0.7}))
+    copy = _with_guider(hunyuan_checkpoint, tmp_path, {
+        "_class_name": "ClassifierFreeGuidance", "guidance_scale": 6.0,
+        "guidance_rescale": 0.7})
     with pytest.raises(UsageError, match="guidance_rescale"):
-        generate_flax.validate_args(generate_flax.parse_args(["--model_id", str(copy)]))
+        generate_flax.validate_args(generate_flax.parse_args(["--model_id", copy]))
 
 
 def test_transformer_weights_are_sharded_by_the_rules(hunyuan_checkpoint):
