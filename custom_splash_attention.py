@@ -41,10 +41,11 @@ Design
 * Grid ``(batch, heads, q_blocks, kv_blocks)``; the first three are "parallel", the KV axis
   is the sequential ("arbitrary") reduction axis. Each step loads a ``(block_q, head_dim)``
   tile of Q and a ``(block_kv, head_dim)`` tile of K and V, and loops over the
-  ``block_kv // block_kv_compute`` sub-tiles (11 at the defaults, a rolled
-  ``lax.fori_loop``: unrolling multiplied Mosaic compile time ~6x for a kernel whose
-  loop overhead is a few scalar ops per 256 x 3328 tile), so ``block_kv`` sets the DMA
-  size and ``block_kv_compute`` the size of the live score tile.
+  ``block_kv // block_kv_compute`` sub-tiles (11 at the defaults), unrolled up to
+  ``_UNROLL_MAX_TILES`` into one branch-free basic block (a rolled loop beyond), so
+  ``block_kv`` sets the DMA size and ``block_kv_compute`` the size of the live score tile.
+  Each tile's ``P V`` is issued after the next tile's scores, from a bf16 P^T scratch
+  (software pipelining), so the MXU does not wait for the exp2.
 * Scores are computed transposed, ``S^T = K Q^T`` of shape ``(block_kv_compute, block_q)``:
   keys run along sublanes and queries along the 128 lanes, so the softmax max/sum
   reductions over keys are element-wise across vregs plus one 8-sublane reduce (no
@@ -64,15 +65,15 @@ Design
   finite in f32 and bf16, and ``l`` stays below 2^64 x keys): ``l += l_tile``,
   ``acc += V^T P^T``. No max, no alpha, no rescale of ``acc`` on this path, and the
   acceptance test is on ``l_tile``, which the sum already produces. Columns over the bound
-  (``inf`` included) keep their state and the sub-tile is redone for them under a
-  ``pl.when`` with the exact update (``m' = max(m, max x)``, rescale by ``2^(m - m')``),
-  tracked by a (1, block_q) flag row so both paths agree on the columns. The redo runs for
-  the first tile of every query (``m`` starts at a floor, so ``p`` is inf) and afterwards
-  only when a query's max jumps by about 64 (base 2; ~44 nats) over its shift: about
-  one sub-tile in ``num_kv_steps * block_kv / block_kv_compute`` (1 in 75 at 720p with
-  1024-key sub-tiles). ``>`` is False for NaN, so garbage query columns of a partial last
-  q block never trigger it. The static profile does not charge the rare branch; the
-  figures in RESULTS.md are the fast path's bundles. Exactness: as for any flash kernel,
+  (``inf`` included) keep their state, are flagged per sub-tile in a
+  (num_sub, 1, block_q) scratch, and are redone after the step's last ``P V`` under one
+  ``pl.when`` with the exact update (``m' = max(m, max x)``, rescale by ``2^(m - m')``).
+  The shift starts at the max of each query's first 16 keys (``_init``), so the redo
+  runs only when a query's max jumps by about 64 (base 2; ~44 nats) over its shift (rare;
+  or a query with no valid key among the first 16). ``>`` is False for NaN, so garbage
+  query columns of a partial last q block never trigger it. The static profile barely
+  charges the rare branch; benchmarks/kernel_cycles_results.md has the fast path's
+  bundles. Exactness: as for any flash kernel,
   the result is ``sum 2^(x - m) v / sum 2^(x - m)`` for a per-query ``m`` shared by both
   sums; a stale ``m`` only makes the probabilities larger (never underflowing more than
   the exact shift would), and f32 and bf16 keep the same relative precision at any
