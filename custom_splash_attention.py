@@ -41,10 +41,11 @@ Design
 * Grid ``(batch, heads, q_blocks, kv_blocks)``; the first three are "parallel", the KV axis
   is the sequential ("arbitrary") reduction axis. Each step loads a ``(block_q, head_dim)``
   tile of Q and a ``(block_kv, head_dim)`` tile of K and V, and loops over the
-  ``block_kv // block_kv_compute`` sub-tiles (11 at the defaults, a rolled
-  ``lax.fori_loop``: unrolling multiplied Mosaic compile time ~6x for a kernel whose
-  loop overhead is a few scalar ops per 256 x 3328 tile), so ``block_kv`` sets the DMA
-  size and ``block_kv_compute`` the size of the live score tile.
+  ``block_kv // block_kv_compute`` sub-tiles (11 at the defaults), unrolled up to
+  ``_UNROLL_MAX_TILES`` into one branch-free basic block (a rolled loop beyond), so
+  ``block_kv`` sets the DMA size and ``block_kv_compute`` the size of the live score tile.
+  Each tile's ``P V`` is issued after the next tile's scores, from a bf16 P^T scratch
+  (software pipelining), so the MXU does not wait for the exp2.
 * Scores are computed transposed, ``S^T = K Q^T`` of shape ``(block_kv_compute, block_q)``:
   keys run along sublanes and queries along the 128 lanes, so the softmax max/sum
   reductions over keys are element-wise across vregs plus one 8-sublane reduce (no
@@ -64,15 +65,15 @@ Design
   finite in f32 and bf16, and ``l`` stays below 2^64 x keys): ``l += l_tile``,
   ``acc += V^T P^T``. No max, no alpha, no rescale of ``acc`` on this path, and the
   acceptance test is on ``l_tile``, which the sum already produces. Columns over the bound
-  (``inf`` included) keep their state and the sub-tile is redone for them under a
-  ``pl.when`` with the exact update (``m' = max(m, max x)``, rescale by ``2^(m - m')``),
-  tracked by a (1, block_q) flag row so both paths agree on the columns. The redo runs for
-  the first tile of every query (``m`` starts at a floor, so ``p`` is inf) and afterwards
-  only when a query's max jumps by about 64 (base 2; ~44 nats) over its shift: about
-  one sub-tile in ``num_kv_steps * block_kv / block_kv_compute`` (1 in 75 at 720p with
-  1024-key sub-tiles). ``>`` is False for NaN, so garbage query columns of a partial last
-  q block never trigger it. The static profile does not charge the rare branch; the
-  figures in RESULTS.md are the fast path's bundles. Exactness: as for any flash kernel,
+  (``inf`` included) keep their state, are flagged per sub-tile in a
+  (num_sub, 1, block_q) scratch, and are redone after the step's last ``P V`` under one
+  ``pl.when`` with the exact update (``m' = max(m, max x)``, rescale by ``2^(m - m')``).
+  The shift starts at the max of each query's first 16 keys (``_init``), so the redo
+  runs only when a query's max jumps by about 64 (base 2; ~44 nats) over its shift (rare;
+  or a query with no valid key among the first 16). ``>`` is False for NaN, so garbage
+  query columns of a partial last q block never trigger it. The static profile barely
+  charges the rare branch; benchmarks/kernel_cycles_results.md has the fast path's
+  bundles. Exactness: as for any flash kernel,
   the result is ``sum 2^(x - m) v / sum 2^(x - m)`` for a per-query ``m`` shared by both
   sums; a stale ``m`` only makes the probabilities larger (never underflowing more than
   the exact shift would), and f32 and bf16 keep the same relative precision at any
@@ -193,6 +194,8 @@ _NN = (((1,), (0,)), ((), ()))
 _LAZY_LOG2_BOUND = 64
 _LAZY_BOUND = float(2**_LAZY_LOG2_BOUND)
 _NT = (((1,), (1,)), ((), ()))
+# Sub-tiles per grid step that are unrolled (more: a rolled loop, for compile time).
+_UNROLL_MAX_TILES = 16
 
 
 def default_attention_backend() -> str:
@@ -299,8 +302,11 @@ def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
     d = _round_up(head_dim, NUM_LANES)
     buffers = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # Q, O, K, V^T x2
     ids = 2 * 4 * NUM_LANES * (NUM_SUBLANES + bs.block_kv)  # segment ids x2
-    scratch = 4 * bs.block_q * (2 * d + 3 * NUM_SUBLANES)  # acc^T, its transpose, m, l, bad
+    num_sub = bs.block_kv // bs.block_kv_compute
+    # acc^T, its transpose, m, l, the per-sub-tile rejection flags
+    scratch = 4 * bs.block_q * (2 * d + (2 + num_sub) * NUM_SUBLANES)
     tiles = 2 * 4 * bs.block_kv_compute * bs.block_q  # f32 scores and probabilities
+    tiles += itemsize * bs.block_kv_compute * bs.block_q  # P^T scratch of the pending P V
     need = buffers + ids + scratch + tiles
     return int(min(max(2 * need, 32 << 20), 100 << 20))
 
@@ -326,6 +332,7 @@ def _splash_kernel(
     l_ref,
     acc_ref,
     bad_ref,
+    p_ref,
     *,
     block_q: int,
     block_kv: int,
@@ -340,22 +347,18 @@ def _splash_kernel(
     Refs: q (block_q, D) pre-scaled by scale*log2(e); k (block_kv, D); vt (D, block_kv);
     q_ids (1, block_q) and kv_ids (block_kv, 128) int32 or None; o (block_q, D);
     m (the shift, a stale running max), l (1, block_q) f32; acc (D, block_q) f32; bad
-    (1, block_q) f32, 1.0 where the current sub-tile is redone exactly (lazy shift, see the
-    module docstring). Rows of the last q block and keys of the last kv block that lie
-    past the arrays' ends hold unspecified values (Pallas pads partial blocks with
-    garbage, NaN in interpret mode): garbage queries only touch their own score columns
-    and output rows, which Pallas discards on write; garbage keys are masked out of the
-    scores and zeroed in V.
+    (num_sub, 1, block_q) f32, 1.0 where sub-tile c rejected a column (lazy shift, see the
+    module docstring); p (block_kv_compute, block_q) in V's dtype, the probabilities of
+    the sub-tile whose P V is pending. Rows of the last q block and keys of the last kv
+    block that lie past the arrays' ends hold unspecified values (Pallas pads partial
+    blocks with garbage, NaN in interpret mode): garbage queries only touch their own
+    score columns and output rows, which Pallas discards on write; garbage keys are
+    masked out of the scores and zeroed in V.
     """
     q_block, kv_step = pl.program_id(2), pl.program_id(3)
     num_kv_steps = pl.num_programs(3)
     num_sub = block_kv // block_kv_compute
-
-    @pl.when(kv_step == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, _M_FLOOR, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    base_masks = ("segment",) if q_ids_ref is not None else ()
 
     q_start = q_offset_ref[0] + q_block * block_q  # global position of the first query
     if window_size is None:
@@ -365,30 +368,41 @@ def _splash_kernel(
             q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps, window_size
         )
 
+    def keys_of(c):
+        return pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
+
+    def key_positions(c, shape, dim):
+        return kv_block * block_kv + c * block_kv_compute + lax.broadcasted_iota(
+            jnp.int32, shape, dim
+        )
+
     def scores(c, mask_kinds: tuple[str, ...]):
-        """Masked S^T = K Q^T of sub-tile ``c``, (block_kv_compute, block_q), and V^T."""
-        keys = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
-        # S^T = K Q^T: (block_kv_compute, block_q), keys along sublanes.
+        """Masked S^T = K Q^T of sub-tile ``c``: (block_kv_compute, block_q), keys along
+        sublanes."""
+        keys = keys_of(c)
         s = lax.dot_general(
             k_ref[keys, :], q_ref[...], _NT, precision=precision, preferred_element_type=jnp.float32
         )
-        vt = vt_ref[:, keys]
         if mask_kinds:
-            k_first = kv_block * block_kv + c * block_kv_compute
-            k_pos = k_first + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            k_pos = key_positions(c, s.shape, 0)
             conditions = []
             if "tail" in mask_kinds:
                 conditions.append(k_pos < kv_len)
-                # Keys past kv_len are garbage: 0 * NaN would poison acc through P V.
-                vt_pos = k_first + lax.broadcasted_iota(jnp.int32, vt.shape, 1)
-                vt = jnp.where(vt_pos < kv_len, vt, jnp.zeros_like(vt))
             if "segment" in mask_kinds:
                 conditions.append(kv_ids_ref[keys, :1] == q_ids_ref[...])
             if "window" in mask_kinds:
                 q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
                 conditions.append(jnp.abs(q_pos - k_pos) <= window_size)
             s = jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
-        return s, vt
+        return s
+
+    def values(c, mask_kinds: tuple[str, ...]):
+        """V^T of sub-tile ``c``: (head_dim, block_kv_compute)."""
+        vt = vt_ref[:, keys_of(c)]
+        if "tail" in mask_kinds:
+            # Keys past kv_len are garbage: 0 * NaN would poison acc through P V.
+            vt = jnp.where(key_positions(c, vt.shape, 1) < kv_len, vt, jnp.zeros_like(vt))
+        return vt
 
     def pv(vt, p):
         # acc^T += V^T P^T: (head_dim, block_q). Probabilities in V's dtype (bf16 x bf16
@@ -397,66 +411,124 @@ def _splash_kernel(
             vt, p.astype(vt.dtype), _NN, precision=precision, preferred_element_type=jnp.float32
         )
 
-    def sub_tile(c, mask_kinds: tuple[str, ...]):
-        """Lazy-shift online-softmax update with keys [c, c + 1) * block_kv_compute."""
-        s, vt = scores(c, mask_kinds)
-        # Stale shift m: no max pass before the exp2 (masked scores: 2^-inf = 0).
-        p = jnp.exp2(s - m_ref[...])
-        l_tile = jnp.sum(p, axis=0, keepdims=True)
-        # Safe while every 2^(s - m) <= l_tile <= 2^_LAZY_LOG2_BOUND. A column over the
-        # bound (or inf: the first tile a query sees, m at the floor) keeps its state and
-        # is redone exactly below. ``>`` is False for NaN, so garbage query columns
-        # (discarded on write) never trigger a redo.
-        bad = l_tile > _LAZY_BOUND
-        bad_ref[...] = bad.astype(jnp.float32)
-        l_ref[...] = jnp.where(bad, l_ref[...], l_ref[...] + l_tile)
-        acc_ref[...] = jnp.where(bad, acc_ref[...], acc_ref[...] + pv(vt, p))
-
-        @pl.when(jnp.any(bad))
-        def _rescale():
-            # Rare: the first tile of every query, and any jump of a query's max by about
-            # _LAZY_LOG2_BOUND or more: the exact flash update, m' = max(m, max s) and
-            # rescale by 2^(m - m'), of those columns only.
-            s, vt = scores(c, mask_kinds)
-            m_prev = m_ref[...]
-            redo = bad_ref[...] > 0.0
-            m_next = jnp.where(redo, jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True)), m_prev)
-            p = jnp.exp2(s - m_next)
-            alpha = jnp.exp2(m_prev - m_next)
-            l_ref[...] = jnp.where(
-                redo, alpha * l_ref[...] + jnp.sum(p, axis=0, keepdims=True), l_ref[...]
+    @pl.when(kv_step == 0)
+    def _init():
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if window_size is None:
+            # Start the shift at the max over the first 16 keys (masked like any tile),
+            # so the first step is accepted by the fast path: any shift is exact, it
+            # only has to keep 2^(x - m) finite (see the module docstring).
+            n0 = 2 * NUM_SUBLANES
+            s0 = lax.dot_general(
+                k_ref[:n0, :], q_ref[...], _NT, precision=precision,
+                preferred_element_type=jnp.float32,
             )
-            acc_ref[...] = jnp.where(redo, alpha * acc_ref[...] + pv(vt, p), acc_ref[...])
-            m_ref[...] = m_next
+            ok = lax.broadcasted_iota(jnp.int32, s0.shape, 0) < kv_len
+            if q_ids_ref is not None:
+                ok = jnp.logical_and(ok, kv_ids_ref[:n0, :1] == q_ids_ref[...])
+            s0 = jnp.where(ok, s0, -jnp.inf)
+            m_ref[...] = jnp.maximum(jnp.max(s0, axis=0, keepdims=True), _M_FLOOR)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, _M_FLOOR, jnp.float32)
 
-    def sub_tiles(start: int, stop: int, mask_kinds: tuple[str, ...]):
-        # A rolled loop: fully unrolling the 11 default sub-tiles of (256, 3328) made the
-        # deviceless v6e compile take 37 s instead of 6 s (and bloated the code), while
-        # the loop costs a few scalar ops per 0.85M-element tile.
-        if stop - start == 1:
-            sub_tile(start, mask_kinds)
-        elif stop > start:
-            lax.fori_loop(start, stop, lambda c, _: sub_tile(c, mask_kinds), None)
+    def exact_update(c, mask_kinds, cols):
+        """The textbook flash update of sub-tile ``c`` for the columns ``cols`` only:
+        m' = max(m, max s), rescale l and acc by 2^(m - m'), add the tile."""
+        s = scores(c, mask_kinds)
+        m_prev = m_ref[...]
+        m_next = jnp.where(cols, jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True)), m_prev)
+        p = jnp.exp2(s - m_next)
+        alpha = jnp.exp2(m_prev - m_next)
+        l_ref[...] = jnp.where(cols, alpha * l_ref[...] + jnp.sum(p, axis=0, keepdims=True),
+                               l_ref[...])
+        acc_ref[...] = jnp.where(
+            cols, alpha * acc_ref[...] + pv(values(c, mask_kinds), p), acc_ref[...]
+        )
+        m_ref[...] = m_next
 
-    base_masks = ("segment",) if q_ids_ref is not None else ()
+    def lazy_scores(c, mask_kinds, m):
+        """Fast path, first half: p = 2^(s - m) with the stale shift m (no max pass),
+        accepted per column when l_tile = sum(p) <= 2^_LAZY_LOG2_BOUND (so every p is
+        finite). Accepted columns add l_tile to l; p goes to the scratch for P V. ``>``
+        is False for NaN, so garbage query columns never count as rejected."""
+        p = jnp.exp2(scores(c, mask_kinds) - m)
+        l_tile = jnp.sum(p, axis=0, keepdims=True)
+        bad = l_tile > _LAZY_BOUND
+        bad_ref[c] = bad.astype(jnp.float32)
+        l_ref[...] = jnp.where(bad, l_ref[...], l_ref[...] + l_tile)
+        p_ref[...] = p.astype(p_ref.dtype)
+
+    def lazy_pv(c, mask_kinds):
+        """Fast path, second half: acc += V^T P^T of sub-tile ``c`` for its accepted
+        columns, from the scratch ``lazy_scores`` left."""
+        bad = bad_ref[c] > 0.0
+        acc_ref[...] = jnp.where(
+            bad, acc_ref[...], acc_ref[...] + pv(values(c, mask_kinds), p_ref[...])
+        )
+
+    def lazy_tiles(runs):
+        """Sub-tiles ``runs`` = [(start, stop, mask_kinds), ...] (consecutive) with the
+        stale shift, software pipelined: P V of tile c-1 is issued after the scores of
+        tile c-1 and before those of tile c, from the bf16 scratch ``p_ref``, so the MXU
+        never waits for the exp2 of the tile it just produced. Up to _UNROLL_MAX_TILES
+        tiles are unrolled (one basic block: no loop-carried drain), more take a rolled
+        loop (compile time). No branch until every tile is done; then the rejected
+        columns of every tile are redone exactly (rare; order does not matter, since l
+        and acc are sums under one shift)."""
+        m = m_ref[...]
+        tiles = [(c, mk) for start, stop, mk in runs for c in range(start, stop)]
+        lazy_scores(*tiles[0], m)
+        prev = tiles[0]
+        for start, stop, mk in runs:
+            lo = max(start, 1)
+            if len(tiles) > _UNROLL_MAX_TILES and stop - lo > 1 and mk == prev[1]:
+
+                def body(c, _, mk=mk):
+                    lazy_pv(c - 1, mk)
+                    lazy_scores(c, mk, m)
+
+                lax.fori_loop(lo, stop, body, None)
+            else:
+                for c in range(lo, stop):
+                    lazy_pv(*prev)
+                    lazy_scores(c, mk, m)
+                    prev = (c, mk)
+            if stop - 1 >= lo:
+                prev = (stop - 1, mk)
+        lazy_pv(*prev)
+
+        # Rare: columns a tile rejected (the max of a query jumped by about
+        # _LAZY_LOG2_BOUND over its shift, or the init saw no valid key for it).
+        @pl.when(jnp.any(bad_ref[: len(tiles)] > 0.0))
+        def _redo():
+            for start, stop, mk in runs:
+
+                def redo(c, _, mk=mk):
+                    cols = bad_ref[c] > 0.0
+                    pl.when(jnp.any(cols))(lambda: exact_update(c, mk, cols))
+
+                lax.fori_loop(start, stop, redo, None)
+
     if window_size is None:
         tail = kv_len - (num_kv_blocks - 1) * block_kv  # real keys in the last block
         full, part = divmod(tail, block_kv_compute)
         if tail == block_kv:
-            sub_tiles(0, num_sub, base_masks)
+            lazy_tiles([(0, num_sub, base_masks)])
         else:
 
             @pl.when(kv_block < num_kv_blocks - 1)
             def _body():
-                sub_tiles(0, num_sub, base_masks)
+                lazy_tiles([(0, num_sub, base_masks)])
 
             # Last block: sub-tiles wholly past kv_len are skipped statically; only the
             # one that straddles kv_len pays for a mask.
             @pl.when(kv_block == num_kv_blocks - 1)
             def _last():
-                sub_tiles(0, full, base_masks)
+                runs = [(0, full, base_masks)] if full else []
                 if part:
-                    sub_tile(full, base_masks + ("tail",))
+                    runs.append((full, full + 1, base_masks + ("tail",)))
+                lazy_tiles(runs)
     else:
         masks = base_masks + ("window", "tail")
 
@@ -468,7 +540,14 @@ def _splash_kernel(
                 & (k_hi >= q_start - window_size)
                 & (k_lo < kv_len)
             )
-            pl.when(overlaps)(functools.partial(sub_tile, c, masks))
+
+            @pl.when(overlaps)
+            def _tile():
+                # One tile at a time (no pipelining): lazy update, then its exact redo.
+                lazy_scores(c, masks, m_ref[...])
+                lazy_pv(c, masks)
+                cols = bad_ref[c] > 0.0
+                pl.when(jnp.any(cols))(lambda: exact_update(c, masks, cols))
 
         lax.fori_loop(0, num_sub, windowed, None)
 
@@ -477,7 +556,8 @@ def _splash_kernel(
         denom = l_ref[...]
         # A query with no valid key has l == 0 and acc == 0: return zeros, not NaN.
         inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)
-        o_ref[...] = jnp.transpose(acc_ref[...] * inv).astype(o_ref.dtype)
+        # Cast, then transpose: half the vregs through the transpose, same values.
+        o_ref[...] = jnp.transpose((acc_ref[...] * inv).astype(o_ref.dtype))
 
 
 def _window_kv_block(q_start, kv_step, block_q, block_kv, num_kv_blocks, num_kv_steps, window_size):
@@ -713,7 +793,9 @@ def _splash_attention(
                 pltpu.VMEM((1, bq), jnp.float32),  # shift m (base 2, stale running max)
                 pltpu.VMEM((1, bq), jnp.float32),  # running denominator l
                 pltpu.VMEM((head_dim, bq), jnp.float32),  # acc^T
-                pltpu.VMEM((1, bq), jnp.float32),  # 1.0: column redone exactly
+                # 1.0: sub-tile c rejected the column (lazy shift)
+                pltpu.VMEM((bkv // bs.block_kv_compute, 1, bq), jnp.float32),
+                pltpu.VMEM((bs.block_kv_compute, bq), q.dtype),  # P^T of the pending P V
             ],
         ),
         compiler_params=pltpu.CompilerParams(
