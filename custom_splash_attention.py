@@ -79,11 +79,14 @@ Design
   the exact shift would), and f32 and bf16 keep the same relative precision at any
   exponent.
 * Sub-tile size. With the max pass gone, larger ``block_kv_compute`` amortises the
-  per-sub-tile MXU fill/drain: on v6e (static profile estimates, 3328 queries) 256 keys
-  give 45% MXU use (was 33%) and ``BlockSizes(3328, 3072, 1024)`` 53% (v5e: 88% and 91%,
-  was 71%); 1536 overflows VMEM. The remaining v6e limit is VMEM spill traffic of the f32
-  score tile between the MXU pops and the exp2. Splitting the q block into lane chunks
-  to keep it in registers made the loop latency bound instead (3-7x slower).
+  per-sub-tile MXU fill/drain; 1536 overflows VMEM. On the 720p grid (23 q blocks x 25
+  kv steps per head) ``BlockSizes(3328, 3072, 1024)`` comes to 17,363 cycles per grid step
+  on v6e, 57.5% MXU use (the lazy shift alone at 256 keys: 45%; the textbook kernel: 33%),
+  by libtpu's static profile through ``engine.estimate.kernel_cost`` (an estimate, not a
+  TPU measurement). The remaining v6e limit is the MXU result pops (one per bundle: S^T in
+  f32 plus four passes of V^T P^T cap MXU use near 67% at head_dim 128) and the VMEM spill
+  traffic of the f32 score tile between the pops and the exp2. Splitting the q block into
+  lane chunks to keep it in registers made the loop latency bound instead (3-7x slower).
 * Precision: bf16 Q/K/V feed the MXU as bf16 with f32 accumulation; the probabilities are
   cast to bf16 for ``P V`` (bf16 x bf16 -> f32), while ``m``, ``l`` and ``acc`` stay f32.
   f32 inputs use f32 matmuls at ``Precision.HIGHEST``. The output is cast to q.dtype.
@@ -121,14 +124,20 @@ Design
 Block sizes
 -----------
 ``BlockSizes()`` defaults to ``block_q=3328, block_kv=2816, block_kv_compute=256``, the
-sizes a public Wan 2.1 port tuned on v6e for head_dim 128 at 75,600 tokens. They are upper
+sizes a public Wan 2.1 port tuned on v6e for head_dim 128 at 75,600 tokens, for chips with
+no entry of their own. ``DEFAULT_BLOCK_SIZES`` holds the per-generation defaults that
+``generate_flax.py`` takes from the device kind (or the dry run's topology), chosen by the
+static-profile sweep of ``benchmarks/kernel_cycles.py --sweep``. Sizes are upper
 bounds: for a sequence of length ``n`` the kernel keeps the number of blocks
 ``ceil(n / block)`` and shrinks each block to the smallest aligned size that covers ``n``
-(this shortens the ragged tail; at 75,600 tokens it reproduces 3328 and 2816 exactly),
-and short sequences clamp all blocks to the sequence rounded up to 128. At the defaults
-Mosaic needs 8.9 MiB of scoped VMEM (bisected with deviceless v6e compiles); the kernel
-requests a limit sized from the blocks (``_vmem_limit_bytes``, 37 MiB at the defaults),
-far inside the 128 MiB of VMEM on v5e and v6e.
+(this shortens the ragged tail; at 75,600 tokens it reproduces 3328, 2816 and 3072
+exactly), and short sequences clamp all blocks to the sequence rounded up to 128. At
+3328/2816/256 Mosaic needs 8.9 MiB of scoped VMEM (bisected with deviceless v6e compiles);
+the kernel requests a limit sized from the blocks (``_vmem_limit_bytes``), at most 100 MiB.
+3328/3072/1024 compiles deviceless for v5e, v6e and tpu7x (64 MiB of VMEM) at the 720p
+per-chip shape. With libtpu's static-profile flag set, VMEM use grows with the grid
+(~0.25 MiB per step at these blocks: a 1 x 8 grid needs 130.4 of 127.9 MiB), so profiles
+stay on small grids.
 
 Cross-attention
 ---------------
@@ -258,6 +267,27 @@ class BlockSizesError(ValueError):
     def __init__(self, field: str, expected: str, value):
         super().__init__(f"BlockSizes.{field}: expected {expected}, got {value!r}")
         self.field, self.expected, self.value = field, expected, value
+
+
+# Default blocks per TPU generation (libtpu's topology prefix, as ``engine.chips`` names
+# it), for head_dim 128. Chosen by ``benchmarks/kernel_cycles.py --sweep``: the fewest
+# estimated cycles (libtpu 0.0.42.1's static profile, deviceless; not measured on a TPU) for
+# Wan's 720p and 480p self-attention, with cross-attention at 512 keys as a check
+# (benchmarks/kernel_cycles_results.md). v6e: 57.5% MXU use at 720p against 52.3% at
+# 3328/2816/256; v5e, MXU-bound already, the reverse: 96.4% against 86.2%. tpu7x has no
+# static profile (libtpu aborts): it takes v6e's blocks, which compile for it at the 720p
+# per-chip shape. Other generations (v4, v5p) take ``BlockSizes()``.
+DEFAULT_BLOCK_SIZES: dict[str, BlockSizes] = {
+    "v5e": BlockSizes(3328, 2816, 256),
+    "v6e": BlockSizes(3328, 3072, 1024),
+    "tpu7x": BlockSizes(3328, 3072, 1024),
+}
+
+
+def default_block_sizes(chip: str | None = None) -> BlockSizes:
+    """The default ``BlockSizes`` of a chip generation ("v5e", "v6e", "tpu7x", ...; None or
+    an unlisted name: ``BlockSizes()``)."""
+    return DEFAULT_BLOCK_SIZES.get(chip, BlockSizes())
 
 
 class SegmentIds(NamedTuple):

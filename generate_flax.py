@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from engine import runtime
+from engine import chips, runtime
 from engine.checkpoint import (
     component_folder,
     looks_local,
@@ -67,10 +67,10 @@ DEFAULTS = dict(
     stage="all",
     work_dir="work",
     scan_layers=True,
-    # Splash blocks for head_dim 128 at Wan's 75,600 tokens, as tuned on v6e by a public port.
-    bq=3328,
-    bkv=2816,
-    bkv_compute=256,
+    # Splash blocks: None = the chip's default (custom_splash_attention.DEFAULT_BLOCK_SIZES).
+    bq=None,
+    bkv=None,
+    bkv_compute=None,
 )
 FAMILY_FLAGS = ("prompt", "negative_prompt", "height", "width", "frames", "fps",
                 "num_inference_steps", "guidance_scale", "max_sequence_length")
@@ -183,17 +183,25 @@ def _add_parallel_flags(g) -> None:
                    help="replicate attention-out and FFN-down weights (drops their all-reduce)")
     g.add_argument("--fsdp", action="store_true",
                    help="also shard weights over the mesh axes tensor parallelism leaves free")
+    g.add_argument("--megatron_sp", action="store_true",
+                   help="Megatron sequence parallelism: shard the residual stream's tokens "
+                        "over tp (and sp) between blocks, so tp's all-reduces become "
+                        "reduce-scatter + all-gather and norms and modulation run on 1/tp of "
+                        "the tokens")
     g.add_argument("--attention", choices=("auto", "splash", "stock_splash", "xla"),
                    default=d["attention"],
                    help="SDPA backend: splash = our kernel, stock_splash = JAX's own splash "
                         "kernel (the trusted fallback), xla = plain XLA attention (needs "
                         "~228 GB per chip for 14B at 720p); auto = splash on TPU, else xla")
     g.add_argument("--bq", type=int, default=d["bq"],
-                   help="Splash block_q: queries per kernel grid step (multiple of 128)")
+                   help="Splash block_q: queries per kernel grid step (multiple of 128; "
+                        "default: the chip's, see README's block-size table)")
     g.add_argument("--bkv", type=int, default=d["bkv"],
-                   help="Splash block_kv: keys per grid step (multiple of --bkv_compute)")
+                   help="Splash block_kv: keys per grid step (multiple of --bkv_compute; "
+                        "default: the chip's)")
     g.add_argument("--bkv_compute", type=int, default=d["bkv_compute"],
-                   help="Splash block_kv_compute: keys per score tile (multiple of 128)")
+                   help="Splash block_kv_compute: keys per score tile (multiple of 128; "
+                        "default: the chip's)")
 
 
 def _add_dry_run_flags(g) -> None:
@@ -238,6 +246,9 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     broken = family.check_flags(values)
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
+    if args.megatron_sp and not family.block_stack.sublayers:
+        fail("--megatron_sp", True, f"not supported for {family.name} (its blocks declare no "
+             "sublayers to gather and scatter)")
     flow_shift, source = args.flow_shift, "flag"
     if flow_shift is None and "flow_shift" in defaults:
         flow_shift, source = defaults["flow_shift"], "checkpoint"
@@ -250,8 +261,10 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                  "denoise, without --dry_run")
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
-    return RunConfig(**{**vars(args), **values, "family": family_key, "flow_shift": flow_shift,
-                        "flow_shift_source": source})
+    config = RunConfig(**{**vars(args), **values, "family": family_key,
+                          "flow_shift": flow_shift, "flow_shift_source": source})
+    # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
+    return config.resolve_block_sizes(args.topology.split(":")[0]) if args.dry_run else config
 
 
 def _validate_numbers(args) -> None:
@@ -296,11 +309,24 @@ def _validate_size(family, values: dict) -> None:
 def _validate_block_sizes(args) -> None:
     from custom_splash_attention import BlockSizes, BlockSizesError
 
-    try:
-        BlockSizes(block_q=args.bq, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
-    except BlockSizesError as e:
-        flag = {"block_q": "bq", "block_kv": "bkv", "block_kv_compute": "bkv_compute"}[e.field]
-        fail(f"--{flag}", getattr(args, flag), f"expected {e.expected}")
+    # Each given value alone (128 stands in for the others); the three together once the
+    # chip's defaults fill the rest (RunConfig.resolve_block_sizes).
+    for flag, field in (("bq", "block_q"), ("bkv", "block_kv"),
+                        ("bkv_compute", "block_kv_compute")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        try:
+            BlockSizes(**{"block_q": 128, "block_kv": 128, "block_kv_compute": 128,
+                          field: value})
+        except BlockSizesError as e:
+            if e.field == field:
+                fail(f"--{flag}", value, f"expected {e.expected}")
+    if args.bkv is not None and args.bkv_compute is not None:
+        try:
+            BlockSizes(block_q=128, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
+        except BlockSizesError as e:
+            fail("--bkv", args.bkv, f"expected {e.expected}")
 
 
 def _validate_distributed(args) -> None:
@@ -390,6 +416,8 @@ def generate(config: RunConfig, devices=None):
     cache_before = dict(runtime.CACHE_STATS)
     devices = jax.devices() if devices is None else list(devices)
     config, staged = read_intermediates(config, family)
+    chip = chips.chip_for_device_kind(devices[0].device_kind)
+    config = config.resolve_block_sizes(chip.name if chip else None)
     mesh_shape = resolve_mesh(config, family, len(devices))
     attention = default_attention_backend() if config.attention == "auto" else config.attention
     report = dict(stage=stage, settings={**config.settings(), "attention": attention,
@@ -556,7 +584,7 @@ def place_transformer(config, family, pipe, mesh, fallbacks) -> dict:
     return sharding.place_transformer(
         pipe.transformer, mesh, family.sharding_rules(config),
         checkpoint=component_folder(config.model_id, "transformer"), fsdp=config.fsdp,
-        scan=config.scan_layers, sp=mesh.shape["sp"], fallbacks=fallbacks,
+        scan=config.scan_layers, megatron_sp=config.megatron_sp, fallbacks=fallbacks,
         stack=family.block_stack)
 
 
@@ -648,6 +676,7 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
         out.update(
             tokens=family.token_count(cfg, config.height, config.width, config.frames),
             layout=dict(replicate_row_parallel=config.replicate_row_parallel, fsdp=config.fsdp,
+                        megatron_sp=config.megatron_sp,
                         sequence_parallel=mesh_shape.sp > 1),
             sharding_rule_matches=placed["rule_counts"],
             # Streamed from the safetensors files: what this host (process 0) read, against
@@ -659,8 +688,6 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
 
 def dry_run_command(config: RunConfig, devices, mesh_shape=None) -> str:
     """The ``--dry_run`` command that predicts this run's per-chip HBM without a TPU."""
-    from engine import chips
-
     topology = chips.topology_name(devices) or "<chip>:<AxB>"
     flags = [f"--model_id {config.model_id}", f"--height {config.height}",
              f"--width {config.width}", f"--frames {config.frames}"]

@@ -299,16 +299,14 @@ def main(argv=None) -> int:
         import torchax
 
         import custom_splash_attention as csa
-        import generate_flax as gf
 
         mesh_shape = tuple(int(x) for x in args.mesh.split(","))
         mesh = topology_mesh(args.topology, mesh_shape)
         csa.install_sdpa_override(torchax.default_env(), attention=args.attention,
                                   mesh=mesh if args.attention == "splash" else None,
-                                  # generate_flax's default --bq/--bkv/--bkv_compute
-                                  block_sizes=csa.BlockSizes(gf.DEFAULTS["bq"],
-                                                             gf.DEFAULTS["bkv"],
-                                                             gf.DEFAULTS["bkv_compute"]),
+                                  # the topology's default blocks, as generate_flax takes them
+                                  block_sizes=csa.default_block_sizes(
+                                      args.topology.split(":")[0]),
                                   interpret=False)
         results = []
         for v in variants:

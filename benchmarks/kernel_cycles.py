@@ -1,4 +1,4 @@
-"""Estimated cycles per grid step of the splash kernel, from libtpu's static profile.
+"""Estimated cycles of the Splash kernel on the real grids, from libtpu's static profile.
 
 ESTIMATE ONLY: no TPU is used. libtpu compiles the kernel for a described chip
 (deviceless, ``jax.experimental.topologies``) and, with
@@ -7,147 +7,158 @@ ESTIMATE ONLY: no TPU is used. libtpu compiles the kernel for a described chip
 charged and work under data-dependent branches is only partly counted; see
 the project's shared notes (tpu-static-profile).
 
-The kernel is profiled on a tiny grid (batch 1, ``heads`` heads, ``q_blocks`` x
-``kv_blocks`` blocks of the given sizes, head_dim 128, bf16) and the kernel's cycles are
-divided by the number of grid steps; per-step cost is independent of grid size (checked
-with ``--check-linearity``), so it scales to any sequence.
+The kernel is profiled on two tiny grids (2 x 2 and 2 x 3 blocks, head_dim 128, bf16) and
+``engine.estimate.kernel_cost`` splits the cycles into a per-grid-step and a per-q-block
+part (``_init`` and ``_finish``), which it scales to the real grid of each shape:
 
-MXU use = (4 * block_q * block_kv * head_dim FLOPs per step / MXU FLOPs per cycle) /
-cycles per step.
+* ``720p``:  Wan 14B / 1.3B self-attention at 1280x720 x 81 frames, 75,600 tokens;
+* ``480p``:  832x480 x 81 frames, 32,760 tokens (14B and 1.3B: both have head_dim 128);
+* ``cross``: 75,600 queries x 512 text keys (Wan's cross-attention).
+
+Columns, per head (the grid of one head; heads only multiply it):
+
+* grid MXU use = 4 * block_q * block_kv * head_dim FLOPs per grid step x steps /
+  (MXU FLOPs per cycle x cycles): the kernel's own efficiency, padding counted as work;
+* token MXU use = 4 * q_len * kv_len * head_dim / (MXU FLOPs per cycle x cycles): what the
+  blocks buy for this sequence, padding counted as waste. The sweep ranks by it.
 
 Usage::
 
-    python benchmarks/kernel_cycles.py           # v5e, v6e, tpu7x at the default blocks
-    python benchmarks/kernel_cycles.py --blocks 3328,2816,256 --chips v6e
+    python benchmarks/kernel_cycles.py --chips v6e,v5e --blocks 3328,3072,1024
+    python benchmarks/kernel_cycles.py --sweep          # every candidate, v6e and v5e
 
-Importable: ``cycles_per_grid_step(chip, block_sizes, head_dim=128, ...)`` returns a float.
-The profile flag must be in ``LIBTPU_INIT_ARGS`` before libtpu initialises, so import
-this module (or call ``setup_environment``) before anything else touches the TPU backend.
+One subprocess per chip: libtpu aborts the whole process with the profile flag on tpu7x
+(libtpu 0.0.42.1), so tpu7x rows say so instead of a figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import estimate  # noqa: E402
 
-# MXU bf16 FLOPs per cycle per TensorCore: MXUs x width^2 x 2 (tpu7x: assumed as v6e).
-MXU_FLOPS_PER_CYCLE = {**estimate.MXU_FLOPS_PER_CYCLE, "tpu7x": 4 * 256 * 256 * 2}
+# MXU bf16 FLOPs per cycle per TensorCore: MXUs x width^2 x 2.
+MXU_FLOPS_PER_CYCLE = estimate.MXU_FLOPS_PER_CYCLE
 TOPOLOGY = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "tpu7x": "tpu7x:2x2x1"}
+SHAPES = {"720p": (75600, 75600), "480p": (32760, 32760), "cross": (75600, 512)}
+# The sweep's candidates: the public port's blocks, and the lazy-shift kernel's larger
+# score tiles at two block_kv.
+CANDIDATES = ("3328,2816,256", "3328,3072,512", "3328,3072,1024", "3328,4096,1024")
 
 
-def setup_environment(profile_dir: str | None = None) -> str:
-    """Set the deviceless libtpu environment and the profile flag; returns the dump dir."""
-    return estimate.setup_profile_environment(profile_dir)
+def shape_cost(chip: str, blocks, shape: str, head_dim: int = 128, cache=None) -> dict:
+    """Estimated cycles of one head of ``shape`` on ``chip`` at ``blocks`` (an ESTIMATE).
 
-
-setup_environment()
-
-import custom_splash_attention as csa  # noqa: E402
-
-
-def kernel_cycles(chip: str, block_sizes, **kwargs) -> tuple[int, int]:
-    """(estimated kernel cycles, grid steps) of one deviceless compile on ``chip``."""
-    return estimate.kernel_cycles(TOPOLOGY[chip], block_sizes, **kwargs)
-
-
-def cycles_per_grid_step(chip: str, block_sizes, head_dim: int = 128, **kwargs) -> float:
-    """Estimated cycles per grid step (static profile, tiny grid; an estimate)."""
-    cycles, steps = kernel_cycles(chip, block_sizes, head_dim=head_dim, **kwargs)
-    return cycles / steps
-
-
-def per_step_and_per_q_block(chip: str, block_sizes, head_dim: int = 128) -> tuple[float, float]:
-    """(cycles per grid step, cycles per q block) of the kernel (static-profile estimate).
-
-    The kernel's first and last kv step of a q block also run ``_init`` and ``_finish``;
-    on a tiny grid with 2 kv steps per q block they weigh ~12x more than on the 720p grid
-    (25 kv steps). Profiles 1 x 2 and 1 x 4 (q blocks x kv blocks) grids and solves
-    cycles = step * q_blocks * kv_blocks + fixed * q_blocks.
+    Returns {"fitted", "grid", "cycles", "grid_mxu_use", "token_mxu_use", "cost"}.
     """
-    c2, _ = kernel_cycles(chip, block_sizes, head_dim=head_dim, q_blocks=1, kv_blocks=2)
-    c4, _ = kernel_cycles(chip, block_sizes, head_dim=head_dim, q_blocks=1, kv_blocks=4)
-    step = (c4 - c2) / 2
-    return step, c2 - 2 * step
+    import custom_splash_attention as csa
+
+    q_len, kv_len = SHAPES[shape]
+    bs = csa.BlockSizes(*blocks)
+    fitted = csa._fit_block_sizes(bs, q_len, kv_len)
+    grid = [1, 1, -(-q_len // fitted.block_q), -(-kv_len // fitted.block_kv)]
+    key = (tuple(dataclass_values(fitted)), min(grid[3], 3))
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = estimate.kernel_cost(TOPOLOGY[chip], fitted, kv_steps=grid[3],
+                                          head_dim=head_dim)
+    cost = cache[key]
+    cycles = estimate.call_cycles(dict(grid=grid), cost)
+    per_cycle = MXU_FLOPS_PER_CYCLE[chip]
+    step_flops = 4 * fitted.block_q * fitted.block_kv * head_dim
+    return dict(fitted=dataclass_values(fitted), grid=grid, cycles=cycles, cost=cost,
+                grid_mxu_use=step_flops * math.prod(grid) / (per_cycle * cycles),
+                token_mxu_use=4 * q_len * kv_len * head_dim / (per_cycle * cycles))
 
 
-def mxu_use(chip: str, block_sizes, cycles_per_step: float, head_dim: int = 128) -> float:
-    """Fraction of the MXU peak: step FLOPs / MXU FLOPs per cycle / cycles per step."""
-    bs = block_sizes if isinstance(block_sizes, csa.BlockSizes) else csa.BlockSizes(*block_sizes)
-    flops = 4 * bs.block_q * bs.block_kv * head_dim
-    return flops / MXU_FLOPS_PER_CYCLE[chip] / cycles_per_step
+def dataclass_values(bs) -> list[int]:
+    return [bs.block_q, bs.block_kv, bs.block_kv_compute]
+
+
+def run_chip(chip: str, candidates: list[str], shapes: list[str], head_dim: int,
+             jsonl: str | None = None) -> list:
+    """Rows for one chip, in this process (the profile flag must precede libtpu); each row
+    is also appended to ``jsonl`` as it comes (a sweep takes tens of minutes)."""
+    estimate.setup_profile_environment()
+    rows, cache = [], {}
+    for blocks in candidates:
+        for shape in shapes:
+            row = dict(chip=chip, blocks=blocks, shape=shape)
+            try:
+                row.update(shape_cost(chip, [int(x) for x in blocks.split(",")], shape,
+                                      head_dim, cache))
+            except Exception as e:  # noqa: BLE001 - a row that failed says why
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if jsonl:
+                with open(jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def print_table(rows: list) -> None:
+    print("\nESTIMATES from libtpu 0.0.42.1's static profile (deviceless; no TPU measured)")
+    print(f"{'chip':<6} {'shape':<6} {'blocks':<15} {'fitted':<15} {'grid QxK':>9} "
+          f"{'Mcycles/head':>12} {'per step':>9} {'grid MXU':>8} {'token MXU':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['chip']:<6} {r['shape']:<6} {r['blocks']:<15} {r['error']}")
+            continue
+        q, k = r["grid"][2:]
+        print(f"{r['chip']:<6} {r['shape']:<6} {r['blocks']:<15} "
+              f"{','.join(map(str, r['fitted'])):<15} {f'{q}x{k}':>9} "
+              f"{r['cycles'] / 1e6:12.2f} {r['cycles'] / (q * k):9,.0f} "
+              f"{r['grid_mxu_use']:8.1%} {r['token_mxu_use']:9.1%}")
+    best = {}
+    for r in rows:
+        if "error" not in r and r["cycles"] < best.get((r["chip"], r["shape"]), {}).get(
+                "cycles", math.inf):
+            best[r["chip"], r["shape"]] = r
+    print("\nfewest estimated cycles per (chip, shape):")
+    for (chip, shape), r in sorted(best.items()):
+        print(f"  {chip} {shape}: {r['blocks']} ({r['token_mxu_use']:.1%} token MXU use)")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chips", default="v5e,v6e,tpu7x")
-    parser.add_argument("--blocks", default="3328,2816,256", help="block_q,block_kv,bkv_compute")
+    parser.add_argument("--chips", default="v6e,v5e")
+    parser.add_argument("--blocks", action="append",
+                        help="block_q,block_kv,block_kv_compute (repeatable)")
+    parser.add_argument("--sweep", action="store_true", help="every candidate in CANDIDATES")
+    parser.add_argument("--shapes", default="720p,480p,cross")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--check-linearity", action="store_true", help="also a 2-head grid")
-    parser.add_argument(
-        "--fit-kv-steps", type=int, default=0,
-        help="profile 1x2 and 1x4 grids (q blocks x kv blocks), split the cycles into a "
-        "per-step part and a per-q-block part (init + finish) and report cycles/step at "
-        "this many kv steps per q block (720p 14B at 3072-key blocks: 25)",
-    )
-    parser.add_argument("--q-blocks", type=int, default=2, help="q blocks in the profiled grid")
-    parser.add_argument("--kv-blocks", type=int, default=2, help="kv blocks in the profiled grid")
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--jsonl", help="append each row here as soon as it is profiled")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    bs = csa.BlockSizes(*(int(x) for x in args.blocks.split(",")))
-    if len(args.chips.split(",")) > 1:
-        print(f"ESTIMATE (libtpu static profile, deviceless; no TPU measured). blocks {bs}")
-    chips = args.chips.split(",")
-    if len(chips) > 1:
-        # One process per chip: libtpu aborts the process on some targets (tpu7x here).
-        import subprocess
-
-        for chip in chips:
-            cmd = [sys.executable, __file__, "--chips", chip, "--blocks", args.blocks]
-            cmd += ["--head-dim", str(args.head_dim)]
-            cmd += ["--q-blocks", str(args.q_blocks), "--kv-blocks", str(args.kv_blocks)]
-            cmd += ["--fit-kv-steps", str(args.fit_kv_steps)]
-            cmd += ["--check-linearity"] if args.check_linearity else []
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [x for x in run.stdout.splitlines() if x.startswith(chip)]
-            print(lines[0] if lines else f"{chip}: failed (exit {run.returncode})", flush=True)
+    candidates = list(CANDIDATES) if args.sweep else (args.blocks or ["3328,3072,1024"])
+    shapes = args.shapes.split(",")
+    if args.worker:
+        run_chip(args.worker, candidates, shapes, args.head_dim, args.jsonl)
         return
-    for chip in chips:
-        if args.fit_kv_steps:
-            try:
-                step, fixed = per_step_and_per_q_block(chip, bs, head_dim=args.head_dim)
-            except Exception as e:  # noqa: BLE001 - report and go on with the next chip
-                print(f"{chip}: failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            per_step = step + fixed / args.fit_kv_steps
-            print(
-                f"{chip}: {per_step:,.0f} cycles/grid step at {args.fit_kv_steps} kv steps per "
-                f"q block (estimate: {step:,.0f}/step + {fixed:,.0f}/q block), MXU use "
-                f"{mxu_use(chip, bs, per_step, args.head_dim):.1%}; per step alone "
-                f"{mxu_use(chip, bs, step, args.head_dim):.1%}",
-                flush=True,
-            )
-            continue
-        try:
-            per_step = cycles_per_grid_step(
-                chip, bs, head_dim=args.head_dim, q_blocks=args.q_blocks, kv_blocks=args.kv_blocks
-            )
-        except Exception as e:  # noqa: BLE001 - report and go on with the next chip
-            print(f"{chip}: failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        line = (
-            f"{chip}: {per_step:,.0f} cycles/grid step (estimate), MXU use "
-            f"{mxu_use(chip, bs, per_step, args.head_dim):.1%}"
-        )
-        if args.check_linearity:
-            per_step2 = cycles_per_grid_step(
-                chip, bs, head_dim=args.head_dim, heads=2,
-                q_blocks=args.q_blocks, kv_blocks=args.kv_blocks,
-            )
-            line += f"; 2-head grid: {per_step2:,.0f} cycles/step"
-        print(line, flush=True)
+    rows = []
+    for chip in args.chips.split(","):
+        cmd = [sys.executable, __file__, "--worker", chip, "--shapes", args.shapes,
+               "--head-dim", str(args.head_dim)] + (["--jsonl", args.jsonl] if args.jsonl else [])
+        for b in candidates:
+            cmd += ["--blocks", b]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        rows += got
+        if proc.returncode != 0 and len(got) < len(candidates) * len(shapes):
+            rows.append(dict(chip=chip, blocks="-", shape="-",
+                             error=f"profile process exited {proc.returncode} (libtpu abort)"))
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

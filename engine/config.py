@@ -38,9 +38,9 @@ class RunConfig:
     dtype: str
     max_sequence_length: int
     attention: str
-    bq: int
-    bkv: int
-    bkv_compute: int
+    bq: int | None
+    bkv: int | None
+    bkv_compute: int | None
     compilation_cache_dir: str
     stage: str
     work_dir: str
@@ -54,6 +54,7 @@ class RunConfig:
     scan_layers: bool
     replicate_row_parallel: bool
     fsdp: bool
+    megatron_sp: bool
     profile_dir: str | None
     verbose: bool
     save_frames: bool
@@ -75,10 +76,38 @@ class RunConfig:
         return 2 if self.use_cfg else 1
 
     def block_sizes(self):
-        """``custom_splash_attention.BlockSizes`` of --bq/--bkv/--bkv_compute."""
+        """``custom_splash_attention.BlockSizes`` of --bq/--bkv/--bkv_compute, once
+        ``resolve_block_sizes`` has filled the ones not given."""
         from custom_splash_attention import BlockSizes
 
         return BlockSizes(block_q=self.bq, block_kv=self.bkv, block_kv_compute=self.bkv_compute)
+
+    def resolve_block_sizes(self, chip: str | None) -> RunConfig:
+        """This config with --bq/--bkv/--bkv_compute not given taken from ``chip``'s
+        defaults (``custom_splash_attention.DEFAULT_BLOCK_SIZES``; chip None = off TPU).
+
+        Raises:
+            UsageError: the resulting blocks break a ``BlockSizes`` rule (naming the flag).
+        """
+        from custom_splash_attention import BlockSizesError, default_block_sizes
+        from engine.errors import fail
+
+        default = default_block_sizes(chip)
+        given = dict(bq=self.bq, bkv=self.bkv, bkv_compute=self.bkv_compute)
+        values = dict(bq=default.block_q, bkv=default.block_kv,
+                      bkv_compute=default.block_kv_compute)
+        values.update({k: v for k, v in given.items() if v is not None})
+        out = self.replace(**values)
+        try:
+            out.block_sizes()
+        except BlockSizesError as e:
+            flag = {"block_q": "bq", "block_kv": "bkv", "block_kv_compute": "bkv_compute"}[
+                e.field]
+            where = f"{chip or 'generic'} defaults" if None in given.values() else "flags"
+            fail(f"--{flag}", values[flag], f"expected {e.expected} (blocks "
+                 f"{values['bq']}/{values['bkv']}/{values['bkv_compute']} from the {where}; "
+                 "give all three of --bq/--bkv/--bkv_compute)")
+        return out
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)

@@ -19,7 +19,11 @@ from engine.checkpoint import model_config_dir, read_component_config
 from engine.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.mesh import make_mesh, resolve_mesh_shape
 from engine.report import versions
-from engine.sharding import add_sequence_parallel_hooks, module_sharding_specs
+from engine.sharding import (
+    add_sequence_parallel_hooks,
+    module_sharding_specs,
+    residual_token_axes,
+)
 from engine.step import compile_step
 
 
@@ -98,7 +102,7 @@ def _topology(topology: str):
     return list(topo.devices), chip
 
 
-def _abstract_transformer(config, family, cfg: dict, mesh, sp: int) -> dict:
+def _abstract_transformer(config, family, cfg: dict, mesh) -> dict:
     """The transformer with meta weights, as ``place_module`` would place it: ``params`` and
     ``buffers`` are sharded ``ShapeDtypeStruct``s."""
     import torch
@@ -109,8 +113,9 @@ def _abstract_transformer(config, family, cfg: dict, mesh, sp: int) -> dict:
     transformer = family.empty_transformer(cfg, getattr(torch, config.dtype))
     if config.scan_layers:
         scan_layers.scan_blocks(transformer, stack=family.block_stack)
-    if sp > 1:
-        add_sequence_parallel_hooks(transformer, mesh, stack=family.block_stack)
+    axes = residual_token_axes(mesh, config.megatron_sp)
+    if axes:
+        add_sequence_parallel_hooks(transformer, mesh, stack=family.block_stack, axes=axes)
     jm = interop.JittableModule(transformer)
     specs, counts, _ = module_sharding_specs(
         transformer, {k: v.shape for k, v in jm.params.items()}, family.sharding_rules(config),
@@ -245,7 +250,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     attention = "splash" if config.attention == "auto" else config.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           block_sizes=config.block_sizes(), interpret=False)
-    placed = _abstract_transformer(config, family, cfg, mesh, shape.sp)
+    placed = _abstract_transformer(config, family, cfg, mesh)
     vae, vae_placed = _abstract_vae(family, folder, mesh)
     abstract_inputs = _abstract_inputs(config, family, cfg, vae_cfg, mesh)
     latents, inputs = abstract_inputs[0], abstract_inputs[2]

@@ -605,21 +605,24 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     from torchax import interop
 
     from engine import dry_run
+    from engine import sharding as sharding_mod
 
     cfg = dict(cfg, num_layers=1)
     unrolled = config.replace(scan_layers=False)
-    placed = dry_run._abstract_transformer(unrolled, family, cfg, mesh, shape.sp)
+    placed = dry_run._abstract_transformer(unrolled, family, cfg, mesh)
     args = _block_inputs(unrolled, family, cfg, mesh, placed)
     batch, tokens = args[0].shape[:2]
     stack = family.block_stack
+    axes = sharding_mod.residual_token_axes(mesh, config.megatron_sp)
+    shards = math.prod(mesh.shape[a] for a in axes)
 
     def sharding(x):
         if x.ndim >= 2 and x.shape[0] == batch and batch % shape.dp == 0 and batch > 1:
             spec = ["dp"] + [None] * (x.ndim - 1)
         else:
             spec = [None] * x.ndim
-        if shape.sp > 1 and x.ndim >= 3 and x.shape[1] == tokens and tokens % shape.sp == 0:
-            spec[1] = "sp"
+        if axes and x.ndim >= 3 and x.shape[1] == tokens and tokens % shards == 0:
+            spec[1] = axes if len(axes) > 1 else axes[0]
         return NamedSharding(mesh, P(*spec))
 
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)),
@@ -645,27 +648,75 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     return compiled, time.perf_counter() - t0, calls
 
 
+def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
+    """Cost model of our kernel at one configuration, from two profiled tiny grids (an
+    ESTIMATE from libtpu's static model): cycles of a call with grid (batch, heads, Q, K) =
+    ``per_step`` x grid steps + ``per_q_block`` x batch x heads x Q.
+
+    A q block's first and last kv step also run ``_init`` and ``_finish``; on a 2 x 2 grid
+    they weigh ~12x more than on the 720p grid (25 kv steps per q block), so one tiny grid's
+    cycles per step overstate the real grid's. The profiles are 2 x k1 and 2 x k2 (q blocks x
+    kv blocks) with k1 = min(K, 2) and k2 = min(K, 3): their difference is the per-step
+    slope, the rest is per q block. Both have two q blocks because a one-q-block grid costs
+    less per step (libtpu 0.0.42.1, v6e, 3328/3072/1024: 16,330 cycles per step on 1 x N
+    grids against 17,272 between 2 x 2 and 2 x 3). ``kw`` goes to ``kernel_cycles``.
+
+    With libtpu's profile flag, VMEM use grows with the grid (~0.25 MiB per step at
+    3328/3072/1024); when the 2 x k2 grid overflows it (segment ids at 3328/3072/1024 do on
+    v6e, while the real compile fits), the 2 x k1 grid alone gives the per-step figure and
+    ``note`` says so.
+
+    Returns:
+        {"per_step", "per_q_block": cycles, "profiles": {"QxK": cycles}, "note": str|None}.
+    """
+    k1, k2 = min(kv_steps, 2), min(kv_steps, 3)
+    cycles = {k1: kernel_cycles(topology, block_sizes, q_blocks=2, kv_blocks=k1, **kw)[0]}
+    note = None
+    if k2 > k1:
+        try:
+            cycles[k2] = kernel_cycles(topology, block_sizes, q_blocks=2, kv_blocks=k2, **kw)[0]
+        except Exception as e:  # noqa: BLE001 - only a VMEM overflow is expected here
+            if "vmem" not in str(e).lower():
+                raise
+            # The profile flag's own VMEM grows with the grid (a real compile of the same
+            # blocks fits): keep the 2 x k1 grid alone, which charges _init and _finish
+            # every k1 steps, an overestimate.
+            note = f"2x{k2} overflowed VMEM under the profile flag: per step from 2x{k1} alone"
+    if k2 in cycles and k2 > k1:
+        per_step = (cycles[k2] - cycles[k1]) / (2 * (k2 - k1))
+    else:
+        per_step = cycles[k1] / (2 * k1)
+    return dict(per_step=per_step, per_q_block=cycles[k1] / 2 - per_step * k1,
+                profiles={f"2x{k}": c for k, c in cycles.items()}, note=note)
+
+
+def call_cycles(call: dict, cost: dict) -> float:
+    """Estimated cycles of one recorded kernel call (grid [batch, heads, Q, K])."""
+    batch, heads, q_blocks, kv_steps = call["grid"]
+    return (cost["per_step"] * batch * heads * q_blocks * kv_steps
+            + cost["per_q_block"] * batch * heads * q_blocks)
+
+
 def profile_worker(request: dict) -> dict:
-    """The profiled half of ``estimate``, in its own process (``main``): cycles per grid
-    step of each distinct kernel configuration in ``request["kernel_calls"]``."""
+    """The profiled half of ``estimate``, in its own process (``main``): the cost model
+    (``kernel_cost``) of each distinct kernel configuration in ``request["kernel_calls"]``."""
     setup_profile_environment()
     kernels = {}
     for c in request["kernel_calls"]:
         key = _kernel_key(c)
         if key in kernels:
             continue
-        _, _, q_blocks, kv_steps = c["grid"]
+        kv_steps = max(x["grid"][3] for x in request["kernel_calls"] if _kernel_key(x) == key)
         t0 = time.perf_counter()
-        cycles, steps = kernel_cycles(
-            request["topology"], c["block_sizes"], head_dim=c["head_dim"], dtype=c["dtype"],
-            q_blocks=min(q_blocks, 2), kv_blocks=min(kv_steps, 2),
-            segment_ids=c["segment_ids"], window_size=c["window_size"])
-        kernels[key] = dict(cycles_per_step=cycles / steps, profiled_steps=steps,
+        cost = kernel_cost(request["topology"], c["block_sizes"], kv_steps=kv_steps,
+                           head_dim=c["head_dim"], dtype=c["dtype"],
+                           segment_ids=c["segment_ids"], window_size=c["window_size"])
+        kernels[key] = dict(cost, cycles_per_step=cost["per_step"],
                             block_sizes=c["block_sizes"], head_dim=c["head_dim"],
                             dtype=c["dtype"], segment_ids=c["segment_ids"],
                             compile_s=time.perf_counter() - t0)
-        print(f"estimate: kernel {key}: {cycles / steps:,.0f} cycles/step", file=sys.stderr,
-              flush=True)
+        print(f"estimate: kernel {key}: {cost['per_step']:,.0f} cycles/step + "
+              f"{cost['per_q_block']:,.0f}/q block", file=sys.stderr, flush=True)
     return kernels
 
 
@@ -687,8 +738,7 @@ def _kernel_seconds(calls: list, kernels: dict, hz: float) -> dict:
     for c in calls:
         kind = "self" if c["q_len"] == c["kv_len"] else "cross"
         steps = math.prod(c["grid"])
-        per_step = kernels[_kernel_key(c)]["cycles_per_step"]
-        out[kind]["seconds"] += steps * per_step / hz
+        out[kind]["seconds"] += call_cycles(c, kernels[_kernel_key(c)]) / hz
         out[kind]["grid_steps"] += steps
         bq, bkv, _ = c["block_sizes"]
         out[kind]["flops"] += 4.0 * steps * bq * bkv * c["head_dim"]
@@ -702,7 +752,7 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
     Args:
         block: ``program_summary`` of one block, with its ``kernel_calls`` (as the stub
             recorded them) and ``compile_s``.
-        kernels: {``_kernel_key``: {"cycles_per_step": ...}} from the profiled kernel.
+        kernels: {``_kernel_key``: ``kernel_cost``'s model} of the profiled kernel.
         model_flops_per_chip: the family's analytic FLOPs of a step / chips, for MXU use.
     """
     hz = clock_hz(chip)
@@ -739,8 +789,9 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
         method=METHOD)
 
 
-METHOD = ("attention: our kernel's cycles per grid step from libtpu's static profile (tiny "
-          "grid, real block sizes) x the real per-chip grid; linear layers: FLOPs / MXU peak "
+METHOD = ("attention: our kernel's cycles per grid step and per q block, fitted to libtpu's "
+          "static profiles of two tiny grids at the real block sizes, x the real per-chip "
+          "grid; linear layers: FLOPs / MXU peak "
           "(roofline) or HBM bytes / bandwidth, whichever is larger, per op of one compiled "
           "block; elementwise: HBM bytes / bandwidth (libtpu's profile of a Wan-sized layer "
           "norm is below it; XLA's fusion cost model, 4x above the profile there, is given "

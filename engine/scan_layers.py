@@ -55,12 +55,17 @@ class BlockStack:
         argument (RoPE (cos, sin)) has the axis in each element.
     self_attention: the name (last dotted part) of the modules whose keys are the video
         tokens, which mask sequence-parallel padding.
+    sublayers: the block's children that take the normed residual stream (batch, tokens,
+        dim) as their first argument and return their contribution to it: Megatron sequence
+        parallelism gathers the tokens on entry and reduce-scatters them on exit
+        (``sharding.add_sequence_parallel_hooks``). Empty: the family does not support it.
     """
 
     attr: str = "blocks"
     carry: int = 1
     token_axes: tuple = (1, None, None, 1)  # hidden, encoder, temb, rotary (Wan 2.1)
     self_attention: str = "attn1"
+    sublayers: tuple = ("attn1", "attn2", "ffn")
 
     @property
     def prefix(self) -> str:

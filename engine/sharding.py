@@ -203,12 +203,13 @@ def _checkpoint_reader(module, folder: str, params: dict):
 
 
 def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
-                      scan: bool, sp: int, fallbacks=None,
+                      scan: bool, megatron_sp: bool = False, fallbacks=None,
                       stack=scan_layers.WAN_BLOCKS) -> dict:
     """Stream a transformer's weights from ``checkpoint`` into their shards on ``mesh`` by
     ``rules`` (plus FSDP with ``fsdp``); see ``place_module``. With ``scan`` its blocks become
-    one ``jax.lax.scan`` first (``scan_layers.scan_blocks``); with ``sp`` > 1 the residual
-    stream is sharded over "sp" between blocks. Logs what each rule matched and, at debug
+    one ``jax.lax.scan`` first (``scan_layers.scan_blocks``); the residual stream's tokens are
+    sharded between blocks over ``residual_token_axes(mesh, megatron_sp)``. Logs what each
+    rule matched and, at debug
     level, every weight no rule names; weights a rule matched but the mesh cannot divide are
     reported to ``fallbacks``. ``stack`` is the family's ``scan_layers.BlockStack``.
     Returns as ``place_module``."""
@@ -225,23 +226,77 @@ def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
                   f"{len(undivided)} weight(s) stay replicated: a sharding rule matches "
                   f"but mesh {dict(mesh.shape)} does not divide their dims "
                   f"({', '.join(undivided[:3])}{', ...' if len(undivided) > 3 else ''})")
-    if sp > 1:
-        add_sequence_parallel_hooks(transformer, mesh, stack=stack)
+    axes = residual_token_axes(mesh, megatron_sp)
+    if axes:
+        add_sequence_parallel_hooks(transformer, mesh, stack=stack, axes=axes)
     return placed
 
 
-def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.WAN_BLOCKS) -> list:
-    """Shard the residual stream's token axis over "sp" at every block boundary.
+def _megatron_sublayer_hooks(blocks, mesh, axes: tuple, stack) -> list:
+    """Megatron sequence parallelism inside each block: every sublayer (``stack.sublayers``)
+    gets its input's tokens gathered over "tp" (an all-gather, so its column-parallel
+    weights meet whole sequences) and its output's tokens scattered back over ``axes`` (a
+    reduce-scatter of the row-parallel partial sums). Without these constraints GSPMD is
+    free to all-gather the weights instead: on 8 CPU devices it gathered every q/k/v/out
+    weight of a Wan block."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    if not stack.sublayers:
+        raise ValueError("Megatron sequence parallelism needs the family's block sublayers")
+
+    def spec(names):
+        return NamedSharding(mesh, P("dp", names if len(names) > 1 else
+                                     (names[0] if names else None), None))
+
+    gathered, scattered = spec(tuple(a for a in axes if a != "tp")), spec(axes)
+
+    def constrain(x, sharding):
+        return interop.call_jax(jax.lax.with_sharding_constraint, x, sharding)
+
+    def enter(module, args):
+        return (constrain(args[0], gathered), *args[1:])
+
+    def leave(module, args, output):
+        return constrain(output, scattered)
+
+    hooks = []
+    for block in blocks:
+        for name in stack.sublayers:
+            sub = getattr(block, name) if not isinstance(block, scan_layers.ScannedBlocks) \
+                else getattr(block.stacked, name)
+            hooks += [sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave)]
+    return hooks
+
+
+def residual_token_axes(mesh, megatron_sp: bool = False) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that the residual stream's token axis is sharded over between
+    blocks: "sp" (sequence parallelism, Ulysses attention), and first "tp" with Megatron
+    sequence parallelism (Korthikanti et al., 2022, "Reducing Activation Recomputation in
+    Large Transformer Models"), where each tensor-parallel all-reduce becomes a
+    reduce-scatter plus an all-gather and the norms, modulation and residual adds run on
+    1/tp of the tokens. ``mesh``: anything with ``.shape[axis]`` (a Mesh or its shape)."""
+    shape = mesh.shape if hasattr(mesh, "shape") else mesh
+    names = ("tp", "sp") if megatron_sp else ("sp",)
+    return tuple(a for a in names if shape[a] > 1)
+
+
+def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.WAN_BLOCKS,
+                                axes: tuple[str, ...] = ("sp",)) -> list:
+    """Shard the residual stream's token axis over ``axes`` (default "sp"; with Megatron
+    sequence parallelism ("tp", "sp"), see ``residual_token_axes``) at every block boundary.
 
     Each block (``transformer.<stack.attr>``; with ``--scan_layers`` the scanned blocks, whose
     pre-hooks run before every layer) gets a forward pre-hook that constrains its hidden
-    states (batch, tokens, dim) to P("dp", "sp", None); a second stream (HunyuanVideo-1.5's
+    states (batch, tokens, dim) to P("dp", axes, None); a second stream (HunyuanVideo-1.5's
     text tokens) is left as it is. Norms, modulation and the FFN then
     run on 1/sp of the tokens; attention re-shards as its backend needs (the Splash wrapper
     shards heads over ("tp", "sp"), an all-to-all). The torch model code is untouched.
 
-    Any token count works: when "sp" does not divide it, the first hook zero-pads the token
-    axis (hidden states and every per-token input ``stack.token_axes`` names, such as the
+    Any token count works: when the shard count does not divide it, the first hook zero-pads
+    the token axis (hidden states and every per-token input ``stack.token_axes`` names, such as the
     RoPE tables) to the next multiple, and ``custom_splash_attention.pad_self_attention_keys``
     makes the self-attention (modules named ``stack.self_attention``) mask the padded keys
     exactly; a forward hook after the last block slices the padding off. Padded rows are
@@ -258,8 +313,9 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.WAN_BLOC
 
     import custom_splash_attention as csa
 
-    sharding = NamedSharding(mesh, P("dp", "sp", None))
-    sp, padding = mesh.shape["sp"], {}
+    axes = tuple(axes)
+    sharding = NamedSharding(mesh, P("dp", axes if len(axes) > 1 else axes[0], None))
+    shards, padding = math.prod(mesh.shape[a] for a in axes), {}
 
     def pad(x, axis, n: int, extra: int):
         # tokens on `axis`: n -> n + extra, zeros appended.
@@ -272,8 +328,8 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.WAN_BLOC
 
     def constrain(module, args):
         hidden, *rest = args
-        n, extra = hidden.shape[1], -hidden.shape[1] % sp
-        if extra:  # first block only: afterwards the count is a multiple of sp
+        n, extra = hidden.shape[1], -hidden.shape[1] % shards
+        if extra:  # first block only: afterwards the count is a multiple of shards
             padding.update(valid=n, padded=n + extra,
                            token=csa.pad_self_attention_keys(n + extra, n))
             hidden = pad(hidden, 1, n, extra)
@@ -298,6 +354,8 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.WAN_BLOC
 
     blocks = list(getattr(transformer, stack.attr))
     hooks = [block.register_forward_pre_hook(constrain) for block in blocks]
+    if "tp" in axes:
+        hooks += _megatron_sublayer_hooks(blocks, mesh, axes, stack)
     hooks.append(blocks[-1].register_forward_hook(unpad))
     for name, module in transformer.named_modules():
         if name.rsplit(".", 1)[-1] == stack.self_attention and stack.attr in name:

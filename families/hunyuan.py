@@ -57,7 +57,8 @@ DOWNLOAD_HINT = ("hf download hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-
 
 BLOCKS = BlockStack(attr="transformer_blocks", carry=2,
                     # hidden, encoder, temb, text mask, RoPE (cos, sin) each (N, head_dim)
-                    token_axes=(1, None, None, None, 0), self_attention="attn")
+                    token_axes=(1, None, None, None, 0), self_attention="attn",
+                    sublayers=())  # joint attention over both streams: no Megatron SP yet
 
 
 def checkpoint_defaults(model_id: str) -> dict:

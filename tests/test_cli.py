@@ -98,6 +98,9 @@ BAD = [
     (["--dp", "3"], "--dp/--tp/--sp", "device count 8"),
     (["--bq", "100"], "--bq=100", "expected a multiple of 128"),
     (["--bkv", "1024", "--bkv_compute", "384"], "--bkv=1024", "multiple of block_kv_compute"),
+    # Only --bkv given: the chip's default --bkv_compute (1024 on v6e) must divide it.
+    (["--dry_run", "--topology", "v6e:2x4", "--bkv", "2816"], "--bkv=2816",
+     "multiple of block_kv_compute=1024 (blocks 3328/2816/1024 from the v6e defaults"),
     (["--dp", "2", "--tp", "4", "--sp", "1"], "--tp=4", "head count 2"),
     (["--dp", "2", "--tp", "1", "--sp", "4", "--guidance_scale", "1"], "--dp=2",
      "must divide the transformer batch"),
@@ -119,6 +122,27 @@ def test_bad_input_is_one_line_before_loading(tiny_checkpoint, tmp_path, flags, 
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 30  # no model was loaded
     assert not out.exists() or not os.listdir(out)
+
+
+def test_block_sizes_default_per_chip_and_flags_win(tiny_checkpoint):
+    import custom_splash_attention as csa
+    import generate_flax as gf
+
+    def config(*flags):
+        return gf.validate_args(gf.parse_args(["--model_id", tiny_checkpoint, *flags]))
+
+    topologies = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "tpu7x": "tpu7x:2x2x1"}
+    assert set(csa.DEFAULT_BLOCK_SIZES) == set(topologies)
+    for chip, blocks in csa.DEFAULT_BLOCK_SIZES.items():  # a dry run knows its chip
+        assert config("--dry_run", "--topology", topologies[chip]).block_sizes() == blocks
+    v6e = csa.DEFAULT_BLOCK_SIZES["v6e"]
+    got = config("--dry_run", "--topology", "v6e:2x4", "--bq", "2048").block_sizes()
+    assert got == csa.BlockSizes(2048, v6e.block_kv, v6e.block_kv_compute)
+    # A real run resolves once it sees its devices: off TPU (no chip), BlockSizes().
+    unresolved = config()
+    assert (unresolved.bq, unresolved.bkv, unresolved.bkv_compute) == (None, None, None)
+    assert unresolved.resolve_block_sizes(None).block_sizes() == csa.BlockSizes()
+    assert config("--dry_run", "--topology", "v5p:2x2x1").block_sizes() == csa.BlockSizes()
 
 
 def test_missing_model_folder_says_how_to_get_weights(tmp_path):

@@ -83,10 +83,11 @@ def test_dry_run_estimate_adds_a_labelled_step_time(tmp_path):
     # (dp2 x tp2): 1 sample, 12/2 heads; 9,360 tokens in ceil(9360/3328) = 3 q blocks and
     # ceil(9360/2816) = 4 kv blocks, fitted to 3200 and 2560: 72 grid steps per block.
     assert est["layers"] == 30 and est["attention"]["self"]["grid_steps"] == 30 * 72
-    per_step = next(k["cycles_per_step"] for k in est["kernels"].values()
-                    if k["block_sizes"] == [3200, 2560, 256])
+    cost = next(k for k in est["kernels"].values() if k["block_sizes"] == [3200, 2560, 256])
     clock = 197e12 / (4 * 128 * 128 * 2)  # v5e's published peak / MXU FLOPs per cycle
-    assert est["parts"]["self_attention_s"] == pytest.approx(30 * 72 * per_step / clock)
+    # Per block: 72 grid steps and 1 x 6 x 3 = 18 q blocks (each has an init and a finish).
+    cycles = 72 * cost["per_step"] + 18 * cost["per_q_block"]
+    assert est["parts"]["self_attention_s"] == pytest.approx(30 * cycles / clock)
     total = sum(est["parts"].values())
     assert est["seconds_per_step"] == pytest.approx(total) and total > 0
     # The report's analytic FLOPs are those of the 1 block compiled; 30 blocks, 4 chips.

@@ -173,7 +173,7 @@ def test_combine_scales_one_block_to_all_layers():
                  collective_sent_bytes=1e9,
                  collectives={"all-reduce": dict(calls=2, sent_bytes=1e9)}, compile_s=0.0,
                  ops=3, source={}, top_ops=[], flops=0.0, kernel_calls=[self_call, cross_call])
-    kernels = {estimate._kernel_key(self_call): dict(cycles_per_step=1.75e6)}
+    kernels = {estimate._kernel_key(self_call): dict(per_step=1.75e6, per_q_block=0.0)}
     out = estimate.combine(block, kernels, chip="v6e", layers=40, model_flops_per_chip=1e15)
     parts = out["parts"]
     assert parts["linear_s"] == pytest.approx(20.0)
@@ -208,14 +208,18 @@ PROFILED = textwrap.dedent("""
                                    kv_blocks=2)
     large = estimate.kernel_cycles("v6e:2x4", (1024, 1024, 512), heads=1, q_blocks=2,
                                    kv_blocks=4)
-    print(json.dumps(dict(matmul=matmul, small=small, large=large)))
+    more_q = estimate.kernel_cycles("v6e:2x4", (1024, 1024, 512), heads=1, q_blocks=3,
+                                    kv_blocks=2)
+    cost = estimate.kernel_cost("v6e:2x4", (1024, 1024, 512), kv_steps=4)
+    print(json.dumps(dict(matmul=matmul, small=small, large=large, more_q=more_q, cost=cost)))
 """)
 
 
 @pytest.fixture(scope="module")
 def profiled():
     """One subprocess (the profile flag must precede libtpu's start) compiling, deviceless
-    for v6e: a bf16 n^3 matmul and our kernel on a 1x2 and a 2x4 grid."""
+    for v6e: a bf16 n^3 matmul, and our kernel on 1x2, 2x4 and 3x2 grids and through
+    ``kernel_cost`` (2x2 and 2x3)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("LIBTPU_INIT_ARGS", None)
     n = 4096
@@ -240,3 +244,14 @@ def test_kernel_estimate_grows_linearly_with_grid_steps(profiled):
     assert (small_steps, large_steps) == (2, 8)
     per_step_small, per_step_large = small / small_steps, large / large_steps
     assert per_step_large == pytest.approx(per_step_small, rel=0.10)
+
+
+def test_kernel_cost_model_predicts_grids_it_was_not_fitted_on(profiled):
+    # Fitted on 2 x 2 and 2 x 3 grids; predicts the 2 x 4 grid (more kv steps) and the 3 x 2
+    # grid (more q blocks), each profiled on its own.
+    cost = profiled["cost"]
+    assert set(cost["profiles"]) == {"2x2", "2x3"}
+    assert cost["per_step"] > 0 and cost["per_q_block"] > 0
+    large, more_q = profiled["large"][0], profiled["more_q"][0]
+    assert estimate.call_cycles(dict(grid=[1, 1, 2, 4]), cost) == pytest.approx(large, rel=0.02)
+    assert estimate.call_cycles(dict(grid=[1, 1, 3, 2]), cost) == pytest.approx(more_q, rel=0.06)

@@ -125,6 +125,7 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     (["--max_sequence_length", "512"], "--max_sequence_length=512: is fixed at 1000"),
     (["--frames", "10"], "--frames=10"),
     (["--height", "40"], "--height=40"),
+    (["--megatron_sp"], "--megatron_sp=True: not supported for HunyuanVideo-1.5"),
 ])
 def test_bad_flags_are_one_line_errors(hunyuan_checkpoint, argv, needle):
     from engine.errors import UsageError

@@ -72,6 +72,17 @@ def test_sequence_parallel_pads_a_token_count_sp_does_not_divide(tiny_checkpoint
     np.testing.assert_allclose(frames, odd_unsharded, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("mesh,attention", [((2, 4, 1), "xla"), ((1, 2, 4), "splash")],
+                         ids=["dp2-tp4-xla", "tp2-sp4-splash"])
+def test_megatron_sequence_parallel_equals_unsharded(tiny_checkpoint_8h, odd_unsharded, mesh,
+                                                     attention):
+    # Residual stream's 45 tokens over tp (x sp): padded to 48, gathered into each sublayer,
+    # scattered out of it; the padded keys are masked exactly.
+    frames = _frames(tiny_checkpoint_8h, mesh, [*ODD, "--attention", attention,
+                                                "--megatron_sp"])
+    np.testing.assert_allclose(frames, odd_unsharded, atol=1e-4, rtol=0)
+
+
 def test_unrolled_layers_equal_scanned_unsharded(tiny_checkpoint_8h, unsharded):
     # The default is --scan_layers (so `unsharded` is scanned); diffusers' own block loop on a
     # mesh must give the same frames.
@@ -127,7 +138,7 @@ def test_fsdp_shards_what_tensor_parallelism_leaves(tiny_checkpoint_8h):
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 
 
-def _collectives(checkpoint, layers, mesh_shape, attention):
+def _collectives(checkpoint, layers, mesh_shape, attention, megatron_sp=False):
     import torchax
 
     from custom_splash_attention import install_sdpa_override
@@ -137,7 +148,8 @@ def _collectives(checkpoint, layers, mesh_shape, attention):
     args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS]))
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh, interpret=True)
     placed = sharding.place_module(model, mesh, wan.transformer_sharding_rules())
-    hooks = sharding.add_sequence_parallel_hooks(model, mesh) if mesh_shape[2] > 1 else []
+    axes = sharding.residual_token_axes(mesh, megatron_sp)
+    hooks = sharding.add_sequence_parallel_hooks(model, mesh, axes=axes) if axes else []
     rep = NamedSharding(mesh, P())
     latents = jax.device_put(np.zeros((1, 16, 3, 8, 12), np.float32), rep)
     embeds = jax.device_put(np.zeros((2, 512, 32), np.float32), NamedSharding(mesh, P("dp")))
@@ -157,15 +169,21 @@ def _collectives(checkpoint, layers, mesh_shape, attention):
 # plus four all-to-alls (q, k, v to head shards and the output back, Ulysses) and no gathers:
 # cross-attention needs none, its K/V are whole on every sp device.
 EXPECTED_PER_BLOCK = {
-    ((2, 4, 1), "xla"): {"all-reduce": 5},
-    ((2, 2, 2), "splash"): {"all-reduce": 5, "all-to-all": 4},
+    ((2, 4, 1), "xla", False): {"all-reduce": 5},
+    ((2, 2, 2), "splash", False): {"all-reduce": 5, "all-to-all": 4},
+    # Megatron SP: the residual stream's tokens over tp; each sublayer (self-attention,
+    # cross-attention, FFN) gathers them on entry and scatters its output. XLA:CPU writes the
+    # scatter as an all-reduce (TPU forms a reduce-scatter from it), beside the two RMSNorm
+    # sums. No weight is gathered (without the sublayer constraints GSPMD gathered 17).
+    ((2, 4, 1), "xla", True): {"all-gather": 3, "all-reduce": 5},
 }
 
 
-@pytest.mark.parametrize("mesh_shape,attention", list(EXPECTED_PER_BLOCK),
-                         ids=["tp-xla", "sp-splash"])
-def test_collectives_per_block_are_pinned(tiny_checkpoint_8h, mesh_shape, attention):
-    one = _collectives(tiny_checkpoint_8h, 1, mesh_shape, attention)
-    two = _collectives(tiny_checkpoint_8h, 2, mesh_shape, attention)
+@pytest.mark.parametrize("mesh_shape,attention,megatron_sp", list(EXPECTED_PER_BLOCK),
+                         ids=["tp-xla", "sp-splash", "megatron-sp-xla"])
+def test_collectives_per_block_are_pinned(tiny_checkpoint_8h, mesh_shape, attention,
+                                          megatron_sp):
+    one = _collectives(tiny_checkpoint_8h, 1, mesh_shape, attention, megatron_sp)
+    two = _collectives(tiny_checkpoint_8h, 2, mesh_shape, attention, megatron_sp)
     per_block = {op: two[op] - one[op] for op in COLLECTIVES if two[op] - one[op]}
-    assert per_block == EXPECTED_PER_BLOCK[(mesh_shape, attention)]
+    assert per_block == EXPECTED_PER_BLOCK[(mesh_shape, attention, megatron_sp)]

@@ -91,13 +91,17 @@ WAN1B_SELF = (2, 12, 32760, 32760, 128)  # 480p x 81 frames: 21 x 30 x 52 latent
         # sp=2: 40 heads % (4*2) == 0 -> head-parallel; 12 % 8 != 0 -> q sequence over sp.
         pytest.param("v6e:2x4", WAN14B_SELF, (1, 4, 2), id="v6e-14B-self-tp4sp2-heads"),
         pytest.param("v6e:2x4", WAN1B_SELF, (1, 4, 2), id="v6e-1.3B-self-tp4sp2-seq"),
+        # v7x: two TensorCores (devices) per chip, 64 MiB of VMEM each; v6e's blocks.
+        pytest.param("tpu7x:2x2x1", WAN14B_SELF, (2, 4, 1), id="tpu7x-14B-self-dp2tp4"),
     ],
 )
 def test_sharded_kernel_compiles_at_wan_shapes(topology, shape, mesh_shape):
+    # At the chip's default blocks, as generate_flax.py takes them.
     mesh = _topology_mesh(topology, mesh_shape)
     b, h, sq, skv, d = shape
+    blocks = csa.default_block_sizes(topology.split(":")[0])
     compiled, seconds = _compile(
-        lambda q, k, v: csa.sharded_splash_attention(q, k, v, mesh=mesh),
+        lambda q, k, v: csa.sharded_splash_attention(q, k, v, mesh=mesh, block_sizes=blocks),
         mesh,
         [(b, h, sq, d), (b, h, skv, d), (b, h, skv, d)],
     )
@@ -137,7 +141,7 @@ def test_cross_attention_kernel_beats_xla(topology):
 
 @pytest.mark.parametrize("variant", ["window", "segments", "f32", "head_dim64"])
 def test_kernel_variants_lower_through_mosaic(variant):
-    """The masked and f32 paths also pass Mosaic (smaller shapes, single chip)."""
+    """The masked and f32 paths also pass Mosaic (smaller shapes, v6e's default blocks)."""
     mesh = _topology_mesh("v6e:2x4", (2, 4, 1))
     b, h, s, d = 2, 4, 8000, 128
     dtype = jnp.bfloat16
@@ -154,7 +158,8 @@ def test_kernel_variants_lower_through_mosaic(variant):
             ids = jnp.broadcast_to((jnp.arange(s) >= 3000).astype(jnp.int32), (b, s))
             kwargs["segment_ids"] = (ids, ids)
         return csa.sharded_splash_attention(
-            q, k, v, mesh=mesh, k_smoothing=variant == "window", **kwargs
+            q, k, v, mesh=mesh, k_smoothing=variant == "window",
+            block_sizes=csa.default_block_sizes("v6e"), **kwargs
         )
 
     compiled, seconds = _compile(fn, mesh, [(b, h, s, d)] * 3, dtype=dtype)
