@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(TEST_ENV) $(PY) -m pytest -q
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) $(TINY) $(TINY_HY) outputs

@@ -158,7 +158,7 @@ def test_transformer_weights_are_sharded_by_the_rules(hunyuan_checkpoint):
     rules = hunyuan.COLUMN_PARALLEL_RULES + hunyuan.ROW_PARALLEL_RULES
     placed = sharding.place_transformer(
         transformer, mesh, rules, checkpoint=os.path.join(hunyuan_checkpoint, "transformer"),
-        fsdp=False, scan=True, sp=1, stack=hunyuan.BLOCKS)
+        fsdp=False, scan=True, stack=hunyuan.BLOCKS)
     assert all(n > 0 for n in placed["rule_counts"].values()), placed["rule_counts"]
     layers = cfg["num_layers"]
     checked = 0
