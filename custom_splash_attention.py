@@ -231,8 +231,9 @@ class BlockSizes:
 
     The sizes are upper bounds; see ``splash_attention`` for how they are fitted to a
     sequence. Defaults come from a public v6e tuning of a Wan 2.1 port at head_dim 128
-    and 75,600 tokens; with the lazy shift ``BlockSizes(3328, 3072, 1024)`` is faster
-    (static-profile estimate: v6e 53% MXU use against 45%, v5e 91% against 88%).
+    and 75,600 tokens. With the lazy shift, v6e is faster at ``BlockSizes(3328, 3072, 1024)``
+    (static-profile estimate at 720p: 57.5% MXU use against 52.3%) and v5e at these
+    (96.4% against 86.2%); ``default_block_sizes`` picks per chip.
 
     Raises:
         BlockSizesError: (a ``ValueError``) a size is not a positive multiple of 128, or
