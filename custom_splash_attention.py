@@ -133,9 +133,10 @@ bounds: for a sequence of length ``n`` the kernel keeps the number of blocks
 (this shortens the ragged tail; at 75,600 tokens it reproduces 3328, 2816 and 3072
 exactly), and short sequences clamp all blocks to the sequence rounded up to 128. At
 3328/2816/256 Mosaic needs 8.9 MiB of scoped VMEM (bisected with deviceless v6e compiles);
-the kernel requests a limit sized from the blocks (``_vmem_limit_bytes``), at most 100 MiB.
-3328/3072/1024 compiles deviceless for v5e, v6e and tpu7x (64 MiB of VMEM) at the 720p
-per-chip shape. With libtpu's static-profile flag set, VMEM use grows with the grid
+the kernel requests a limit sized from the blocks (``_vmem_limit_bytes``), at most 100 MiB
+and at most 3/4 of the chip's VMEM (48 MiB on tpu7x and v5p, which have 64 MiB).
+3328/3072/1024 compiles deviceless for v5e, v6e and tpu7x (within that 48 MiB) at the
+720p per-chip shape. With libtpu's static-profile flag set, VMEM use grows with the grid
 (~0.25 MiB per step at these blocks: a 1 x 8 grid needs 130.4 of 127.9 MiB), so profiles
 stay on small grids.
 
@@ -321,14 +322,20 @@ def _fit_block_sizes(block_sizes: BlockSizes, q_len: int, kv_len: int) -> BlockS
     return BlockSizes(block_q, block_kv, block_kv_compute)
 
 
-def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
+def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
+                      capacity: int | None = None) -> int:
     """Scoped VMEM to request from Mosaic: an upper estimate of the kernel's need, x2.
 
     Mosaic's actual need, bisected with deviceless v6e compiles at head_dim 128 and bf16,
     is 8.9 MiB at the default blocks (3328, 2816, 256), 15.3 MiB at (3328, 3072, 512) and
     18.7 MiB at (6656, 2816, 256); this estimate is 1.5-2x those. The request is floored at
     32 MiB (v6e's default scoped limit; v5e's is 16 MiB) and capped at 100 MiB, below the
-    128 MiB of VMEM on v5e and v6e.
+    128 MiB of VMEM on v5e and v6e, and at 3/4 of ``capacity`` (the chip's VMEM per core,
+    bytes; ``None`` when unknown): v7x and v5p have 64 MiB, under the 91 MiB that
+    (3328, 3072, 1024) asks for. A deviceless compile does not refuse a limit above the
+    chip's VMEM, so the cap is ours; the quarter left is XLA's own headroom, a guess. At
+    (3328, 3072, 1024) a deviceless tpu7x compile at 20,000 tokens fails at 16 MiB and
+    passes at 32 MiB, within the 48 MiB cap.
     """
     d = _round_up(head_dim, NUM_LANES)
     buffers = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # Q, O, K, V^T x2
@@ -339,7 +346,22 @@ def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
     tiles = 2 * 4 * bs.block_kv_compute * bs.block_q  # f32 scores and probabilities
     tiles += itemsize * bs.block_kv_compute * bs.block_q  # P^T scratch of the pending P V
     need = buffers + ids + scratch + tiles
-    return int(min(max(2 * need, 32 << 20), 100 << 20))
+    limit = min(max(2 * need, 32 << 20), 100 << 20)
+    if capacity:
+        limit = min(limit, capacity * 3 // 4)
+    return int(limit)
+
+
+def _vmem_capacity_bytes() -> int | None:
+    """VMEM per TensorCore of the chip being compiled for, or None off TPU.
+
+    Pallas reads the chip from the abstract mesh under ``shard_map`` (so a deviceless
+    compile for a topology sees that topology's chip), else from the default device.
+    """
+    try:
+        return pltpu.get_tpu_info().vmem_capacity_bytes
+    except (ValueError, RuntimeError, NotImplementedError):  # CPU, interpret mode, unknown
+        return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -831,7 +853,8 @@ def _splash_attention(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit_bytes(bs, head_dim, itemsize),
+            vmem_limit_bytes=_vmem_limit_bytes(bs, head_dim, itemsize,
+                                               _vmem_capacity_bytes()),
         ),
         cost_estimate=cost,
         interpret=interpret,

@@ -171,6 +171,38 @@ def test_kernel_variants_lower_through_mosaic(variant):
     assert _has_mosaic_kernel(compiled)
 
 
+# VMEM per TensorCore, from Google Cloud's TPU system-architecture pages.
+PUBLISHED_VMEM_MIB = {"v5e": 128, "v6e": 128, "v5p": 64, "tpu7x": 64}
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1", "tpu7x:2x2x1"])
+def test_vmem_request_stays_within_the_chips_vmem(topology):
+    # A deviceless compile accepts a scoped-VMEM limit above the chip's VMEM (200 MiB passed
+    # for tpu7x), so read the request from the lowered kernel call instead. The large v6e
+    # blocks ask for 91 MiB: kept on the 128 MiB chips, cut to 3/4 of 64 MiB on v5p and v7x.
+    import json
+    import re
+
+    mesh = _topology_mesh(topology, (1, 1, -1))
+    blocks = csa.BlockSizes(3328, 3072, 1024)
+    n = mesh.devices.size
+
+    def fn(q, k, v):
+        return csa.sharded_splash_attention(q, k, v, mesh=mesh, block_sizes=blocks)
+
+    # 23,296 = 7 x 3328 tokens: the blocks fit the sequence unchanged.
+    args = [jax.ShapeDtypeStruct((1, n, 23296, 128), jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, P(None, "sp", None, None)))] * 3
+    text = jax.jit(fn).lower(*args).as_text()
+    configs = re.findall(r'"scoped_memory_configs": (\[.*?\])', text.replace("\\22", '"'))
+    assert configs, "expected the kernel's scoped_memory_configs in the lowered program"
+    (request,) = {entry["size"] for c in configs for entry in json.loads(c)}
+    vmem = PUBLISHED_VMEM_MIB[topology.split(":")[0]] * MIB
+    unclamped = csa._vmem_limit_bytes(blocks, 128, 2)
+    assert unclamped > 64 * MIB  # the case the cap exists for
+    assert request == min(unclamped, vmem * 3 // 4)
+
+
 @pytest.mark.parametrize("topology,mesh_shape", [("v6e:2x4", (2, 4, 1)), ("v6e:4x4", (2, 4, 2)),
                                                  ("v6e:4x4", (1, 16, 1))])
 def test_generate_flax_mesh_fits_the_torus(topology, mesh_shape):
