@@ -136,9 +136,10 @@ exactly), and short sequences clamp all blocks to the sequence rounded up to 128
 the kernel requests a limit sized from the blocks (``_vmem_limit_bytes``), at most 100 MiB
 and at most 3/4 of the chip's VMEM (48 MiB on tpu7x and v5p, which have 64 MiB).
 3328/3072/1024 compiles deviceless for v5e, v6e and tpu7x (within that 48 MiB) at the
-720p per-chip shape. With libtpu's static-profile flag set, VMEM use grows with the grid
-(~0.25 MiB per step at these blocks: a 1 x 8 grid needs 130.4 of 127.9 MiB), so profiles
-stay on small grids.
+720p per-chip shape. With libtpu's static-profile flag set, the flag's own VMEM grows with
+the grid beside the scoped request (~0.25 MiB per step at these blocks: with the 91 MiB
+request a 1 x 8 grid needs 130.4 of 127.9 MiB), so profiles stay on small grids and request
+less (``vmem_limit_bytes``).
 
 Cross-attention
 ---------------
@@ -324,7 +325,7 @@ def _fit_block_sizes(block_sizes: BlockSizes, q_len: int, kv_len: int) -> BlockS
 
 def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
                       capacity: int | None = None) -> int:
-    """Scoped VMEM to request from Mosaic: an upper estimate of the kernel's need, x2.
+    """Scoped VMEM to request from Mosaic: ``_vmem_need_bytes``, x2.
 
     Mosaic's actual need, bisected with deviceless v6e compiles at head_dim 128 and bf16,
     is 8.9 MiB at the default blocks (3328, 2816, 256), 15.3 MiB at (3328, 3072, 512) and
@@ -337,6 +338,14 @@ def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
     (3328, 3072, 1024) a deviceless tpu7x compile at 20,000 tokens fails at 16 MiB and
     passes at 32 MiB, within the 48 MiB cap.
     """
+    limit = min(max(2 * _vmem_need_bytes(bs, head_dim, itemsize), 32 << 20), 100 << 20)
+    if capacity:
+        limit = min(limit, capacity * 3 // 4)
+    return int(limit)
+
+
+def _vmem_need_bytes(bs: BlockSizes, head_dim: int, itemsize: int) -> int:
+    """An upper estimate of the kernel's VMEM need, bytes (1.5-2x Mosaic's actual need)."""
     d = _round_up(head_dim, NUM_LANES)
     buffers = 2 * itemsize * d * (2 * bs.block_q + 2 * bs.block_kv)  # Q, O, K, V^T x2
     ids = 2 * 4 * NUM_LANES * (NUM_SUBLANES + bs.block_kv)  # segment ids x2
@@ -345,11 +354,7 @@ def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
     scratch = 4 * bs.block_q * (2 * d + (2 + num_sub) * NUM_SUBLANES)
     tiles = 2 * 4 * bs.block_kv_compute * bs.block_q  # f32 scores and probabilities
     tiles += itemsize * bs.block_kv_compute * bs.block_q  # P^T scratch of the pending P V
-    need = buffers + ids + scratch + tiles
-    limit = min(max(2 * need, 32 << 20), 100 << 20)
-    if capacity:
-        limit = min(limit, capacity * 3 // 4)
-    return int(limit)
+    return buffers + ids + scratch + tiles
 
 
 def _vmem_capacity_bytes() -> int | None:
@@ -684,6 +689,7 @@ def splash_attention(
     k_smoothing: bool = False,
     segment_ids=None,
     interpret: bool = False,
+    vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """Softmax attention with the Pallas TPU flash kernel (forward only).
 
@@ -705,6 +711,9 @@ def splash_attention(
             int32 arrays (batch, q_len) and (batch, kv_len); a query attends only to keys
             with an equal id. A query with no such key returns zeros.
         interpret: run the kernel in Pallas interpret mode (CPU tests).
+        vmem_limit_bytes: scoped VMEM to request from Mosaic, bytes; ``None`` sizes it from
+            the blocks and the chip (``_vmem_limit_bytes``). libtpu's static-profile flag
+            adds VMEM buffers of its own, so ``engine.estimate`` profiles ask for less.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
@@ -723,6 +732,7 @@ def splash_attention(
         k_smoothing=k_smoothing,
         segment_ids=segment_ids,
         interpret=interpret,
+        vmem_limit_bytes=vmem_limit_bytes,
     )
 
 
@@ -738,6 +748,7 @@ def _splash_attention(
     segment_ids=None,
     interpret: bool = False,
     q_offset=None,
+    vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """``splash_attention`` with ``q_offset``: the global position of q's first row.
 
@@ -853,8 +864,8 @@ def _splash_attention(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit_bytes(bs, head_dim, itemsize,
-                                               _vmem_capacity_bytes()),
+            vmem_limit_bytes=vmem_limit_bytes or _vmem_limit_bytes(
+                bs, head_dim, itemsize, _vmem_capacity_bytes()),
         ),
         cost_estimate=cost,
         interpret=interpret,

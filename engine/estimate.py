@@ -498,11 +498,20 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     args = [jax.ShapeDtypeStruct((1, heads, n, head_dim), dt, sharding=rep)
             for n in (q_len, kv_len, kv_len)]
 
+    # The profile flag's own VMEM buffers sit beside the kernel's scoped VMEM: a run's request
+    # (twice the kernel's estimated need, 91 MiB at 3328/3072/1024) left too little for them
+    # (a 2 x 3 grid with segment ids: 130.4 of 127.9 MiB), so profiles ask for the estimated
+    # need itself, 1.5-2x Mosaic's. The cycles do not depend on it (73,659 either way, v6e,
+    # 3328/3072/1024, 2 x 2).
+    itemsize = jnp.dtype(dt).itemsize
+    vmem = min(max(csa._vmem_need_bytes(fitted, head_dim, itemsize), 32 << 20), 100 << 20)
+
     def fn(q, k, v):
         seg = None
         if segment_ids:
             seg = (jnp.ones((1, q_len), jnp.int32), jnp.ones((1, kv_len), jnp.int32))
-        return csa.splash_attention(q, k, v, block_sizes=bs, segment_ids=seg, **kernel_kwargs)
+        return csa.splash_attention(q, k, v, block_sizes=bs, segment_ids=seg,
+                                    vmem_limit_bytes=vmem, **kernel_kwargs)
 
     path = clear_profile()
     jax.jit(fn).lower(*args).compile()
@@ -662,9 +671,10 @@ def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
     grids against 17,272 between 2 x 2 and 2 x 3). ``kw`` goes to ``kernel_cycles``.
 
     With libtpu's profile flag, VMEM use grows with the grid (~0.25 MiB per step at
-    3328/3072/1024); when the 2 x k2 grid overflows it (segment ids at 3328/3072/1024 do on
-    v6e, while the real compile fits), the 2 x k1 grid alone gives the per-step figure and
-    ``note`` says so.
+    3328/3072/1024) beside the kernel's scoped VMEM. ``kernel_cycles`` therefore asks for
+    the kernel's estimated need rather than a run's 2x; with the 2x request the 2 x 3 grid
+    with segment ids overflowed on v6e. Should the 2 x k2 grid still overflow, the 2 x k1
+    grid alone gives the per-step figure (an overestimate) and ``note`` says so.
 
     Returns:
         {"per_step", "per_q_block": cycles, "profiles": {"QxK": cycles}, "note": str|None}.
