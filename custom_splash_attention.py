@@ -324,8 +324,9 @@ def _fit_block_sizes(block_sizes: BlockSizes, q_len: int, kv_len: int) -> BlockS
 
 
 def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
-                      capacity: int | None = None) -> int:
-    """Scoped VMEM to request from Mosaic: ``_vmem_need_bytes``, x2.
+                      capacity: int | None = None, *, margin: int = 2) -> int:
+    """Scoped VMEM to request from Mosaic: ``_vmem_need_bytes`` x ``margin`` (2 for runs;
+    ``engine.estimate`` profiles take 1, leaving room for the profile flag's buffers).
 
     Mosaic's actual need, bisected with deviceless v6e compiles at head_dim 128 and bf16,
     is 8.9 MiB at the default blocks (3328, 2816, 256), 15.3 MiB at (3328, 3072, 512) and
@@ -338,7 +339,7 @@ def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
     (3328, 3072, 1024) a deviceless tpu7x compile at 20,000 tokens fails at 16 MiB and
     passes at 32 MiB, within the 48 MiB cap.
     """
-    limit = min(max(2 * _vmem_need_bytes(bs, head_dim, itemsize), 32 << 20), 100 << 20)
+    limit = min(max(margin * _vmem_need_bytes(bs, head_dim, itemsize), 32 << 20), 100 << 20)
     if capacity:
         limit = min(limit, capacity * 3 // 4)
     return int(limit)
@@ -864,8 +865,8 @@ def _splash_attention(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=vmem_limit_bytes or _vmem_limit_bytes(
-                bs, head_dim, itemsize, _vmem_capacity_bytes()),
+            vmem_limit_bytes=(_vmem_limit_bytes(bs, head_dim, itemsize, _vmem_capacity_bytes())
+                              if vmem_limit_bytes is None else vmem_limit_bytes),
         ),
         cost_estimate=cost,
         interpret=interpret,

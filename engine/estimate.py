@@ -503,8 +503,7 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     # (a 2 x 3 grid with segment ids: 130.4 of 127.9 MiB), so profiles ask for the estimated
     # need itself, 1.5-2x Mosaic's. The cycles do not depend on it (73,659 either way, v6e,
     # 3328/3072/1024, 2 x 2).
-    itemsize = jnp.dtype(dt).itemsize
-    vmem = min(max(csa._vmem_need_bytes(fitted, head_dim, itemsize), 32 << 20), 100 << 20)
+    vmem = csa._vmem_limit_bytes(fitted, head_dim, jnp.dtype(dt).itemsize, margin=1)
 
     def fn(q, k, v):
         seg = None

@@ -12,7 +12,9 @@ Each compile prints the per-chip ``memory_analysis()`` (run pytest with ``-s`` t
 """
 
 import importlib.util
+import json
 import os
+import re
 import sys
 import time
 
@@ -180,9 +182,6 @@ def test_vmem_request_stays_within_the_chips_vmem(topology):
     # A deviceless compile accepts a scoped-VMEM limit above the chip's VMEM (200 MiB passed
     # for tpu7x), so read the request from the lowered kernel call instead. The large v6e
     # blocks ask for 91 MiB: kept on the 128 MiB chips, cut to 3/4 of 64 MiB on v5p and v7x.
-    import json
-    import re
-
     mesh = _topology_mesh(topology, (1, 1, -1))
     blocks = csa.BlockSizes(3328, 3072, 1024)
     n = mesh.devices.size
