@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from engine import chips, runtime
+from engine import chips, runtime, step_cache
 from engine.checkpoint import (
     component_folder,
     looks_local,
@@ -99,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _add_generation_flags(p.add_argument_group("generation"))
     _add_run_flags(p.add_argument_group("run and benchmark"))
     _add_parallel_flags(p.add_argument_group("parallelism and kernel"))
+    step_cache.add_cache_flags(p.add_argument_group("step caching (README: Step caching)"))
     _add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
     m = p.add_argument_group("multi-host (one process per host; Cloud TPU finds these itself)")
     m.add_argument("--coordinator_address", default=None,
@@ -261,7 +262,9 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                  "denoise, without --dry_run")
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
-    config = RunConfig(**{**vars(args), **values, "family": family_key,
+    cache = _validate_cache(args, values["num_inference_steps"])
+    flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
+    config = RunConfig(**{**flags, **values, "family": family_key, "step_cache": cache,
                           "flow_shift": flow_shift, "flow_shift_source": source})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
     return config.resolve_block_sizes(args.topology.split(":")[0]) if args.dry_run else config
@@ -292,6 +295,17 @@ def _validate_numbers(args) -> None:
             r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?", args.topology)):
         fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 or "
              "tpu7x:2x2x1")
+
+
+def _validate_cache(args, num_steps: int):
+    """--cache and its flags against the step count and the checkpoint's block count."""
+    from engine.checkpoint import read_model_index
+
+    cfg = read_component_config(args.model_id, "transformer")
+    return step_cache.resolve_cache_flags(args, num_steps=num_steps,
+                                          num_layers=(cfg or {}).get("num_layers"),
+                                          transformer_cfg=cfg,
+                                          model_index=read_model_index(args.model_id))
 
 
 def _validate_size(family, values: dict) -> None:
@@ -448,10 +462,14 @@ def generate(config: RunConfig, devices=None):
             num_inference_steps=config.num_inference_steps)
     if config.profile_dir is not None:
         report["profile"] = profile(config, programs, latents0)
+    if programs.cache is not None:
+        report["cache"] = step_cache.cache_report(programs.cache, runs,
+                                                  config.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
     report.update(run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks,
                              summary=reporting.summarize(
-                                 runs, timings, family.transformer_flops(cfg, config)
+                                 runs, timings, step_cache.flops_per_step(
+                                     family.transformer_flops(cfg, config), config, cfg)
                                  if programs.step is not None else None, devices),
                              cache=cache_before if cache_on else None))
     if stage == "denoise":
@@ -552,10 +570,10 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
         timings["place_transformer_s"] = placed["seconds"]
         timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
         with runtime.hardware_errors("compiling the transformer step", oom_hint):
-            step, timings["compile_transformer_s"] = compile_transformer(
-                config, family, pipe, placed, mesh, latents0, inputs)
+            step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
+                                              inputs, timings)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
-                     sigmas=family.scheduler_sigmas)
+                     sigmas=family.scheduler_sigmas, cache=cache)
     else:
         latents0 = placement.place_array(placement.host_array(staged), replicated)
     if config.stage in ("all", "decode"):
@@ -611,9 +629,10 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     return inputs, latents0
 
 
-def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs):
+def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, timings):
     """AOT-compile one denoising step's model call; returns (step(latents, t, inputs),
-    seconds). The weights are bound, so the timed loop passes only what changes."""
+    ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
+    what changes. With step caching the full and the cached programs both compile here."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -623,10 +642,17 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs):
 
     set_timesteps(pipe.scheduler, config.num_inference_steps, family.scheduler_sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
-    compiled, seconds = compile_step(placed, mesh, family.step_fn(placed["module"], config),
-                                     latents0, t, inputs)
+    fn = family.step_fn(placed["module"], config)
+    if config.step_cache.on:
+        cache = step_cache.compile_cache_programs(placed, mesh, fn, family.block_stack,
+                                                  config.step_cache, latents0, t, inputs)
+        timings["compile_transformer_s"] = cache.compile_s["full"]
+        timings["compile_transformer_cached_s"] = cache.compile_s["cached"]
+        return (lambda lat, ts, inp: cache.full(lat, ts, inp)[0]), cache
+    compiled, timings["compile_transformer_s"] = compile_step(placed, mesh, fn, latents0, t,
+                                                              inputs)
     params, buffers = placed["params"], placed["buffers"]
-    return (lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)), seconds
+    return (lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)), None
 
 
 def prepare_decode(config, family, pipe, mesh, latents0, fallbacks, oom_hint, timings):

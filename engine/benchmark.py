@@ -32,6 +32,8 @@ class Programs:
     embeds: the placed prompt embeddings pytree the step takes.
     timesteps_sharding: where the (1,) timestep arrays go (replicated).
     vae_decode: latents -> (1, 3, F, H, W) float32 video in [-1, 1] (a ``ChunkedDecoder``).
+    cache: ``engine.step_cache.StepCache`` (full and cached programs, schedule) with step
+        caching on; ``step`` is then its full program's noise prediction.
     """
 
     step: Callable | None = None
@@ -40,6 +42,7 @@ class Programs:
     embeds: Any = None
     timesteps_sharding: Any = None
     vae_decode: Callable | None = None
+    cache: Any = None
 
 
 def timestep_array(t):
@@ -89,17 +92,20 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds):
     return env.t2j_iso(out)
 
 
-def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str):
+def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_times=None):
     """Run the sampling loop: one compiled model call plus one scheduler step per timestep.
 
     Latents stay float32 between steps, as in diffusers' pipelines.
 
     Args:
-        step: compiled model call (weights bound) latents, t, embeds -> noise prediction.
+        step: compiled model call (weights bound) latents, t, embeds -> noise prediction
+            (with step caching, a ``step_cache`` runner that picks the program per step).
         scheduler: a fresh scheduler with timesteps set.
         latents: (1, C, F', H', W') float32 ``jax.Array``.
         timesteps: [(torch timestep, (1,) ``jax.Array``)], ``scheduler.timesteps`` in order
             (a prefix of them for the warmup).
+        step_times: optional list; each step's seconds are appended, which synchronises
+            after every step (used with step caching, to time full and cached steps apart).
 
     Returns:
         final latents, float32 ``jax.Array`` (not yet synchronised).
@@ -108,7 +114,11 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str):
 
     scheduler.set_begin_index(0)
     for t_torch, t in tqdm(timesteps, desc=desc, leave=False):
+        t0 = time.perf_counter()
         latents = denoise_step(step, scheduler, latents, t_torch, t, embeds)
+        if step_times is not None:
+            latents.block_until_ready()
+            step_times.append(time.perf_counter() - t0)
     return latents
 
 
@@ -133,9 +143,18 @@ def _fresh_loop(programs: Programs, num_inference_steps: int, limit: int | None 
     return scheduler, timesteps[:limit] if limit is not None else timesteps
 
 
-def _denoise_now(programs: Programs, loop, latents0, *, desc: str):
+def _model_call(programs: Programs, schedule):
+    """The loop's model call: the step program, or a step-cache runner over ``schedule``."""
+    if programs.cache is None:
+        return programs.step
+    return programs.cache.runner(schedule, calibrate=programs.cache.settings.calibrate)
+
+
+def _denoise_now(programs: Programs, loop, latents0, *, desc: str, call=None,
+                 step_times=None):
     scheduler, timesteps = loop
-    latents = denoise(programs.step, scheduler, latents0, timesteps, programs.embeds, desc=desc)
+    latents = denoise(call or programs.step, scheduler, latents0, timesteps, programs.embeds,
+                      desc=desc, step_times=step_times)
     latents.block_until_ready()
     return latents
 
@@ -157,8 +176,13 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
         return {}
     out, t0, latents = {}, time.perf_counter(), latents0
     if programs.step is not None:
-        loop = _fresh_loop(programs, num_inference_steps, limit=warmup_steps)
-        latents = _denoise_now(programs, loop, latents0, desc="warmup")
+        schedule = None
+        if programs.cache is not None:  # both cache programs run: full, then cached
+            schedule = programs.cache.warmup_schedule(warmup_steps, num_inference_steps)
+        loop = _fresh_loop(programs, num_inference_steps,
+                           limit=warmup_steps if schedule is None else len(schedule))
+        latents = _denoise_now(programs, loop, latents0, desc="warmup",
+                               call=_model_call(programs, schedule))
         out.update(warmup_denoise_s=time.perf_counter() - t0, warmup_steps=len(loop[1]))
     if programs.vae_decode is not None:
         t1 = time.perf_counter()
@@ -185,10 +209,19 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
         run, latents, t0 = {}, latents0, time.perf_counter()
         if programs.step is not None:
             loop = _fresh_loop(programs, num_inference_steps)
+            cache = programs.cache
+            call = _model_call(programs, None if cache is None
+                               else cache.schedule(num_inference_steps))
+            step_times = None if cache is None else []
             t0 = time.perf_counter()
-            latents = _denoise_now(programs, loop, latents0, desc=desc)
+            latents = _denoise_now(programs, loop, latents0, desc=desc, call=call,
+                                   step_times=step_times)
             run["denoise_s"] = time.perf_counter() - t0
             run["s_per_step"] = run["denoise_s"] / num_inference_steps
+            if cache is not None:
+                run.update(_cache_step_times(call.kinds, step_times))
+                if cache.settings.calibrate:
+                    run["calibration"] = call.calibration()
             check_finite(latents, "denoising (transformer + scheduler)")
         if programs.vae_decode is not None:
             t1 = time.perf_counter()
@@ -199,12 +232,25 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
         parts = []
         if "denoise_s" in run:
             parts.append(f"denoise {run['denoise_s']:.2f} s, {run['s_per_step']:.3f} s/step")
+        if run.get("cached_steps"):
+            parts.append(f"{run['full_steps']} full steps {run['full_step_s']:.3f} s, "
+                         f"{run['cached_steps']} cached {run['cached_step_s']:.3f} s")
         if "vae_decode_s" in run:
             parts.append(f"VAE decode {run['vae_decode_s']:.2f} s")
         print(f"{desc}: {run['total_s']:.2f} s ({'; '.join(parts)})")
     if video is not None:
         check_finite(video, "VAE decode")
     return latents, video, runs
+
+
+def _cache_step_times(kinds: list, seconds: list) -> dict:
+    """Full and cached steps timed apart (each synchronised; scheduler step included)."""
+    out = dict(step_kinds=kinds, step_seconds=seconds)
+    for kind in ("full", "cached"):
+        times = [s for k, s in zip(kinds, seconds, strict=True) if k == kind]
+        out[f"{kind}_steps"] = len(times)
+        out[f"{kind}_step_s"] = sum(times) / len(times) if times else None
+    return out
 
 
 def profile_step(profile_dir: str, programs: Programs, latents0, *,

@@ -7,6 +7,7 @@ intermediates (``--stage denoise`` / ``decode``) gets a new object via ``replace
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class RunConfig:
     dp: int | None
     tp: int | None
     sp: int | None
+    step_cache: Any = None  # engine.step_cache.CacheSettings
 
     @property
     def use_cfg(self) -> bool:

@@ -81,8 +81,10 @@ STACKED_PREFIX = WAN_BLOCKS.prefix  # Wan's, kept for callers that predate Block
 
 
 def scanned_blocks(model: torch.nn.Module):
-    """The model's :class:`ScannedBlocks`, or None when its blocks are not scanned."""
+    """The model's :class:`ScannedBlocks`, or None when its blocks are not scanned (seen
+    through a step cache's :class:`CachedBlocks`)."""
     for child in model.children():
+        child = getattr(child, "inner", child)
         if isinstance(child, ScannedBlocks):
             return child
     return None
@@ -131,6 +133,13 @@ class ScannedBlocks(torch.nn.Module):
         self.param_names = names
         self.unroll = unroll
         self.stack = stack
+        # (start, stop): run only these layers on the next call (step caching's cached DeepCache
+        # step); None runs all of them.
+        self.layer_range = None
+        # A layer index j: the next call also keeps the carry entering layer j in
+        # ``self.recorded`` (DeepCache's full step), in the same single scan as a plain call.
+        self.record_at = None
+        self.recorded = None
 
     def __iter__(self):
         # diffusers iterates ``self.blocks``; one "block" that runs them all.
@@ -174,9 +183,13 @@ class ScannedBlocks(torch.nn.Module):
 
         n = self.stack.carry
         stacked = self.stacked_params()
+        start, stop = self.layer_range or (0, self.num_layers)
+        record_at = self.record_at
         if not isinstance(args[0], torchax.tensor.Tensor):
             carry = tuple(args[:n])
-            for i in range(self.num_layers):
+            for i in range(start, stop):
+                if i == record_at:
+                    self.recorded = carry
                 carry = self._layer({k: v[i] for k, v in stacked.items()}, *carry, *args[n:])
             return self._result(carry)
 
@@ -191,10 +204,40 @@ class ScannedBlocks(torch.nn.Module):
             def step(carry, layer_params):
                 return body(layer_params, *carry, *rest), None
 
-            out, _ = jax.lax.scan(step, carry, params, unroll=self.unroll)
+            if record_at is not None:
+                # The plain scan's body plus a conditional copy of the carry at layer j: the
+                # block math is the plain program's, so a full DeepCache step equals a step
+                # without a cache bit for bit.
+                def recording(state, xs):
+                    carry, kept = state
+                    layer_params, i = xs
+                    kept = jax.lax.cond(i == record_at, lambda c, k: c, lambda c, k: k,
+                                        carry, kept)
+                    return (step(carry, layer_params)[0], kept), None
+
+                zeros = jax.tree.map(jax.numpy.zeros_like, carry)
+                (out, kept), _ = jax.lax.scan(
+                    recording, (carry, zeros),
+                    (params, jax.numpy.arange(self.num_layers)), unroll=self.unroll)
+                return out, kept
+            if (start, stop) == (0, self.num_layers):
+                out, _ = jax.lax.scan(step, carry, params, unroll=self.unroll)
+                return out
+
+            # A sub-range indexes the whole stacked weights per layer: slicing them to the
+            # range first would copy those layers' weights (GBs per chip at 14B).
+            def indexed(carry, i):
+                return step(carry, {k: jax.lax.dynamic_index_in_dim(v, i, keepdims=False)
+                                    for k, v in params.items()})
+
+            out, _ = jax.lax.scan(indexed, carry, jax.numpy.arange(start, stop),
+                                  unroll=self.unroll)
             return out
 
         carry = interop.call_jax(run, tuple(args[:n]), stacked, tuple(args[n:]))
+        if record_at is not None:
+            carry, self.recorded = carry
+            self.recorded = tuple(self.recorded)
         return self._result(tuple(carry))
 
 
@@ -288,3 +331,108 @@ def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
     unmatched_out = sorted({prefix + m.group(2) if (m := layer.match(n)) else n
                             for n in unmatched})
     return out, counts, unmatched_out
+
+
+# Step caching (engine/step_cache.py): the block list run in "full" or "cached" mode.
+
+
+def _slice_tokens(x, n: int):
+    """x[:, :n] in JAX (a torchax slice is a lazy view that diffusers' type_as rejects)."""
+    from torchax import interop
+
+    return x if x.shape[1] == n else interop.call_jax(lambda a: a[:, :n], x)
+
+
+class CachedBlocks(torch.nn.Module):
+    """Stands in for a transformer's block list (``ModuleList`` or
+    ``scan_layers.ScannedBlocks``) and runs it in the mode the step program sets.
+
+    Installed over the block list after the weights are placed. It shares the block list's
+    children dict, so every state-dict name (``blocks.3.attn1...``, ``blocks.stacked...``)
+    still resolves for ``functional_call``, and every hook (sequence parallelism's padding and
+    sharding constraints) stays on the modules it was registered on. diffusers' ``for block
+    in self.blocks`` iterates it and gets one callable that runs all blocks, like
+    ``ScannedBlocks``.
+
+    Modes (set by the step function for the length of one trace):
+        "plain":  every block, nothing recorded (a run without a cache).
+        "full":   every block; records what the cache keeps in ``self.record``: MagCache
+                  the residual (B, N, D) (blocks' output minus input, model dtype); DeepCache
+                  the carry entering block L-k (hidden (B, N, D), and the text stream for
+                  HunyuanVideo-1.5), token padding of sequence parallelism sliced off.
+        "cached": MagCache returns input + ``self.kept``; DeepCache runs blocks L-k..L-1 on
+                  ``self.kept``, ignoring the input.
+    """
+
+    def __init__(self, blocks, stack, kind: str, recompute_blocks: int):
+        super().__init__()
+        self._modules = blocks._modules  # the same children under the same names
+        object.__setattr__(self, "inner", blocks)  # not a child: its children are ours
+        self.stack, self.kind, self.recompute_blocks = stack, kind, recompute_blocks
+        self.mode, self.kept, self.record = "plain", None, None
+
+    @property
+    def num_layers(self) -> int:
+        return getattr(self.inner, "num_layers", None) or len(self.inner)
+
+    def __iter__(self):
+        return iter((self,))
+
+    def __len__(self) -> int:
+        return 1
+
+    def _run(self, start: int, stop: int, carry: tuple, rest: tuple) -> tuple:
+        """Blocks start..stop-1 on ``carry``; returns the new carry as a tuple."""
+        n = self.stack.carry
+        if isinstance(self.inner, ScannedBlocks):
+            self.inner.layer_range = (start, stop)
+            try:
+                out = self.inner(*carry, *rest)
+            finally:
+                self.inner.layer_range = None
+            return tuple(out) if n > 1 else (out,)
+        for block in list(self.inner)[start:stop]:
+            out = block(*carry, *rest)
+            carry = tuple(out) if n > 1 else (out,)
+        return carry
+
+    def forward(self, *args):
+        n = self.stack.carry
+        carry, rest = tuple(args[:n]), tuple(args[n:])
+        layers = self.num_layers
+        if self.mode == "cached" and self.kind == "magcache":
+            out = (carry[0] + self.kept, *carry[1:])
+        elif self.kind == "deepcache" and self.mode != "plain":
+            split = layers - self.recompute_blocks
+            if self.mode == "cached":
+                out = self._run(split, layers, self.kept, rest)
+            elif isinstance(self.inner, ScannedBlocks):
+                self.inner.record_at = split
+                try:
+                    out = self._run(0, layers, carry, rest)
+                    mid = self.inner.recorded
+                finally:
+                    self.inner.record_at, self.inner.recorded = None, None
+            else:
+                mid = self._run(0, split, carry, rest)
+                out = self._run(split, layers, mid, rest)
+            if self.mode == "full":
+                # Sequence parallelism pads the tokens until after the last block; the
+                # recorded input is the unpadded one, so a cached step pads it afresh.
+                self.record = (_slice_tokens(mid[0], carry[0].shape[1]), *mid[1:])
+        else:
+            out = self._run(0, layers, carry, rest)
+            if self.mode == "full":
+                self.record = out[0] - carry[0]
+        return out if n > 1 else out[0]
+
+
+def install_cached_blocks(transformer, stack, kind: str, recompute_blocks: int) -> CachedBlocks:
+    """Put a ``CachedBlocks`` over ``transformer.<stack.attr>`` (after placement); returns it."""
+    blocks = getattr(transformer, stack.attr)
+    if isinstance(blocks, CachedBlocks):
+        blocks.kind, blocks.recompute_blocks = kind, recompute_blocks
+        return blocks
+    cached = CachedBlocks(blocks, stack, kind, recompute_blocks)
+    setattr(transformer, stack.attr, cached)
+    return cached

@@ -22,18 +22,24 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
     propagates the rest.
     """
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    replicated = NamedSharding(mesh, P())
-    param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
-    jitted = jax.jit(
-        interop.jax_view(fn),
-        in_shardings=(param_sh, replicated, replicated, replicated, NamedSharding(mesh, P("dp"))),
-        out_shardings=replicated,
-    )
+    in_shardings, out_shardings = step_shardings(placed, mesh)
+    jitted = jax.jit(interop.jax_view(fn), in_shardings=in_shardings,
+                     out_shardings=out_shardings)
     t0 = time.perf_counter()
     compiled = jitted.lower(placed["params"], placed["buffers"], latents, timestep,
                             inputs).compile()
     return compiled, time.perf_counter() - t0
+
+
+def step_shardings(placed: dict, mesh):
+    """(in_shardings, out_sharding) of a step program: weights as placed, buffers, latents
+    and timestep replicated, model inputs over "dp"; the noise prediction replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
+    return (param_sh, replicated, replicated, replicated, NamedSharding(mesh, P("dp"))), \
+        replicated
