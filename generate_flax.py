@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from engine import chips, runtime, step_cache
+from engine import chips, integrity, runtime, step_cache
 from engine.checkpoint import (
     component_folder,
     looks_local,
@@ -763,11 +763,12 @@ def save_outputs(config: RunConfig, frames, report: dict) -> list[str]:
     return written
 
 
-def run_dry(config: RunConfig) -> int:
+def run_dry(config: RunConfig, checked: dict) -> int:
     from engine import report as reporting
     from engine.dry_run import dry_run, print_dry_run
 
     code, report = dry_run(config, FAMILIES[config.family])
+    report["checkpoint_check"] = checked
     print_dry_run(report)
     path = os.path.join(config.output_dir, f"{reporting.output_stem(config.output_dir)}"
                                            "_dry_run.json")
@@ -780,11 +781,15 @@ def main(argv=None) -> int:
     config = validate_args(parse_args(argv))  # on every host, before any host joins the others
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
+    # Before any model loads: headers and sizes of the files this stage reads (configs only
+    # for --dry_run) against the models their configs build (engine/integrity.py).
+    checked = integrity.check_checkpoint(config, FAMILIES[config.family])
     if config.dry_run:
-        return run_dry(config)
+        return run_dry(config, checked)
     runtime.start_distributed(config.coordinator_address, config.num_processes,
                               config.process_id)
     frames, report = generate(config)
+    report["checkpoint_check"] = checked
     if not runtime.is_writer():  # process 0 writes and summarises for every host
         return 0
     from engine import report as reporting

@@ -32,6 +32,9 @@ class ModelFamily:
         download_hint: the command that downloads real weights.
         required_files: files a local checkpoint folder must hold.
         components: {stage: pipeline components that stage loads}.
+        weight_folders: {component: checkpoint subfolders holding its safetensors}, for
+            the checkpoint check before loading (``engine.integrity``); each folder's model
+            class is its ``model_index.json`` entry, as ``from_pretrained`` reads it.
     Sizes:
         frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
         pixel_multiple: height and width must be multiples of it (VAE x patch).
@@ -81,6 +84,7 @@ class ModelFamily:
     download_hint: str
     required_files: tuple[str, ...]
     components: Mapping[str, tuple[str, ...]]
+    weight_folders: Mapping[str, tuple[str, ...]]
     frame_step: int
     pixel_multiple: int
     default_flow_shift: Callable

@@ -519,6 +519,8 @@ FAMILY = ModelFamily(
     required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
     components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
                 "denoise": ("transformer",), "decode": ("vae",)},
+    weight_folders={"text_encoder": ("text_encoder", "text_encoder_2"),
+                    "transformer": ("transformer",), "vae": ("vae",)},
     frame_step=VAE_TEMPORAL_SCALE,
     pixel_multiple=VAE_SPATIAL_SCALE,
     default_flow_shift=default_flow_shift,

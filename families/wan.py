@@ -389,6 +389,8 @@ FAMILY = ModelFamily(
     required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
     components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
                 "denoise": ("transformer",), "decode": ("vae",)},
+    weight_folders={"text_encoder": ("text_encoder",), "transformer": ("transformer",),
+                    "vae": ("vae",)},
     frame_step=VAE_TEMPORAL_SCALE,
     pixel_multiple=PIXELS_PER_TOKEN_SIDE,
     default_flow_shift=default_flow_shift,

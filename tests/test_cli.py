@@ -1,5 +1,6 @@
 """generate_flax.py as a user runs it: a subprocess, its files, its exit codes and messages."""
 
+import dataclasses
 import glob
 import gzip
 import json
@@ -210,3 +211,108 @@ def test_second_process_hits_the_persistent_compilation_cache(tiny_checkpoint, t
     # small ops) is now read back instead of compiled.
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
     assert warm["compile_time_saved_s"] > 0
+
+
+# A damaged checkpoint: one line naming the component, the file and the rule, exit 2, before
+# any model loads (engine/integrity.py). In-process: load_pipeline and the text encoder are
+# replaced by a failure, so a row that got as far as loading fails the test.
+
+
+def _truncate(relpath, keep=0.5):
+    def damage(ck):
+        path = ck / relpath
+        os.truncate(path, int(os.path.getsize(path) * keep))
+    return damage
+
+
+def _edit_config(relpath, **changes):
+    def damage(ck):
+        path = ck / relpath / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return damage
+
+
+def _drop_tensor(relpath, name):
+    def damage(ck):
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(ck / relpath))
+        del state[name]
+        save_file(state, str(ck / relpath), metadata={"format": "pt"})
+    return damage
+
+
+def _index_naming_a_missing_shard(ck):
+    """transformer/ as a sharded checkpoint whose index names a second shard not there."""
+    from safetensors import safe_open
+
+    folder = ck / "transformer"
+    first = "diffusion_pytorch_model-00001-of-00002.safetensors"
+    os.rename(folder / "diffusion_pytorch_model.safetensors", folder / first)
+    with safe_open(str(folder / first), "pt") as f:
+        names = sorted(f.keys())
+    weight_map = {n: first for n in names}
+    weight_map[names[-1]] = first.replace("00001-of", "00002-of")
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+TE, TR = "text_encoder/model.safetensors", "transformer/diffusion_pytorch_model.safetensors"
+DAMAGED = [
+    ("truncated transformer", "wan", [], _truncate(TR),
+     "transformer/diffusion_pytorch_model.safetensors: truncated: tensor"),
+    ("truncated text encoder", "wan", [], _truncate(TE),
+     "text_encoder/model.safetensors: truncated: tensor"),
+    ("text encoder cut inside its header", "wan", [], _truncate(TE, keep=0.001),
+     "text_encoder/model.safetensors: truncated: the header says it is"),
+    ("truncated VAE, --stage decode", "wan", ["--stage", "decode"],
+     _truncate("vae/diffusion_pytorch_model.safetensors"),
+     "vae/diffusion_pytorch_model.safetensors: truncated: tensor"),
+    ("index names a missing shard", "wan", [], _index_naming_a_missing_shard,
+     "transformer/diffusion_pytorch_model.safetensors.index.json: its weight_map names 1 "
+     "file(s) that do not exist: diffusion_pytorch_model-00002-of-00002.safetensors"),
+    ("ffn_dim does not match the weights", "wan", [], _edit_config("transformer", ffn_dim=64),
+     "transformer/diffusion_pytorch_model.safetensors: does not match config.json: 6 tensor(s) "
+     "have the wrong shape for config.json: blocks.0.ffn.net.0.proj.bias (32), expected (64)"),
+    ("one tensor removed", "wan", ["--stage", "denoise"], _drop_tensor(TR, "proj_out.bias"),
+     "transformer/diffusion_pytorch_model.safetensors: does not match config.json: 1 "
+     "tensor(s) WanTransformer3DModel expects are missing: proj_out.bias"),
+    # transformers' rules: the Qwen text model's norm is not tied to anything.
+    ("HunyuanVideo text encoder, one tensor removed", "hunyuan", [],
+     _drop_tensor(TE, "norm.weight"), "text_encoder/model.safetensors: does not match "
+     "config.json: 1 tensor(s) Qwen2_5_VLTextModel expects are missing: norm.weight"),
+    ("config that does not parse, --dry_run", "wan", ["--dry_run", "--topology", "v6e:2x4"],
+     lambda ck: (ck / "vae" / "config.json").write_text("{"), "vae/config.json: does not parse"),
+]
+
+
+@pytest.mark.parametrize("name,which,flags,damage,message", DAMAGED,
+                         ids=[d[0] for d in DAMAGED])
+def test_damaged_checkpoint_is_one_line_before_loading(request, tmp_path, capsys, monkeypatch,
+                                                       name, which, flags, damage, message):
+    import shutil
+
+    import families
+    import generate_flax as gf
+
+    source = request.getfixturevalue("tiny_checkpoint" if which == "wan" else
+                                     "hunyuan_checkpoint")
+    ck = tmp_path / "ck"
+    shutil.copytree(source, ck)
+    damage(ck)
+    for key, family in families.FAMILIES.items():
+        monkeypatch.setitem(families.FAMILIES, key, dataclasses.replace(
+            family, load_pipeline=lambda *a, **k: pytest.fail("weights loaded"),
+            encode_prompts=lambda *a, **k: pytest.fail("text encoder ran")))
+    out = tmp_path / "out"
+    code = gf.cli(["--model_id", str(ck), "--output_dir", str(out), "--work_dir",
+                   str(tmp_path / "work"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"generate_flax.py: error: --model_id='{ck}': "), lines[0]
+    assert message in lines[0], lines[0]
+    assert not os.listdir(out)
+    assert not (tmp_path / "work").exists()
