@@ -219,7 +219,8 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
             run["denoise_s"] = time.perf_counter() - t0
             run["s_per_step"] = run["denoise_s"] / num_inference_steps
             if cache is not None:
-                run.update(_cache_step_times(call.kinds, step_times))
+                run.update(_cache_step_times(call.kinds, step_times),
+                           kept_bytes_by_device=call.kept_bytes_by_device)
                 if cache.settings.calibrate:
                     run["calibration"] = call.calibration()
             check_finite(latents, "denoising (transformer + scheduler)")

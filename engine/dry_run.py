@@ -167,6 +167,41 @@ def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
                         weights + _per_chip_bytes([latents, *_leaves(inputs)]))
 
 
+def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
+    """Step caching: the full and the cached step programs compiled for the topology (they
+    replace the plain step, which a cached run never runs), and what the cache keeps."""
+    from engine import step_cache
+
+    latents, t, inputs = abstract_inputs
+    settings = config.step_cache
+    print(f"compiling the {settings.kind} full and cached step programs for "
+          f"{config.topology}...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        lowered = step_cache.compile_cache_programs(
+            placed, mesh, family.step_fn(placed["module"], config), family.block_stack,
+            settings, latents, t, inputs, lower_only=True)
+    except Exception as e:
+        weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+        return [_oom_row("transformer step (full)", e, time.perf_counter() - t0, capacity,
+                         weights)], None
+    rows = []
+    for name, program in (("full", lowered.full), ("cached", lowered.cached)):
+        t1 = time.perf_counter()
+        label = f"transformer step ({name})"
+        try:
+            compiled = program.compile()
+            rows.append(_memory_row(label, compiled, lowered.compile_s[name]
+                                    + time.perf_counter() - t1, capacity))
+        except Exception as e:  # the compiler reports real OOMs as errors
+            rows.append(_oom_row(label, e, time.perf_counter() - t1, capacity))
+    cache = dict(settings.report(config.num_inference_steps),
+                 kept_shapes=[list(s) for s in lowered.kept_shapes],
+                 kept_bytes=lowered.kept_bytes, kept_bytes_per_chip=lowered.kept_bytes_per_chip,
+                 kept_specs=[str(s) for s in step_cache.kept_specs(lowered.kept_shapes, mesh)])
+    return rows, cache
+
+
 def _vae_rows(config, decoder, latents, capacity: int) -> list:
     t0 = time.perf_counter()
     try:
@@ -254,8 +289,12 @@ def dry_run(config, family) -> tuple[int, dict]:
     vae, vae_placed = _abstract_vae(family, folder, mesh)
     abstract_inputs = _abstract_inputs(config, family, cfg, vae_cfg, mesh)
     latents, inputs = abstract_inputs[0], abstract_inputs[2]
-    rows = [_step_row(config, family, placed, mesh, abstract_inputs, capacity,
-                      cfg["num_layers"])]
+    cache = None
+    if config.step_cache is not None and config.step_cache.on:
+        rows, cache = _cache_rows(config, family, placed, mesh, abstract_inputs, capacity)
+    else:
+        rows = [_step_row(config, family, placed, mesh, abstract_inputs, capacity,
+                          cfg["num_layers"])]
     decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.vae_tiling, abstract=True)
     rows += _vae_rows(config, decoder, latents, capacity)
     video = 3 * config.frames * config.height * config.width * 4 // (
@@ -273,8 +312,17 @@ def dry_run(config, family) -> tuple[int, dict]:
         analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
         hosts=_hosts(placed, vae_placed))
+    if cache is not None:
+        report["cache"] = cache
     if config.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
+        if cache is not None:
+            from engine.step_cache import estimate_schedule
+
+            report["estimate"]["cache"] = estimate_schedule(
+                report["estimate"]["seconds_per_step"], config.step_cache,
+                config.num_inference_steps, read_component_config(
+                    config.model_id, "transformer")["num_layers"])
     return (0 if fits else EXIT_DOES_NOT_FIT), report
 
 
@@ -308,6 +356,11 @@ def print_dry_run(report: dict) -> None:
               f"{gib(r['temp_bytes']):>9}{gib(r['resident_bytes']):>9}{gib(r['total_bytes']):>9}"
               f"{gib(r['capacity_bytes']):>9}  {'yes' if r['fits'] else 'NO':<5}"
               f"{r['compile_s']:>10.1f}")
+    if "cache" in report:
+        c = report["cache"]
+        print(f"{c['kind']}: {len(c['cached_steps'])} of {c['full_steps'] + len(c['cached_steps'])}"
+              f" steps cached; the cache keeps {c['kept_shapes']} "
+              f"({c['kept_bytes_per_chip'] / 2**30:.3f} GiB per chip, {c['kept_specs']})")
     step = report["per_chip"][0]
     if step.get("flops"):
         print(f"XLA FLOPs per step per chip (Pallas kernels count 0): {step['flops']:.3e}")

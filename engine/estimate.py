@@ -871,6 +871,12 @@ def print_estimate(est: dict) -> None:
           f"{est['seconds_per_step_elementwise_by_xla_cost_model']:8.3f} s   (elementwise "
           f"{est['elementwise_xla_cost_model_s']:.3f} s by XLA's fusion cost model: pessimistic)")
     print(f"ICI figure: {est['ici_source']}; {est['elapsed_s']:.0f} s to estimate")
+    if "cache" in est:
+        c = est["cache"]
+        print(f"{c['kind']}: {c['full_steps']} full x {c['full_step_s']:.3f} s + "
+              f"{c['cached_steps']} cached x {c['cached_step_s']:.3f} s = {c['denoise_s']:.1f} s "
+              f"of denoising, against {c['denoise_s_without_cache']:.1f} s without a cache "
+              f"({c['speedup']:.2f}x; estimated, blocks only)")
 
 
 def _pct(x) -> str:

@@ -366,6 +366,7 @@ class _Runner:
     def __init__(self, cache: StepCache, schedule: tuple, calibrate: bool):
         self.cache, self.schedule, self.index = cache, schedule, 0
         self.kept, self.kinds, self.calibrate, self.ratios = None, [], calibrate, []
+        self.kept_bytes_by_device = None  # {device id: bytes}, read off the live arrays
 
     def __call__(self, latents, t, embeds):
         cached = self.schedule[self.index]
@@ -375,6 +376,13 @@ class _Runner:
             return self.cache.cached(latents, t, embeds, self.kept)
         previous, self.kept = self.kept, None  # let the old arrays go before the new ones land
         out, self.kept = self.cache.full(latents, t, embeds)
+        if self.kept_bytes_by_device is None:
+            self.kept_bytes_by_device = {}
+            for x in self.kept:
+                for shard in x.addressable_shards:
+                    d = shard.device.id
+                    self.kept_bytes_by_device[d] = (self.kept_bytes_by_device.get(d, 0)
+                                                    + shard.data.nbytes)
         if self.calibrate:
             self.ratios.append(None if previous is None else
                                magnitude_ratio(self.kept[0], previous[0]))
@@ -467,8 +475,10 @@ def compile_cache_programs(placed: dict, mesh, step_fn, stack, settings: CacheSe
     full = jax.jit(full_view, in_shardings=in_sh, out_shardings=(out_sh, kept_sh)).lower(*args)
     seconds["full"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    # keep_unused: MagCache's cached program reads no block weight, but they stay in HBM and
+    # the dry run's per-chip figures must count them.
     cached = jax.jit(interop.jax_view(cached_fn), in_shardings=(*in_sh, kept_sh),
-                     out_shardings=out_sh).lower(*args, kept_abstract)
+                     out_shardings=out_sh, keep_unused=True).lower(*args, kept_abstract)
     seconds["cached"] = time.perf_counter() - t0
     if not lower_only:
         for name, lowered in (("full", full), ("cached", cached)):
@@ -512,4 +522,23 @@ def cache_report(cache: StepCache, runs: list, num_steps: int) -> dict:
                kept_bytes_per_chip=cache.kept_bytes_per_chip)
     if runs and "calibration" in runs[-1]:
         out["calibration"] = runs[-1]["calibration"]
+    if runs and "kept_bytes_by_device" in runs[-1]:
+        out["kept_bytes_by_device"] = runs[-1]["kept_bytes_by_device"]
     return out
+
+
+def estimate_schedule(full_step_s: float, settings: CacheSettings, num_steps: int,
+                      num_layers: int) -> dict:
+    """The ``--estimate`` of a cached run: a cached step costs ``k / L`` of a full step's
+    blocks with DeepCache and none of them with MagCache (the estimate models blocks only;
+    MagCache's residual add, one read-modify-write of the residual stream, is ~1 ms per chip
+    at 14B 720p and left out). Every figure is an ESTIMATE (see ``engine.estimate``)."""
+    schedule = settings.schedule(num_steps)
+    cached = sum(schedule)
+    share = settings.recompute_blocks / num_layers if settings.kind == "deepcache" else 0.0
+    cached_s = full_step_s * share
+    total = (num_steps - cached) * full_step_s + cached * cached_s
+    return dict(kind=settings.kind, full_steps=num_steps - cached, cached_steps=cached,
+                full_step_s=full_step_s, cached_step_s=cached_s, denoise_s=total,
+                denoise_s_without_cache=num_steps * full_step_s,
+                speedup=num_steps * full_step_s / total if total else None)

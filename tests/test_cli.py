@@ -108,6 +108,14 @@ BAD = [
     (["--stage", "decode", "--profile_dir", "prof"], "--profile_dir='prof'",
      "needs a denoising run"),
     (["--estimate"], "--estimate=True", "needs --dry_run"),
+    (["--cache_start_step", "3"], "--cache_start_step=3", "needs --cache deepcache"),
+    (["--enable_cache", "--num_inference_steps", "8"], "--cache_start_step=11",
+     "0 <= start < --num_inference_steps (8)"),
+    (["--cache", "deepcache", "--cache_recompute_blocks", "2"], "--cache_recompute_blocks=2",
+     "< the transformer's 2 blocks"),
+    (["--cache", "magcache"], "--cache='magcache'", "no calibrated ratios are known"),
+    (["--cache", "magcache", "--mag_ratios", "[1, 0]"], "--mag_ratios='[1, 0]'",
+     "JSON list of positive numbers"),
 ]
 
 

@@ -261,6 +261,8 @@ def test_sharded_cached_runs_equal_the_reference(tiny_checkpoint):
     kept = report["cache"]
     assert kept["kept_shapes"] == [[2, 45, 24]]
     assert kept["kept_bytes_per_chip"] == kept["kept_bytes"] // 2  # over dp; 45 tokens: no tp/sp
+    # Read off the live arrays: every device holds its half, none the whole.
+    assert kept["kept_bytes_by_device"] == {d.id: kept["kept_bytes"] // 2 for d in jax.devices()}
 
 
 
