@@ -64,6 +64,10 @@ class RunConfig:
     dp: int | None
     tp: int | None
     sp: int | None
+    # ((path, scale), ...) of --lora, checked and loaded by engine.lora.validate.
+    lora: tuple = ()
+    # "unipc" or "euler" (--scheduler, resolved to the family's default).
+    scheduler: str = "unipc"
 
     @property
     def use_cfg(self) -> bool:
