@@ -290,14 +290,15 @@ def fusers(loras) -> dict:
     return {name: make(items) for name, items in terms.items()}
 
 
-def touched_replicated(loras, specs: dict, stack_prefix: str, layer_name) -> list:
-    """Names (as placed) of weights a LoRA touches whose spec replicates them on every
-    device (the dry run lists them: their fused values are whole on each chip)."""
-    touched = {n for lora in loras for n in (*lora.weights, *lora.biases)}
-    out = []
-    for name, spec in specs.items():
-        probe = layer_name(0, name[len(stack_prefix):]) if name.startswith(stack_prefix) \
-            else name
-        if probe in touched and all(a is None for a in spec):
-            out.append(name)
-    return out
+def touched_replicated(lora: Lora, specs: dict, stack) -> list:
+    """Names (as placed) of the weights ``lora`` touches whose ``PartitionSpec`` replicates
+    them on every device, so each chip holds the whole fused weight (the dry run lists
+    them). ``stack``: the family's ``scan_layers.BlockStack`` (scanned names)."""
+    layer = re.compile(rf"^{re.escape(stack.attr)}\.\d+\.(.+)$")
+    out = set()
+    for name in (*lora.weights, *lora.biases):
+        m = layer.match(name)
+        for placed in (name, stack.prefix + m[1] if m else None):
+            if placed in specs and all(a is None for a in specs[placed]):
+                out.add(placed)
+    return sorted(out)
