@@ -130,6 +130,15 @@ def _add_generation_flags(g) -> None:
                    help="scheduler flow shift; Wan 2.1 default by resolution as its model "
                         "card says: 5.0 when the shorter side is >= 720 px, else 3.0; "
                         "HunyuanVideo: the checkpoint scheduler's shift")
+    g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
+                   help="a LoRA .safetensors (diffusers/PEFT or original/lightx2v keys), "
+                        "fused into the weights as they are placed; repeatable; SCALE 1.0 "
+                        "when omitted (Wan 2.1; see README 'LoRA and few-step generation')")
+    g.add_argument("--scheduler", choices=("unipc", "euler"), default=None,
+                   help="sampler: diffusers' UniPCMultistepScheduler or "
+                        "FlowMatchEulerDiscreteScheduler, from the checkpoint's scheduler "
+                        "config with --flow_shift (family default: Wan unipc, HunyuanVideo "
+                        "euler)")
     g.add_argument("--seed", type=int, default=d["seed"],
                    help="seed of the CPU torch.Generator that draws the initial latents")
     g.add_argument("--max_sequence_length", type=int, default=None,
@@ -262,9 +271,13 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                  "denoise, without --dry_run")
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
-    cache = _validate_cache(args, values["num_inference_steps"])
+    from engine import lora
+
+    extras = dict(lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
+                  scheduler=lora.validate_scheduler(args.scheduler, family_key),
+                  step_cache=_validate_cache(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
-    config = RunConfig(**{**flags, **values, "family": family_key, "step_cache": cache,
+    config = RunConfig(**{**flags, **values, **extras, "family": family_key,
                           "flow_shift": flow_shift, "flow_shift_source": source})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
     return config.resolve_block_sizes(args.topology.split(":")[0]) if args.dry_run else config
@@ -562,10 +575,11 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
 
     replicated = NamedSharding(mesh, P())
     parts, placed = dict(timesteps_sharding=replicated), None
+    pipe_loras = placed_loras(config, pipe)
     if config.stage in ("all", "denoise"):
         install_attention(config, mesh, attention, fallbacks)
         with runtime.hardware_errors("placing the transformer weights", oom_hint):
-            placed = place_transformer(config, family, pipe, mesh, fallbacks)
+            placed = place_transformer(config, family, pipe, mesh, fallbacks, pipe_loras)
             inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
         timings["place_transformer_s"] = placed["seconds"]
         timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
@@ -594,16 +608,27 @@ def install_attention(config, mesh, attention: str, fallbacks) -> None:
                           interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
 
 
-def place_transformer(config, family, pipe, mesh, fallbacks) -> dict:
-    """Stream the transformer's weights from the checkpoint into their shards (see
-    ``engine.sharding.place_transformer``)."""
+def placed_loras(config, pipe) -> list:
+    """The ``--lora`` files as ``engine.lora.Lora``s (loaded and checked by validate_args)."""
+    from engine import lora
+
+    if not config.lora or pipe.transformer is None:
+        return []
+    return lora.loaded(config.lora, lora.transformer_shapes(pipe.transformer))
+
+
+def place_transformer(config, family, pipe, mesh, fallbacks, loras=()) -> dict:
+    """Stream the transformer's weights from the checkpoint into their shards, with
+    ``loras`` fused into each slice (see ``engine.sharding.place_transformer``)."""
     from engine import sharding
 
-    return sharding.place_transformer(
+    placed = sharding.place_transformer(
         pipe.transformer, mesh, family.sharding_rules(config),
         checkpoint=component_folder(config.model_id, "transformer"), fsdp=config.fsdp,
         scan=config.scan_layers, megatron_sp=config.megatron_sp, fallbacks=fallbacks,
-        stack=family.block_stack)
+        stack=family.block_stack, loras=loras)
+    placed["loras"] = [x.report() for x in loras]
+    return placed
 
 
 def place_model_inputs(config, family, pipe, embeds: dict, mesh):
@@ -708,7 +733,8 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
             # Streamed from the safetensors files: what this host (process 0) read, against
             # the weights' bytes; equal when one host's devices hold a whole replica.
             weights=dict(source="safetensors slices", param_bytes=placed["param_bytes"],
-                         bytes_read_by_this_host=placed["bytes_read"]))
+                         bytes_read_by_this_host=placed["bytes_read"]),
+            loras=placed.get("loras", []))
     return out
 
 

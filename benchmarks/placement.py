@@ -18,6 +18,12 @@ weight bytes:
 the way a real run does: meta weights, each device's slice read from the files
 (``engine.sharding.place_module(..., checkpoint=...)``), so the host never holds the checkpoint.
 
+``--lora_rank R`` (with ``--from_checkpoint``) also writes a random rank-R LoRA over every
+block's attention and FFN projections (original/lightx2v keys, bf16, ``tools/tiny_lora.py``),
+loads it through diffusers' key conversion (``engine.lora.load``, timed apart) and fuses it
+into each device's slice during placement, for the placement time and host RAM against a
+run without it.
+
 CPU caveat: CPU "devices" live in host RAM, so here RSS also holds every device's copies;
 the host-side overhead is RSS minus the sum over devices. Figures are CPU figures, not TPU.
 
@@ -55,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--from_checkpoint", action="store_true",
                    help="save to safetensors first, then stream slices from the files (the "
                         "product's path for the transformer)")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="with --from_checkpoint: fuse a random LoRA of this rank (0: none)")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=4)
     return p.parse_args(argv)
@@ -127,6 +135,24 @@ def place_legacy(model, mesh, rules):
     jax.device_put(buffers, NamedSharding(mesh, P()))
 
 
+def load_lora(rank: int, cfg: dict, model, folder: str):
+    """([engine.lora.Lora] or [], load seconds, file bytes) of a random rank-``rank`` LoRA."""
+    if not rank:
+        return [], 0.0, 0
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from tiny_lora import write_lora
+
+    from engine import lora
+
+    path = os.path.join(folder, "lora.safetensors")
+    write_lora(path, cfg, fmt="original", rank=rank, dtype=torch.bfloat16, std=0.02)
+    t0 = time.perf_counter()
+    loaded = lora.load(path, 1.0, lora.transformer_shapes(model))
+    return [loaded], time.perf_counter() - t0, os.path.getsize(path)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -161,6 +187,7 @@ def main(argv=None) -> int:
         del model, unstacked, state, stacked
         gc.collect()
         model = wan.empty_transformer(cfg, torch.bfloat16)
+        loras, lora_s, lora_bytes = load_lora(args.lora_rank, cfg, model, tmp.name)
         scan_layers.scan_blocks(model)
     mesh = make_mesh(MeshShape(args.dp, args.tp, 1), jax.devices())
     rules = wan.transformer_sharding_rules()
@@ -181,7 +208,8 @@ def main(argv=None) -> int:
             placed.append(arr)
     elif args.from_checkpoint:
         placed = sharding.place_module(model, mesh, rules, desc="transformer", on_placed=account,
-                                 checkpoint=os.path.join(tmp.name, "transformer"))
+                                       checkpoint=os.path.join(tmp.name, "transformer"),
+                                       loras=loras)
     else:
         placed = sharding.place_module(model, mesh, rules, desc="transformer", on_placed=account)
     seconds = time.perf_counter() - t0
@@ -193,6 +221,8 @@ def main(argv=None) -> int:
     path = ("legacy t2j_copy + device_put" if args.legacy else
             "streamed from safetensors slices (checkpoint=)" if args.from_checkpoint else
             "streamed from host tensors (place_module)")
+    if args.from_checkpoint and loras:
+        path += f", rank-{args.lora_rank} LoRA fused per slice"
     print(f"== Placement, {path}: {os.path.basename(args.config)} random bf16 weights, "
           f"{len(devices)} CPU devices, dp{args.dp} x tp{args.tp} (CPU figures, not TPU) ==")
     print(f"weight bytes W:                     {weight_bytes / GB:8.3f} GB")
@@ -209,6 +239,9 @@ def main(argv=None) -> int:
         print(f"host RSS peak minus device bytes:   "
               f"{(sampler.peak - sum(after.values())) / weight_bytes:8.2f} x W "
               "(what the host holds besides the CPU devices' arrays)")
+    if args.from_checkpoint and loras:
+        print(f"LoRA file (bf16) / load + convert:  {lora_bytes / GB:8.3f} GB / {lora_s:.2f} s "
+              "(before placement, in the RSS before it)")
     print(f"placement time:                     {seconds:8.2f} s "
           f"({weight_bytes / seconds / GB:.2f} GB/s host -> CPU devices)")
     return 0

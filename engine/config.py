@@ -66,6 +66,10 @@ class RunConfig:
     tp: int | None
     sp: int | None
     step_cache: Any = None  # engine.step_cache.CacheSettings
+    # ((path, scale), ...) of --lora, checked and loaded by engine.lora.validate.
+    lora: tuple = ()
+    # "unipc" or "euler" (--scheduler, resolved to the family's default).
+    scheduler: str = "unipc"
 
     @property
     def use_cfg(self) -> bool:

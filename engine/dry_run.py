@@ -314,6 +314,11 @@ def dry_run(config, family) -> tuple[int, dict]:
         hosts=_hosts(placed, vae_placed))
     if cache is not None:
         report["cache"] = cache
+    if config.lora:
+        from engine import lora
+
+        report["loras"] = [dict(x.report(), replicated_weights=lora.touched_replicated(
+            x, placed["specs"], family.block_stack)) for x in lora.loaded(config.lora, None)]
     if config.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
         if cache is not None:
@@ -376,6 +381,11 @@ def print_dry_run(report: dict) -> None:
     print(f"host RAM for weights: each of {hosts['count']} host(s) reads "
           f"{max(hosts['weight_bytes']) / 2**30:.2f} GiB of slices for its own devices, "
           f"streamed (largest slice {hosts['largest_slice_bytes'] / 2**30:.2f} GiB)")
+    for x in report.get("loras", []):
+        rep = x["replicated_weights"]
+        print(f"LoRA {x['path']} (scale {x['scale']}): {x['matched_weights']} weights fused "
+              f"into their slices at placement, no step-time cost; replicated weights it "
+              f"touches: {', '.join(rep) if rep else 'none'}")
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
     print("verdict:", "fits" if report["fits"] else "does not fit",
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")

@@ -200,19 +200,25 @@ class SafetensorsReader:
             self._handles[path] = safe_open(path, framework="pt")
         return self._handles[path].get_slice(name)
 
-    def read(self, name: str, index: tuple, dtype) -> np.ndarray:
+    def read(self, name: str, index: tuple, dtype, fuse=None) -> np.ndarray:
         """Tensor ``name`` at ``index`` (a tuple of slices), cast to torch ``dtype`` as
-        ``from_pretrained`` casts it, as a NumPy array (bf16 as ``ml_dtypes.bfloat16``)."""
+        ``from_pretrained`` casts it, as a NumPy array (bf16 as ``ml_dtypes.bfloat16``).
+
+        ``fuse``: optional ``f(index) -> float32 torch tensor``, the slice's LoRA delta
+        (``engine.lora.fusers``): added to the slice in float32 before the cast."""
         sl = self._slice(name)
         tensor = sl[index] if sl.get_shape() else self._handles[self.file_of[name]].get_tensor(
             name)
+        if fuse is not None:
+            tensor = tensor.float() + fuse(index)
         out = host_array(tensor.to(dtype))
         self.bytes_read += out.nbytes
         return out
 
 
 def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: dict, *,
-                           desc: str, stacked: dict | None = None, on_placed=None) -> dict:
+                           desc: str, stacked: dict | None = None, on_placed=None,
+                           fuse: dict | None = None) -> dict:
     """Place weights whose values are read, slice by slice, from safetensors files.
 
     Args:
@@ -225,6 +231,10 @@ def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: d
             axis (``--scan_layers``): slice ``index`` reads ``index[1:]`` of each layer
             ``index[0]`` selects, and stacks them.
         on_placed: optional ``f(name, jax.Array)`` after each weight.
+        fuse: optional {file tensor name: ``f(index) -> float32 delta``} (LoRAs,
+            ``engine.lora.fusers``): each slice read gets its own slice of the delta, per
+            layer for stacked weights, so no host forms a whole fused weight its devices
+            split.
 
     Returns:
         {name: ``jax.Array``}. Each device receives only its own slice; slices shared by
@@ -233,7 +243,7 @@ def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: d
     import jax
     from tqdm import tqdm
 
-    stacked = stacked or {}
+    stacked, fuse = stacked or {}, fuse or {}
     total = sum(int(math.prod(t.shape)) * t.element_size() for t in params.values())
     out = {}
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, leave=False,
@@ -246,10 +256,12 @@ def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: d
                 if key not in cache:
                     if name in stacked:
                         layers = range(len(stacked[name]))[index[0]]
-                        cache[key] = np.stack([reader.read(stacked[name][i], index[1:], dtype)
+                        files = stacked[name]
+                        cache[key] = np.stack([reader.read(files[i], index[1:], dtype,
+                                                           fuse.get(files[i]))
                                                for i in layers])
                     else:
-                        cache[key] = reader.read(name, index, dtype)
+                        cache[key] = reader.read(name, index, dtype, fuse.get(name))
                 return cache[key]
 
             arr = jax.make_array_from_callback(tuple(t.shape), shardings[name], read)

@@ -104,7 +104,8 @@ def undivided_weights(specs: dict, rules, stack=scan_layers.WAN_BLOCKS) -> list:
 
 
 def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
-                 checkpoint: str | None = None, desc: str = "weights", on_placed=None) -> dict:
+                 checkpoint: str | None = None, desc: str = "weights", on_placed=None,
+                 loras=()) -> dict:
     """Wrap a torch module for torchax and stream its weights into their shards on ``mesh``.
 
     Every weight goes straight into its ``NamedSharding``: no device holds a whole weight
@@ -126,6 +127,8 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         checkpoint: optional folder of the module's safetensors files.
         desc: progress-bar label.
         on_placed: optional ``f(name, jax.Array)`` after each weight (memory accounting).
+        loras: ``engine.lora.Lora``s fused into the slices as they are read (needs
+            ``checkpoint``).
 
     Returns:
         dict(module=JittableModule, params={name: jax.Array}, buffers={name: jax.Array},
@@ -137,6 +140,7 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
     Raises:
         GenerationError: ``checkpoint`` holds no safetensors file, or lacks a tensor the
             module has.
+        ValueError: ``loras`` without ``checkpoint``.
     """
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -152,11 +156,16 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         module, {k: v.shape for k, v in params.items()}, rules, mesh, fsdp=fsdp)
     shardings = {k: NamedSharding(mesh, specs[k]) for k in params}
     t0 = time.perf_counter()
+    if loras and reader is None:
+        raise ValueError("place_module: LoRAs are fused only when streaming from a checkpoint")
     if reader is None:
         placed = placement.place_tensors(params, shardings, desc=desc, on_placed=on_placed)
     else:
+        from engine import lora
+
         placed = placement.place_from_safetensors(reader, params, shardings, desc=desc,
-                                                  stacked=stacked, on_placed=on_placed)
+                                                  stacked=stacked, on_placed=on_placed,
+                                                  fuse=lora.fusers(loras))
     placed_buffers = placement.place_tensors(
         buffers, {k: NamedSharding(mesh, P()) for k in buffers}, desc=f"{desc} buffers",
         on_placed=on_placed)
@@ -203,19 +212,20 @@ def _checkpoint_reader(module, folder: str, params: dict):
 
 def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
                       scan: bool, megatron_sp: bool = False, fallbacks=None,
-                      stack=scan_layers.WAN_BLOCKS) -> dict:
+                      stack=scan_layers.WAN_BLOCKS, loras=()) -> dict:
     """Stream a transformer's weights from ``checkpoint`` into their shards on ``mesh`` by
     ``rules`` (plus FSDP with ``fsdp``); see ``place_module``. With ``scan`` its blocks become
     one ``jax.lax.scan`` first (``scan_layers.scan_blocks``); the residual stream's tokens are
     sharded between blocks over ``residual_token_axes(mesh, megatron_sp)``. Logs what each
     rule matched and, at debug
     level, every weight no rule names; weights a rule matched but the mesh cannot divide are
-    reported to ``fallbacks``. ``stack`` is the family's ``scan_layers.BlockStack``.
+    reported to ``fallbacks``. ``stack`` is the family's ``scan_layers.BlockStack``;
+    ``loras`` (``engine.lora.Lora``) are fused into each slice as it is read.
     Returns as ``place_module``."""
     if scan:
         scan_layers.scan_blocks(transformer, stack=stack)  # before the sp hooks, which it keeps
     placed = place_module(transformer, mesh, rules, fsdp=fsdp, desc="transformer",
-                          checkpoint=checkpoint)
+                          checkpoint=checkpoint, loras=loras)
     for rx, n in placed["rule_counts"].items():
         log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
     log.debug("replicated (no rule): %s", ", ".join(placed["unmatched"]))

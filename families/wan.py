@@ -116,12 +116,7 @@ def load_pipeline(config, components):
         GenerationError: the weights could not be found or read.
     """
     import torch
-    from diffusers import (
-        AutoencoderKLWan,
-        UniPCMultistepScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     from engine.errors import first_line
 
@@ -143,15 +138,27 @@ def load_pipeline(config, components):
         raise GenerationError(
             f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
             from None
-    # flow_shift is a sampling choice (5.0 at 720p, 3.0 at 480p), not part of the checkpoint.
-    pipe.scheduler = UniPCMultistepScheduler.from_config(
-        pipe.scheduler.config, flow_shift=config.flow_shift)
+    pipe.scheduler = make_scheduler(pipe.scheduler.config, config.scheduler, config.flow_shift)
     # eval() only: torchax treats parameters with requires_grad=False as buffers, which would
     # hide them from the sharding rules.
     for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
         if m is not None:
             m.eval()
     return pipe
+
+
+def make_scheduler(scheduler_config, kind: str, flow_shift: float):
+    """``--scheduler``: "unipc" is ``WanPipeline``'s UniPCMultistepScheduler, "euler" is
+    ``FlowMatchEulerDiscreteScheduler`` (the sampler of the 4-step distill LoRAs' recipes),
+    each built from the checkpoint's scheduler config. flow_shift is a sampling choice (5.0
+    at 720p, 3.0 at 480p), not part of the checkpoint: UniPC takes it as ``flow_shift``,
+    Euler as ``shift``.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if kind == "euler":
+        return FlowMatchEulerDiscreteScheduler.from_config(scheduler_config, shift=flow_shift)
+    return UniPCMultistepScheduler.from_config(scheduler_config, flow_shift=flow_shift)
 
 
 EMBEDDING_NAMES = ("prompt_embeds", "negative_prompt_embeds")

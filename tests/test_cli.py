@@ -324,3 +324,56 @@ def test_damaged_checkpoint_is_one_line_before_loading(request, tmp_path, capsys
     assert message in lines[0], lines[0]
     assert not os.listdir(out)
     assert not (tmp_path / "work").exists()
+
+
+def _bad_lora(tmp_path, checkpoint, case):
+    """A LoRA file broken as ``case`` says; returns the --lora value."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from tiny_lora import write_lora
+
+    with open(os.path.join(checkpoint, "transformer", "config.json")) as f:
+        cfg = json.load(f)
+    path = tmp_path / "lora.safetensors"
+    if case == "unmatched keys":
+        good = write_lora(str(path), cfg, fmt="peft", layers=[0])
+        good["transformer.blocks.0.attn1.to_zz.lora_A.weight"] = torch.zeros(4, 8)
+        save_file(good, str(path))
+    elif case == "wrong shape":
+        good = write_lora(str(path), cfg, fmt="peft", layers=[0])
+        good["transformer.blocks.0.attn1.to_q.lora_A.weight"] = torch.zeros(4, 7)
+        save_file(good, str(path))
+    elif case == "pickle":
+        path = tmp_path / "lora.pt"
+        torch.save({"x": torch.zeros(2)}, str(path))
+    elif case == "truncated":
+        write_lora(str(path), cfg, fmt="original", layers=[0])
+        data = path.read_bytes()
+        path.write_bytes(data[:len(data) - 100])
+    elif case == "scale":
+        write_lora(str(path), cfg, fmt="peft", layers=[0])
+        return f"{path}:strong"
+    return str(path)
+
+
+BAD_LORA = [("unmatched keys", "1 key(s) match no transformer weight "
+             "(transformer.blocks.0.attn1.to_zz.lora_A.weight)"),
+            ("wrong shape", "does not fit its weight"),
+            ("pickle", "pickled checkpoints are refused"),
+            ("truncated", "not a readable safetensors file"),
+            ("scale", "must be a number")]
+
+
+@pytest.mark.parametrize("case,rule", BAD_LORA, ids=[b[0] for b in BAD_LORA])
+def test_bad_lora_is_one_line_before_loading(tiny_checkpoint, tmp_path, case, rule):
+    out = tmp_path / "out"
+    value = _bad_lora(tmp_path, tiny_checkpoint, case)
+    proc = run(["--model_id", tiny_checkpoint, "--output_dir", str(out), "--lora", value],
+               timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "--lora=" in lines[0] and rule in lines[0], lines[0]
+    assert not out.exists() or not os.listdir(out)

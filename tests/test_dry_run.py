@@ -39,8 +39,30 @@ def vae_bytes(prefixes=("",)):
                if name.startswith(prefixes))
 
 
+def _lora_with_a_replicated_target(path):
+    """A PEFT-format LoRA on block 0 (tp-split weights) and on condition_embedder.time_proj,
+    which the sharding rules replicate."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from tiny_lora import write_lora
+
+    folder = os.path.join(ROOT, "configs", "Wan-AI", "Wan2.1-T2V-1.3B-Diffusers")
+    with open(os.path.join(folder, "transformer", "config.json")) as f:
+        cfg = json.load(f)
+    tensors = write_lora(path, cfg, fmt="peft", layers=[0])
+    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    pre = "transformer.condition_embedder.time_proj"
+    tensors.update({f"{pre}.lora_A.weight": torch.zeros(4, dim),
+                    f"{pre}.lora_B.weight": torch.zeros(6 * dim, 4)})
+    save_file(tensors, path)
+
+
 def test_dry_run_prints_per_chip_table_and_exits_by_fit(tmp_path):
-    proc, report = dry_run_1p3b(tmp_path, "--frames", "21")
+    lora = str(tmp_path / "lora.safetensors")
+    _lora_with_a_replicated_target(lora)
+    proc, report = dry_run_1p3b(tmp_path, "--frames", "21", "--lora", lora)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== Dry run: v5e:2x2 (4 chips)" in proc.stdout and "verdict: fits" in proc.stdout
     step = report["per_chip"][0]
@@ -59,6 +81,14 @@ def test_dry_run_prints_per_chip_table_and_exits_by_fit(tmp_path):
     check = report["checkpoint_check"]
     assert check["ran"] and not check["weights"] and check["seconds"] > 0
     assert sorted(check["components"]) == ["transformer", "vae"]
+    # --lora: the dry run names the replicated weights the LoRA touches (whole on each chip):
+    # the row-parallel layers' biases (lora_B.bias) and time_proj; not the tp-split ones.
+    (entry,) = report["loras"]
+    assert entry["replicated_weights"] == [
+        "blocks.stacked.attn1.to_out.0.bias", "blocks.stacked.attn2.to_out.0.bias",
+        "blocks.stacked.ffn.net.2.bias", "condition_embedder.time_proj.weight"]
+    assert entry["matched_weights"] == 2 * 10 + 1  # block 0's projections and biases
+    assert "replicated weights it touches: blocks.stacked.attn1.to_out.0.bias" in proc.stdout
 
 
 def test_dry_run_reports_compiler_oom_and_exits_3(tmp_path):

@@ -166,3 +166,71 @@ def test_checkpoint_that_does_not_match_its_config_is_one_error(tiny_checkpoint_
     mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
     with pytest.raises(gf.GenerationError, match="missing proj_out.bias"):
         sharding.place_module(model, mesh, checkpoint=str(folder))
+
+
+def test_lora_fused_at_placement_keeps_every_device_to_its_shards(tiny_checkpoint_8h,
+                                                                   tmp_path, monkeypatch):
+    """With a LoRA fused per slice (scanned blocks, dp2 x tp4): device 0 still peaks within
+    1.5x of the others, tp-split weights stay split, and the values equal diffusers'
+    load_lora_weights + fuse_lora(lora_scale=0.7)."""
+    import json
+    import sys
+
+    from diffusers import WanPipeline
+
+    from engine import lora
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    from tiny_lora import write_lora
+
+    with open(os.path.join(tiny_checkpoint_8h, "transformer", "config.json")) as f:
+        cfg = json.load(f)
+    path = str(tmp_path / "lora.safetensors")
+    write_lora(path, cfg, fmt="original", rank=4, seed=2)
+    pipe = WanPipeline.from_pretrained(tiny_checkpoint_8h, dtype=torch.float32,
+                                       text_encoder=None, tokenizer=None, vae=None)
+    pipe.load_lora_weights(path)
+    pipe.fuse_lora(lora_scale=0.7)
+    pipe.unload_lora_weights()  # keeps the fused values, drops the PEFT layers
+    want_model = pipe.transformer
+    scan_layers.scan_blocks(want_model)
+    want = {k: v.detach() for k, v in want_model.named_parameters()}
+
+    model = wan.empty_transformer(cfg, torch.float32)
+    loras = [lora.load(path, 0.7, lora.transformer_shapes(model))]
+    scan_layers.scan_blocks(model)
+    mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
+    deltas = []  # (weight, shape of each delta the host formed)
+    fusers = lora.fusers
+
+    def recording(items):
+        def wrap(name, fn):
+            return lambda index: deltas.append((name, tuple(fn(index).shape))) or fn(index)
+
+        return {name: wrap(name, fn) for name, fn in fusers(items).items()}
+
+    monkeypatch.setattr(lora, "fusers", recording)
+    probe = DeviceBytesProbe(monkeypatch)
+    placed = sharding.place_module(model, mesh, wan.transformer_sharding_rules(),
+                                   checkpoint=os.path.join(tiny_checkpoint_8h, "transformer"),
+                                   loras=loras)
+    monkeypatch.undo()
+    # The host forms only slices of a tp-split weight's delta, never the whole (96, 96).
+    assert ("blocks.0.attn1.to_q.weight", (24, 96)) in deltas
+    assert not [d for d in deltas if d[0].endswith(("to_q.weight", "net.2.weight"))
+                and d[1] in ((96, 96), (96, 64))]
+    dev0 = probe.peaks[jax.devices()[0]]
+    others = [probe.peaks[d] for d in jax.devices()[1:]]
+    assert dev0 <= 1.5 * statistics.median(others), (dev0, others)
+    q = placed["params"]["blocks.stacked.attn1.to_q.weight"]  # (L, out=96, in=96), tp4 rows
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 24, 96)}
+    down = placed["params"]["blocks.stacked.ffn.net.2.weight"]  # (L, 96, 64), tp4 columns
+    assert {s.data.shape for s in down.addressable_shards} == {(2, 96, 16)}
+    for name, arr in placed["params"].items():
+        np.testing.assert_allclose(np.asarray(arr), want[name].numpy(), atol=1e-6, rtol=0,
+                                   err_msg=name)
+    from safetensors.torch import load_file
+
+    plain = load_file(os.path.join(tiny_checkpoint_8h, "transformer",
+                                   "diffusion_pytorch_model.safetensors"))
+    assert np.abs(np.asarray(q)[1] - plain["blocks.1.attn1.to_q.weight"].numpy()).max() > 0.05
