@@ -15,32 +15,16 @@ import re
 import time
 
 from engine import chips, placement, runtime
+from engine.abstract import abstract_inputs, abstract_transformer, abstract_vae
 from engine.checkpoint import model_config_dir, read_component_config
 from engine.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.mesh import make_mesh, resolve_mesh_shape
 from engine.report import versions
-from engine.sharding import (
-    add_sequence_parallel_hooks,
-    module_sharding_specs,
-    residual_token_axes,
-)
 from engine.step import compile_step
 
 
 class _Skipped(Exception):
     """--dry_run_skip_vae: the VAE row is left out of the table."""
-
-
-def _abstract(tensors: dict, mesh, specs=None, dtype=None) -> dict:
-    """torch tensors (meta or real) -> ``jax.ShapeDtypeStruct``s laid out on ``mesh``."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax.ops import mappings
-
-    return {k: jax.ShapeDtypeStruct(
-        tuple(v.shape), dtype or mappings.t2j_dtype(v.dtype),
-        sharding=NamedSharding(mesh, (specs or {}).get(k, P()))) for k, v in tensors.items()}
 
 
 def _per_chip_bytes(structs) -> int:
@@ -100,55 +84,6 @@ def _topology(topology: str):
     if chip is None:
         fail("--topology", topology, f"unknown chip; known: {', '.join(chips.CHIPS)}")
     return list(topo.devices), chip
-
-
-def _abstract_transformer(config, family, cfg: dict, mesh) -> dict:
-    """The transformer with meta weights, as ``place_module`` would place it: ``params`` and
-    ``buffers`` are sharded ``ShapeDtypeStruct``s."""
-    import torch
-    from torchax import interop
-
-    from engine import scan_layers
-
-    transformer = family.empty_transformer(cfg, getattr(torch, config.dtype))
-    if config.scan_layers:
-        scan_layers.scan_blocks(transformer, stack=family.block_stack)
-    axes = residual_token_axes(mesh, config.megatron_sp)
-    if axes:
-        add_sequence_parallel_hooks(transformer, mesh, stack=family.block_stack, axes=axes)
-    jm = interop.JittableModule(transformer)
-    specs, counts, _ = module_sharding_specs(
-        transformer, {k: v.shape for k, v in jm.params.items()}, family.sharding_rules(config),
-        mesh, fsdp=config.fsdp)
-    return dict(module=jm, specs=specs, rule_counts=counts,
-                params=_abstract(jm.params, mesh, specs), buffers=_abstract(jm.buffers, mesh))
-
-
-def _abstract_vae(family, folder: str, mesh):
-    """(VAE module with meta weights, its decode weights as sharded ``ShapeDtypeStruct``s)."""
-    from torchax import interop
-
-    vae = family.empty_vae(folder)
-    jv = interop.JittableModule(vae)
-    keep = family.is_vae_decode_weight
-    return vae, dict(module=jv,
-                     params=_abstract({k: v for k, v in jv.params.items() if keep(k)}, mesh),
-                     buffers=_abstract({k: v for k, v in jv.buffers.items() if keep(k)}, mesh))
-
-
-def _abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
-    """(latents, timestep, model inputs) as sharded ``ShapeDtypeStruct``s."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    shape = family.latent_shape(vae_cfg, config.height, config.width, config.frames)
-    latents = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
-    inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=over_dp),
-                          family.abstract_model_inputs(cfg, config))
-    t = jax.ShapeDtypeStruct((1,), getattr(jax.numpy, family.timestep_dtype), sharding=rep)
-    return latents, t, inputs
 
 
 def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
@@ -285,15 +220,15 @@ def dry_run(config, family) -> tuple[int, dict]:
     attention = "splash" if config.attention == "auto" else config.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           block_sizes=config.block_sizes(), interpret=False)
-    placed = _abstract_transformer(config, family, cfg, mesh)
-    vae, vae_placed = _abstract_vae(family, folder, mesh)
-    abstract_inputs = _abstract_inputs(config, family, cfg, vae_cfg, mesh)
-    latents, inputs = abstract_inputs[0], abstract_inputs[2]
+    placed = abstract_transformer(config, family, cfg, mesh)
+    vae, vae_placed = abstract_vae(family, folder, mesh)
+    inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)
+    latents, inputs = inputs_abstract[0], inputs_abstract[2]
     cache = None
     if config.step_cache is not None and config.step_cache.on:
-        rows, cache = _cache_rows(config, family, placed, mesh, abstract_inputs, capacity)
+        rows, cache = _cache_rows(config, family, placed, mesh, inputs_abstract, capacity)
     else:
-        rows = [_step_row(config, family, placed, mesh, abstract_inputs, capacity,
+        rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity,
                           cfg["num_layers"])]
     decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.vae_tiling, abstract=True)
     rows += _vae_rows(config, decoder, latents, capacity)

@@ -577,10 +577,11 @@ def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
     from torchax import interop
     from torchax.ops import mappings
 
-    from engine import dry_run
+    from engine.abstract import abstract_inputs
+    from engine.checkpoint import read_component_config
 
-    vae_cfg = dry_run.read_component_config(config.model_id, "vae")
-    latents, t, inputs = dry_run._abstract_inputs(config, family, cfg, vae_cfg, mesh)
+    vae_cfg = read_component_config(config.model_id, "vae")
+    latents, t, inputs = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     seen = []
 
     def record(_module, args):
@@ -612,12 +613,12 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    from engine import dry_run
     from engine import sharding as sharding_mod
+    from engine.abstract import abstract_transformer
 
     cfg = dict(cfg, num_layers=1)
     unrolled = config.replace(scan_layers=False)
-    placed = dry_run._abstract_transformer(unrolled, family, cfg, mesh)
+    placed = abstract_transformer(unrolled, family, cfg, mesh)
     args = _block_inputs(unrolled, family, cfg, mesh, placed)
     batch, tokens = args[0].shape[:2]
     stack = family.block_stack
