@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from engine import chips, integrity, runtime, step_cache
+from engine import benchmark, chips, integrity, runtime, step_cache, videos
 from engine.checkpoint import (
     component_folder,
     looks_local,
@@ -156,6 +156,14 @@ def _add_run_flags(g) -> None:
                    help="timed full generations after the warmup (steady state)")
     g.add_argument("--output_dir", default=d["output_dir"],
                    help="where YYYYMMDD_HHMMSS.mp4 and .json are written")
+    g.add_argument("--prompts_file", default=None,
+                   help="JSON Lines, one video per line: {\"prompt\": ..., and optionally "
+                        "\"negative_prompt\", \"seed\", \"name\"}; one load and compile for "
+                        "all (README: Many videos)")
+    g.add_argument("--seeds", default=None,
+                   help="comma-separated seeds: one video per seed of --prompt, one compile")
+    g.add_argument("--no_plots", action="store_true",
+                   help="write no PNG pictures (timeline, dry-run HBM bars)")
     g.add_argument("--save_frames", action="store_true",
                    help="also write the float32 frames in [0, 1] as <stamp>.frames.safetensors "
                         "(lossless, for quality comparisons; the mp4 is H.264)")
@@ -273,7 +281,8 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     _validate_output_dir(args.output_dir)
     from engine import lora
 
-    extras = dict(lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
+    extras = dict(videos=videos.plan(args, values),
+                  lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
                   scheduler=lora.validate_scheduler(args.scheduler, family_key),
                   step_cache=_validate_cache(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
@@ -418,22 +427,23 @@ def _validate_output_dir(path: str, flag: str = "--output_dir") -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def generate(config: RunConfig, devices=None):
+def generate(config: RunConfig, devices=None, on_video=None):
     """Run the stages ``config.stage`` selects; returns (frames or None, report).
 
     ``all`` runs everything in memory; ``encode`` / ``denoise`` / ``decode`` each load only
     their own component and read/write intermediates in ``config.work_dir``. ``devices``
-    (default: all of ``jax.devices()``) lets tests build smaller meshes.
+    (default: all of ``jax.devices()``) lets tests build smaller meshes. With many videos
+    (``config.videos``: --prompts_file / --seeds) everything is placed and compiled once and
+    ``on_video(video, frames)`` is called as each video is done.
 
-    frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``). report: the JSON
-    report's content without output file names.
+    frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``; the last video's). report:
+    the JSON report's content without output file names.
     """
     runtime.configure_jax_platform()
     runtime.quiet_known_warnings()
     import jax
 
     from custom_splash_attention import default_attention_backend
-    from engine import benchmark
     from engine import report as reporting
     from engine.mesh import make_mesh
     from engine.sharding import Fallbacks
@@ -455,24 +465,48 @@ def generate(config: RunConfig, devices=None):
             attention, interpret=jax.default_backend() != "tpu")
     pipe = family.load_pipeline(config, family.components[stage])
     timings: dict = {}
-    embeds = staged if stage == "denoise" else None
+    video_list = config.videos or (None,)
+    embeds = [staged] if stage == "denoise" else None
     if stage in ("all", "encode"):
-        embeds, timings["text_encode_s"] = encode(pipe, config, family)
+        embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
     if stage == "encode":
-        save_embeddings(config, embeds)
+        save_embeddings(config, embeds[0])
         return None, dict(report, timings=timings)
 
     mesh, fallbacks = make_mesh(mesh_shape, devices), Fallbacks()
     oom_hint = dry_run_command(config, devices, mesh_shape)
     programs, latents0, placed = prepare_programs(
-        config, family, pipe, mesh, embeds, staged, attention, fallbacks, oom_hint, timings)
+        for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged, attention,
+        fallbacks, oom_hint, timings)
     with runtime.hardware_errors("running the warmup", oom_hint):
         timings.update(benchmark.warmup(programs, latents0, warmup_steps=config.warmup_steps,
                                         num_inference_steps=config.num_inference_steps))
-    with runtime.hardware_errors("running the timed generations", oom_hint):
-        latents, video, runs = benchmark.run_benchmark(
-            programs, latents0, num_iterations=config.num_iterations,
-            num_inference_steps=config.num_inference_steps)
+    runs, done, frames, before = [], [], None, dict(runtime.CACHE_STATS)
+    try:  # an interrupt between videos keeps what is done (--prompts_file, --seeds)
+        for video, video_embeds in zip(video_list, embeds, strict=True):
+            if video is not None and video.index > 0:  # video 0's were placed with the step
+                inputs, latents0 = place_model_inputs(for_video(config, video), family, pipe,
+                                                      video_embeds, mesh)
+                programs = dataclasses.replace(programs, embeds=inputs)
+            with runtime.hardware_errors("running the timed generations", oom_hint):
+                latents, decoded, video_runs = benchmark.run_benchmark(
+                    programs, latents0, num_iterations=config.num_iterations,
+                    num_inference_steps=config.num_inference_steps,
+                    desc="" if video is None else f"video {video.label}: ")
+            runs += video_runs
+            if decoded is not None:
+                frames = reporting.to_frames(pipe, decoded)
+            if video is not None:
+                done.append(dict(dataclasses.asdict(video), runs=video_runs,
+                                 files=on_video(video, frames) if on_video else [],
+                                 compilation_cache=runtime.cache_events_since(before)))
+            before = dict(runtime.CACHE_STATS)
+    except KeyboardInterrupt:
+        if not config.videos:
+            raise
+        report["interrupted"] = True
+    if config.videos:
+        report["videos"] = done
     if config.profile_dir is not None:
         report["profile"] = profile(config, programs, latents0)
     if programs.cache is not None:
@@ -488,7 +522,15 @@ def generate(config: RunConfig, devices=None):
     if stage == "denoise":
         save_latents(config, latents)
         return None, report
-    return reporting.to_frames(pipe, video), report
+    return frames, report
+
+
+def for_video(config: RunConfig, video) -> RunConfig:
+    """``config`` with ``video``'s prompt, negative prompt and seed (None: as it is)."""
+    if video is None:
+        return config
+    return config.replace(prompt=video.prompt, negative_prompt=video.negative_prompt,
+                          seed=video.seed)
 
 
 def read_intermediates(config: RunConfig, family):
@@ -553,10 +595,17 @@ def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
     return result
 
 
-def encode(pipe, config: RunConfig, family):
-    """Prompt embeddings on the CPU, before JAX places anything: ({name: tensor}, seconds)."""
+def encode(pipe, config: RunConfig, family, videos):
+    """Prompt embeddings on the CPU, before JAX places anything: ([{name: tensor}] per
+    video, seconds). Every video's prompts are encoded before the text encoders are freed."""
     t0 = time.perf_counter()
-    embeds = family.encode_prompts(pipe, config)
+    encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
+    embeds = []
+    for video in videos:
+        for name, module in encoders.items():  # the family frees them after each call
+            if module is not None:
+                setattr(pipe, name, module)
+        embeds.append(family.encode_prompts(pipe, for_video(config, video)))
     return embeds, time.perf_counter() - t0
 
 
@@ -772,34 +821,20 @@ def save_latents(config: RunConfig, latents) -> None:
                              read_component_config(config.model_id, "vae", download=True))
 
 
-def save_outputs(config: RunConfig, frames, report: dict) -> list[str]:
-    """Write the mp4 (and lossless frames with --save_frames) and the JSON report under one
-    fresh timestamp; returns the paths written."""
-    from engine import report as reporting
-
-    stem = reporting.output_stem(config.output_dir)
-    video_path = os.path.join(config.output_dir, stem + ".mp4")
-    reporting.save_video(frames, video_path, config.fps)
-    written = [video_path]
-    if config.save_frames:
-        written.append(os.path.join(config.output_dir, stem + ".frames.safetensors"))
-        reporting.save_frames(frames, written[-1])
-    written.append(os.path.join(config.output_dir, stem + ".json"))
-    reporting.save_report(dict(video=os.path.basename(video_path), **report), written[-1])
-    return written
-
-
 def run_dry(config: RunConfig, checked: dict) -> int:
     from engine import report as reporting
     from engine.dry_run import dry_run, print_dry_run
+    from engine.plots import dry_run_hbm
 
     code, report = dry_run(config, FAMILIES[config.family])
     report["checkpoint_check"] = checked
     print_dry_run(report)
-    path = os.path.join(config.output_dir, f"{reporting.output_stem(config.output_dir)}"
-                                           "_dry_run.json")
+    stem = reporting.output_stem(config.output_dir)
+    written = [] if config.no_plots else reporting.save_picture(
+        dry_run_hbm, report, os.path.join(config.output_dir, f"{stem}_dry_run_hbm.png"))
+    path = os.path.join(config.output_dir, f"{stem}_dry_run.json")
     reporting.save_report(report, path)
-    print(f"wrote {path}")
+    print(f"wrote {', '.join([*written, path])}")
     return code
 
 
@@ -814,22 +849,37 @@ def main(argv=None) -> int:
         return run_dry(config, checked)
     runtime.start_distributed(config.coordinator_address, config.num_processes,
                               config.process_id)
-    frames, report = generate(config)
+    from engine import report as reporting
+
+    # One stamp for every file of the run; each video is written as soon as it is done.
+    stem = reporting.output_stem(config.output_dir) if runtime.is_writer() else None
+    written = []
+
+    def save(video, frames):
+        paths = videos.save_video(config, frames, stem, video) if runtime.is_writer() else []
+        written.extend(paths)
+        return [os.path.basename(p) for p in paths]
+
+    frames, report = generate(config, on_video=save)
     report["checkpoint_check"] = checked
     if not runtime.is_writer():  # process 0 writes and summarises for every host
         return 0
-    from engine import report as reporting
-
     devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
-    if frames is None:  # encode or denoise stage: intermediates are in --work_dir
+    if frames is None and not config.videos:  # encode or denoise stage: in --work_dir
         path = os.path.join(config.work_dir, f"{config.stage}_report.json")
         reporting.save_report(report, path)
         reporting.print_summary(report["timings"], devices["kind"], devices["count"])
         print(f"\nwrote {config.stage} intermediates and {path}")
         return 0
-    written = save_outputs(config, frames, report)
+    if not config.videos:
+        report = dict(video=os.path.basename(save(None, frames)[0]), **report)
+    written += reporting.save_run(report, config.output_dir, stem, plots=not config.no_plots)
     reporting.print_summary(report["timings"], devices["kind"], devices["count"])
-    print(f"\nwrote {', '.join(written[:-1])} and {os.path.basename(written[-1])}")
+    print(f"\nwrote {', '.join(written)}")
+    if report.get("interrupted"):
+        print("generate_flax.py: interrupted; the videos above are complete, the JSON lists "
+              "them", file=sys.stderr)
+        return 130
     return 0
 
 

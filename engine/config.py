@@ -66,6 +66,10 @@ class RunConfig:
     tp: int | None
     sp: int | None
     step_cache: Any = None  # engine.step_cache.CacheSettings
+    prompts_file: str | None = None
+    seeds: str | None = None
+    no_plots: bool = False
+    videos: tuple = ()  # engine.videos.Video per video of --prompts_file / --seeds
     # ((path, scale), ...) of --lora, checked and loaded by engine.lora.validate.
     lora: tuple = ()
     # "unipc" or "euler" (--scheduler, resolved to the family's default).

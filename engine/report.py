@@ -77,6 +77,33 @@ def save_report(report: dict, path: str) -> None:
 
 
 
+def save_picture(draw, report: dict, path: str) -> list[str]:
+    """``draw(report, tmp_path)`` (an ``engine.plots`` function) written atomically; a failure
+    is a warning, never a failed run. Returns [path] when written, else []."""
+    import logging
+
+    try:
+        atomic_write(path, lambda tmp: draw(report, tmp))
+        return [path]
+    except Exception as e:  # noqa: BLE001 - a picture must never fail a finished run
+        logging.getLogger("generate_flax").warning("could not draw %s: %s: %s",
+                                                   os.path.basename(path), type(e).__name__, e)
+        return []
+
+
+def save_run(report: dict, output_dir: str, stem: str, *, plots: bool) -> list[str]:
+    """Write ``<stem>.json`` and, with ``plots``, ``<stem>_timeline.png``; returns the paths."""
+    from engine import plots as drawing
+
+    written = []
+    if plots:
+        written += save_picture(drawing.timeline, report,
+                                os.path.join(output_dir, f"{stem}_timeline.png"))
+    path = os.path.join(output_dir, f"{stem}.json")
+    save_report(report, path)
+    return [*written, path]
+
+
 def _mean(xs):
     return sum(xs) / len(xs)
 

@@ -88,6 +88,12 @@ def _count_cache_saving(event: str, seconds: float, **_) -> None:
         CACHE_STATS["compile_time_saved_s"] += seconds
 
 
+def cache_events_since(before: dict) -> dict:
+    """Persistent-cache hits and misses since the ``CACHE_STATS`` snapshot ``before``: a
+    program compiled (or loaded from the cache) meanwhile shows here."""
+    return {k: CACHE_STATS[k] - before[k] for k in ("hits", "misses")}
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "wan-flax", "jax-compilation-cache")
