@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from engine import benchmark, chips, integrity, runtime, step_cache, videos
+from engine import benchmark, chips, integrity, lora, runtime, staging, step_cache, videos
 from engine.checkpoint import (
     component_folder,
     looks_local,
@@ -74,8 +74,6 @@ DEFAULTS = dict(
 )
 FAMILY_FLAGS = ("prompt", "negative_prompt", "height", "width", "frames", "fps",
                 "num_inference_steps", "guidance_scale", "max_sequence_length")
-
-log = logging.getLogger("generate_flax")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +252,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     """
     _validate_numbers(args)
     _validate_block_sizes(args)
-    _validate_distributed(args)
+    runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
     defaults = {**family.defaults, **family.checkpoint_defaults(args.model_id)}
@@ -279,12 +277,10 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                  "denoise, without --dry_run")
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
-    from engine import lora
-
     extras = dict(videos=videos.plan(args, values),
                   lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
                   scheduler=lora.validate_scheduler(args.scheduler, family_key),
-                  step_cache=_validate_cache(args, values["num_inference_steps"]))
+                  step_cache=step_cache.validate_cache_flags(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
     config = RunConfig(**{**flags, **values, **extras, "family": family_key,
                           "flow_shift": flow_shift, "flow_shift_source": source})
@@ -317,17 +313,6 @@ def _validate_numbers(args) -> None:
             r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?", args.topology)):
         fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 or "
              "tpu7x:2x2x1")
-
-
-def _validate_cache(args, num_steps: int):
-    """--cache and its flags against the step count and the checkpoint's block count."""
-    from engine.checkpoint import read_model_index
-
-    cfg = read_component_config(args.model_id, "transformer")
-    return step_cache.resolve_cache_flags(args, num_steps=num_steps,
-                                          num_layers=(cfg or {}).get("num_layers"),
-                                          transformer_cfg=cfg,
-                                          model_index=read_model_index(args.model_id))
 
 
 def _validate_size(family, values: dict) -> None:
@@ -363,28 +348,6 @@ def _validate_block_sizes(args) -> None:
             BlockSizes(block_q=128, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
         except BlockSizesError as e:
             fail("--bkv", args.bkv, f"expected {e.expected}")
-
-
-def _validate_distributed(args) -> None:
-    """--coordinator_address/--num_processes/--process_id: all three or none."""
-    given = [args.coordinator_address is not None, args.num_processes is not None,
-             args.process_id is not None]
-    if any(given) and not all(given):
-        fail("--coordinator_address/--num_processes/--process_id",
-             f"{args.coordinator_address}/{args.num_processes}/{args.process_id}",
-             "give all three or none (on Cloud TPU, none: JAX finds them)")
-    if not any(given):
-        return
-    if args.num_processes < 1:
-        fail("--num_processes", args.num_processes, "must be >= 1")
-    if not 0 <= args.process_id < args.num_processes:
-        fail("--process_id", args.process_id,
-             f"must satisfy 0 <= id < --num_processes ({args.num_processes})")
-    if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", args.coordinator_address):
-        fail("--coordinator_address", args.coordinator_address, "must be HOST:PORT")
-    if args.dry_run:
-        fail("--num_processes", args.num_processes, "--dry_run compiles for every host in "
-             "one process; run it without the multi-host flags")
 
 
 def _validate_model(args) -> str:
@@ -452,7 +415,7 @@ def generate(config: RunConfig, devices=None, on_video=None):
     cache_on = runtime.enable_compilation_cache(config.compilation_cache_dir)
     cache_before = dict(runtime.CACHE_STATS)
     devices = jax.devices() if devices is None else list(devices)
-    config, staged = read_intermediates(config, family)
+    config, staged = staging.read_intermediates(config, family)
     chip = chips.chip_for_device_kind(devices[0].device_kind)
     config = config.resolve_block_sizes(chip.name if chip else None)
     mesh_shape = resolve_mesh(config, family, len(devices))
@@ -461,7 +424,7 @@ def generate(config: RunConfig, devices=None, on_video=None):
                                          **dataclasses.asdict(mesh_shape)},
                   versions=reporting.versions())
     if stage in ("all", "denoise"):  # before minutes of weight loading, not after
-        report["kernel_self_check"] = check_attention_kernel(
+        report["kernel_self_check"] = runtime.check_attention_kernel(
             attention, interpret=jax.default_backend() != "tpu")
     pipe = family.load_pipeline(config, family.components[stage])
     timings: dict = {}
@@ -470,11 +433,11 @@ def generate(config: RunConfig, devices=None, on_video=None):
     if stage in ("all", "encode"):
         embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
     if stage == "encode":
-        save_embeddings(config, embeds[0])
+        staging.save_run_embeddings(config, embeds[0])
         return None, dict(report, timings=timings)
 
     mesh, fallbacks = make_mesh(mesh_shape, devices), Fallbacks()
-    oom_hint = dry_run_command(config, devices, mesh_shape)
+    oom_hint = reporting.dry_run_command(config, devices, mesh_shape)
     programs, latents0, placed = prepare_programs(
         for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged, attention,
         fallbacks, oom_hint, timings)
@@ -508,19 +471,20 @@ def generate(config: RunConfig, devices=None, on_video=None):
     if config.videos:
         report["videos"] = done
     if config.profile_dir is not None:
-        report["profile"] = profile(config, programs, latents0)
+        report["profile"] = benchmark.profile(config, programs, latents0)
     if programs.cache is not None:
         report["cache"] = step_cache.cache_report(programs.cache, runs,
                                                   config.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
-    report.update(run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks,
+    report.update(reporting.run_report(config, family, cfg, devices, mesh_shape, placed,
+                                       fallbacks,
                              summary=reporting.summarize(
                                  runs, timings, step_cache.flops_per_step(
                                      family.transformer_flops(cfg, config), config, cfg)
                                  if programs.step is not None else None, devices),
                              cache=cache_before if cache_on else None))
     if stage == "denoise":
-        save_latents(config, latents)
+        staging.save_run_latents(config, latents)
         return None, report
     return frames, report
 
@@ -531,29 +495,6 @@ def for_video(config: RunConfig, video) -> RunConfig:
         return config
     return config.replace(prompt=video.prompt, negative_prompt=video.negative_prompt,
                           seed=video.seed)
-
-
-def read_intermediates(config: RunConfig, family):
-    """(config with the recorded settings, embeddings or latents) for ``--stage denoise`` /
-    ``decode``; (config, None) otherwise. Checked before any weights load."""
-    from engine import staging
-
-    if config.stage == "denoise":
-        cfg = read_component_config(config.model_id, "transformer")
-        embeds, settings = staging.load_embeddings(
-            config.work_dir, family.embedding_names,
-            check=lambda e, s: family.check_embeddings(e, {**s, "model_id": config.model_id},
-                                                       cfg))
-        return config.replace(prompt=settings.get("prompt"),
-                              negative_prompt=settings.get("negative_prompt"),
-                              max_sequence_length=settings.get("max_sequence_length")), embeds
-    if config.stage == "decode":
-        vae_cfg = read_component_config(config.model_id, "vae", download=True)
-        latents, settings = staging.load_latents(
-            config.work_dir, vae_cfg, config.model_id,
-            lambda s: family.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
-        return config.replace(**settings), latents
-    return config, None
 
 
 def resolve_mesh(config: RunConfig, family, n_devices: int):
@@ -567,32 +508,6 @@ def resolve_mesh(config: RunConfig, family, n_devices: int):
         num_heads=family.num_heads(cfg) if cfg else None,
         tokens=family.token_count(cfg, config.height, config.width, config.frames)
         if cfg else None)
-
-
-def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
-    """Self-check the Splash kernel ``attention`` names on the default device (see
-    ``custom_splash_attention.kernel_self_check``); None for "xla".
-
-    Raises:
-        GenerationError: the kernel's error exceeds the tested tolerance.
-    """
-    import jax
-
-    import custom_splash_attention as csa
-
-    if attention not in csa.SPLASH_KERNELS:
-        return None
-    result = csa.kernel_self_check(attention, interpret=interpret)
-    if not result["passed"]:
-        other = "--attention xla" if attention == "stock_splash" else "--attention stock_splash"
-        raise GenerationError(
-            f"--attention {attention}: kernel self-check failed on "
-            f"{jax.devices()[0].device_kind}: max error {result['max_abs_error']:.3g} against "
-            f"the float32 reference exceeds {result['tolerance']} (bf16 "
-            f"{'x'.join(map(str, result['shape']))}); rerun with {other}")
-    log.info("kernel self-check %s: max error %.2e in %.3f s", attention,
-             result["max_abs_error"], result["seconds"])
-    return result
 
 
 def encode(pipe, config: RunConfig, family, videos):
@@ -624,7 +539,7 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
 
     replicated = NamedSharding(mesh, P())
     parts, placed = dict(timesteps_sharding=replicated), None
-    pipe_loras = placed_loras(config, pipe)
+    pipe_loras = lora.placed_loras(config, pipe)
     if config.stage in ("all", "denoise"):
         install_attention(config, mesh, attention, fallbacks)
         with runtime.hardware_errors("placing the transformer weights", oom_hint):
@@ -655,15 +570,6 @@ def install_attention(config, mesh, attention: str, fallbacks) -> None:
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           block_sizes=config.block_sizes(),
                           interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
-
-
-def placed_loras(config, pipe) -> list:
-    """The ``--lora`` files as ``engine.lora.Lora``s (loaded and checked by validate_args)."""
-    from engine import lora
-
-    if not config.lora or pipe.transformer is None:
-        return []
-    return lora.loaded(config.lora, lora.transformer_shapes(pipe.transformer))
 
 
 def place_transformer(config, family, pipe, mesh, fallbacks, loras=()) -> dict:
@@ -745,80 +651,9 @@ def prepare_decode(config, family, pipe, mesh, latents0, fallbacks, oom_hint, ti
     return decoder
 
 
-def profile(config, programs, latents0) -> dict:
-    from engine.benchmark import profile_step
-
-    out = profile_step(config.profile_dir, programs, latents0,
-                       num_inference_steps=config.num_inference_steps)
-    print(f"profile of denoising step {out['traced_step']} ({out['seconds']:.3f} s traced) in "
-          f"{config.profile_dir}: open with TensorBoard/XProf, or perfetto_trace.json.gz in "
-          "ui.perfetto.dev")
-    return out
-
-
-def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, summary,
-               cache) -> dict:
-    """The report's run-wide entries: mesh, devices, processes, cache, timings, fallbacks
-    and, when the transformer ran, its tokens, layout and weights."""
-    import jax
-
-    out = dict(
-        mesh=dataclasses.asdict(mesh_shape),
-        devices=dict(kind=devices[0].device_kind, count=len(devices),
-                     platform=jax.default_backend()),
-        processes=[dict(index=i, devices=[d.id for d in devices if d.process_index == i])
-                   for i in range(jax.process_count())],
-        compilation_cache=None if cache is None else dict(
-            dir=config.compilation_cache_dir,
-            **{k: v - cache[k] for k, v in runtime.CACHE_STATS.items()}),
-        timings=summary, fallbacks=fallbacks.items)
-    if placed is not None:
-        out.update(
-            tokens=family.token_count(cfg, config.height, config.width, config.frames),
-            layout=dict(replicate_row_parallel=config.replicate_row_parallel, fsdp=config.fsdp,
-                        megatron_sp=config.megatron_sp,
-                        sequence_parallel=mesh_shape.sp > 1),
-            sharding_rule_matches=placed["rule_counts"],
-            # Streamed from the safetensors files: what this host (process 0) read, against
-            # the weights' bytes; equal when one host's devices hold a whole replica.
-            weights=dict(source="safetensors slices", param_bytes=placed["param_bytes"],
-                         bytes_read_by_this_host=placed["bytes_read"]),
-            loras=placed.get("loras", []))
-    return out
-
-
-def dry_run_command(config: RunConfig, devices, mesh_shape=None) -> str:
-    """The ``--dry_run`` command that predicts this run's per-chip HBM without a TPU."""
-    topology = chips.topology_name(devices) or "<chip>:<AxB>"
-    flags = [f"--model_id {config.model_id}", f"--height {config.height}",
-             f"--width {config.width}", f"--frames {config.frames}"]
-    if mesh_shape is not None:
-        flags += [f"--{k} {v}" for k, v in dataclasses.asdict(mesh_shape).items()]
-    return f"python generate_flax.py {' '.join(flags)} --dry_run --topology {topology}"
-
-
 # ---------------------------------------------------------------------------------------------
 # 10-11. Save and summarise
 # ---------------------------------------------------------------------------------------------
-
-
-def save_embeddings(config: RunConfig, embeds: dict) -> None:
-    from engine import staging
-
-    if runtime.is_writer():
-        staging.save_embeddings(config.work_dir, embeds, dict(
-            prompt=config.prompt, negative_prompt=config.negative_prompt,
-            model_id=config.model_id, max_sequence_length=config.max_sequence_length,
-            dtype=config.dtype))
-
-
-def save_latents(config: RunConfig, latents) -> None:
-    from engine import staging
-
-    latents_cpu = runtime.torch_from_jax(latents)  # every process takes part in the gather
-    if runtime.is_writer():
-        staging.save_latents(config.work_dir, latents_cpu, config.settings(),
-                             read_component_config(config.model_id, "vae", download=True))
 
 
 def run_dry(config: RunConfig, checked: dict) -> int:

@@ -302,3 +302,10 @@ def touched_replicated(lora: Lora, specs: dict, stack) -> list:
             if placed in specs and all(a is None for a in specs[placed]):
                 out.add(placed)
     return sorted(out)
+
+
+def placed_loras(config, pipe) -> list:
+    """The ``--lora`` files as ``engine.lora.Lora``s (loaded and checked by validate_args)."""
+    if not config.lora or pipe.transformer is None:
+        return []
+    return loaded(config.lora, transformer_shapes(pipe.transformer))

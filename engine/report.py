@@ -7,6 +7,7 @@ output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -177,3 +178,44 @@ def versions() -> dict:
     return out
 
 
+def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, summary,
+               cache) -> dict:
+    """The report's run-wide entries: mesh, devices, processes, cache, timings, fallbacks
+    and, when the transformer ran, its tokens, layout and weights."""
+    import jax
+
+    from engine import runtime
+
+    out = dict(
+        mesh=dataclasses.asdict(mesh_shape),
+        devices=dict(kind=devices[0].device_kind, count=len(devices),
+                     platform=jax.default_backend()),
+        processes=[dict(index=i, devices=[d.id for d in devices if d.process_index == i])
+                   for i in range(jax.process_count())],
+        compilation_cache=None if cache is None else dict(
+            dir=config.compilation_cache_dir,
+            **{k: v - cache[k] for k, v in runtime.CACHE_STATS.items()}),
+        timings=summary, fallbacks=fallbacks.items)
+    if placed is not None:
+        out.update(
+            tokens=family.token_count(cfg, config.height, config.width, config.frames),
+            layout=dict(replicate_row_parallel=config.replicate_row_parallel, fsdp=config.fsdp,
+                        megatron_sp=config.megatron_sp,
+                        sequence_parallel=mesh_shape.sp > 1),
+            sharding_rule_matches=placed["rule_counts"],
+            # Streamed from the safetensors files: what this host (process 0) read, against
+            # the weights' bytes; equal when one host's devices hold a whole replica.
+            weights=dict(source="safetensors slices", param_bytes=placed["param_bytes"],
+                         bytes_read_by_this_host=placed["bytes_read"]),
+            loras=placed.get("loras", []))
+    return out
+
+
+def dry_run_command(config, devices, mesh_shape=None) -> str:
+    """The ``--dry_run`` command that predicts this run's per-chip HBM without a TPU."""
+    topology = chips.topology_name(devices) or "<chip>:<AxB>"
+    flags = [f"--model_id {config.model_id}", f"--height {config.height}",
+             f"--width {config.width}", f"--frames {config.frames}"]
+    if mesh_shape is not None:
+        flags += [f"--{k} {v}" for k, v in dataclasses.asdict(mesh_shape).items()]
+    return f"python generate_flax.py {' '.join(flags)} --dry_run --topology {topology}"

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from engine.errors import GenerationError, UsageError, first_line
+from engine.errors import GenerationError, UsageError, fail, first_line
 
 log = logging.getLogger("generate_flax")
 
@@ -273,3 +273,52 @@ def hardware_errors(stage: str, dry_run_command: str = ""):
             f"out of device memory while {stage}" + (f" ({details})" if details else "")
             + (f"; predict it without a TPU: {dry_run_command}" if dry_run_command else "")) \
             from None
+
+
+def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
+    """Self-check the Splash kernel ``attention`` names on the default device (see
+    ``custom_splash_attention.kernel_self_check``); None for "xla".
+
+    Raises:
+        GenerationError: the kernel's error exceeds the tested tolerance.
+    """
+    import jax
+
+    import custom_splash_attention as csa
+
+    if attention not in csa.SPLASH_KERNELS:
+        return None
+    result = csa.kernel_self_check(attention, interpret=interpret)
+    if not result["passed"]:
+        other = "--attention xla" if attention == "stock_splash" else "--attention stock_splash"
+        raise GenerationError(
+            f"--attention {attention}: kernel self-check failed on "
+            f"{jax.devices()[0].device_kind}: max error {result['max_abs_error']:.3g} against "
+            f"the float32 reference exceeds {result['tolerance']} (bf16 "
+            f"{'x'.join(map(str, result['shape']))}); rerun with {other}")
+    logging.getLogger("generate_flax").info("kernel self-check %s: max error %.2e in %.3f s",
+                                            attention, result["max_abs_error"],
+                                            result["seconds"])
+    return result
+
+
+def validate_distributed_flags(args) -> None:
+    """--coordinator_address/--num_processes/--process_id: all three or none."""
+    given = [args.coordinator_address is not None, args.num_processes is not None,
+             args.process_id is not None]
+    if any(given) and not all(given):
+        fail("--coordinator_address/--num_processes/--process_id",
+             f"{args.coordinator_address}/{args.num_processes}/{args.process_id}",
+             "give all three or none (on Cloud TPU, none: JAX finds them)")
+    if not any(given):
+        return
+    if args.num_processes < 1:
+        fail("--num_processes", args.num_processes, "must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        fail("--process_id", args.process_id,
+             f"must satisfy 0 <= id < --num_processes ({args.num_processes})")
+    if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", args.coordinator_address):
+        fail("--coordinator_address", args.coordinator_address, "must be HOST:PORT")
+    if args.dry_run:
+        fail("--num_processes", args.num_processes, "--dry_run compiles for every host in "
+             "one process; run it without the multi-host flags")

@@ -123,3 +123,50 @@ def load_latents(work_dir: str, vae_config, model_id: str, expected_shape):
                          f"{settings['frames']} frames at {settings['height']}x"
                          f"{settings['width']}, got {tuple(lat.shape)}")
     return lat.float(), settings
+
+
+def read_intermediates(config, family):
+    """(config with the recorded settings, embeddings or latents) for ``--stage denoise`` /
+    ``decode``; (config, None) otherwise. Checked before any weights load."""
+    from engine.checkpoint import read_component_config
+
+    if config.stage == "denoise":
+        cfg = read_component_config(config.model_id, "transformer")
+        embeds, settings = load_embeddings(
+            config.work_dir, family.embedding_names,
+            check=lambda e, s: family.check_embeddings(e, {**s, "model_id": config.model_id},
+                                                       cfg))
+        return config.replace(prompt=settings.get("prompt"),
+                              negative_prompt=settings.get("negative_prompt"),
+                              max_sequence_length=settings.get("max_sequence_length")), embeds
+    if config.stage == "decode":
+        vae_cfg = read_component_config(config.model_id, "vae", download=True)
+        latents, settings = load_latents(
+            config.work_dir, vae_cfg, config.model_id,
+            lambda s: family.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
+        return config.replace(**settings), latents
+    return config, None
+
+
+def save_run_embeddings(config, embeds: dict) -> None:
+    """``--stage encode``: the embeddings and the settings the later stages need (process 0
+    writes)."""
+    from engine import runtime
+
+    if runtime.is_writer():
+        save_embeddings(config.work_dir, embeds, dict(
+            prompt=config.prompt, negative_prompt=config.negative_prompt,
+            model_id=config.model_id, max_sequence_length=config.max_sequence_length,
+            dtype=config.dtype))
+
+
+def save_run_latents(config, latents) -> None:
+    """``--stage denoise``: the final latents (every process takes part in the gather;
+    process 0 writes)."""
+    from engine import runtime
+    from engine.checkpoint import read_component_config
+
+    latents_cpu = runtime.torch_from_jax(latents)  # every process takes part in the gather
+    if runtime.is_writer():
+        save_latents(config.work_dir, latents_cpu, config.settings(),
+                             read_component_config(config.model_id, "vae", download=True))

@@ -279,6 +279,16 @@ def resolve_cache_flags(args, *, num_steps: int, num_layers: int | None,
     return CacheSettings()
 
 
+def validate_cache_flags(args, num_steps: int) -> CacheSettings:
+    """--cache and its flags against the step count and the checkpoint's block count."""
+    from engine.checkpoint import read_component_config, read_model_index
+
+    cfg = read_component_config(args.model_id, "transformer")
+    return resolve_cache_flags(args, num_steps=num_steps,
+                               num_layers=(cfg or {}).get("num_layers"), transformer_cfg=cfg,
+                               model_index=read_model_index(args.model_id))
+
+
 def _resolve_ratios(text, calibrate: bool, transformer_cfg, model_index):
     builtin = load_builtin_ratios()
     if text is None:
