@@ -99,18 +99,25 @@ def dry_run_hbm(report: dict, path: str) -> list[str]:
                              squeeze=False)
     ax = axes[0][0]
     names = [r["program"] for r in rows]
+    capacity = rows[0]["capacity_bytes"]
+    largest = max(sum(r.get(k) or 0 for k, *_ in parts) for r in rows)
+    # A small model's bars would vanish against the chip's capacity: MiB, capacity as text.
+    unit, scale = ("GiB", 2**30) if largest > 0.02 * capacity else ("MiB", 2**20)
     for i, r in enumerate(rows):
         bottom = 0.0
         for key, label, colour in parts:
-            gib = (r.get(key) or 0) / 2**30
-            ax.bar(i, gib, bottom=bottom, color=colour, label=label if i == 0 else None)
-            bottom += gib
-    capacity = rows[0]["capacity_bytes"] / 2**30
-    ax.axhline(capacity, color="black", linestyle="--", label=f"HBM {capacity:.1f} GiB")
+            size = (r.get(key) or 0) / scale
+            ax.bar(i, size, bottom=bottom, color=colour, label=label if i == 0 else None)
+            bottom += size
+    if unit == "GiB":
+        ax.axhline(capacity / scale, color="black", linestyle="--",
+                   label=f"HBM {capacity / scale:.1f} GiB per chip")
     ax.set_xticks(range(len(names)), names, rotation=15, fontsize=7, ha="right")
-    ax.set_ylabel("GiB per chip (compiler's figures)")
+    ax.set_ylabel(f"{unit} per chip (compiler's figures)")
     ax.set_title(f"dry run {report['topology']}: mesh dp{report['mesh']['dp']} "
-                 f"tp{report['mesh']['tp']} sp{report['mesh']['sp']}", fontsize=9)
+                 f"tp{report['mesh']['tp']} sp{report['mesh']['sp']}"
+                 + ("" if unit == "GiB" else f"; HBM {capacity / 2**30:.1f} GiB per chip "
+                    "(off scale)"), fontsize=9)
     ax.legend(fontsize=7)
     if est:
         ax = axes[0][1]

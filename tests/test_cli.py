@@ -32,9 +32,11 @@ def test_cli_writes_playable_mp4_and_json_report(tiny_checkpoint, tmp_path):
                 "--output_dir", str(out), "--profile_dir", str(prof)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(os.listdir(out))
-    assert len(files) == 2, files  # no temporary or partial files left behind
-    mp4, js = files[1], files[0]
+    assert len(files) == 3, files  # no temporary or partial files left behind
+    js, mp4, png = files
     assert re.fullmatch(r"\d{8}_\d{6}\.mp4", mp4) and js == mp4[:-4] + ".json"
+    assert png == mp4[:-4] + "_timeline.png"
+    assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     frames = np.asarray(iio.imread(out / mp4))
     assert frames.shape == (9, 64, 96, 3)

@@ -64,7 +64,7 @@ def test_two_processes_equal_one_process(tiny_checkpoint_8h, tmp_path, mesh):
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
     files = sorted(os.listdir(out))
-    assert len(files) == 3, files  # one mp4, one JSON, one frames file: process 0 only
+    assert len(files) == 4, files  # mp4, JSON, frames and timeline: process 0 only
     (js,) = glob.glob(str(out / "*.json"))
     report = json.loads(open(js).read())
     assert report["devices"]["count"] == 8 and report["mesh"] == dict(dp=dp, tp=tp, sp=sp)
