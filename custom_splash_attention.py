@@ -1250,7 +1250,7 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     return o.astype(q.dtype)
 
 
-def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
+def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None, window_size=None):
     """Softmax attention through ``jax.nn.dot_product_attention`` (XLA).
 
     Under ``jax.jit`` with sharded inputs XLA partitions it by itself, so it needs no
@@ -1264,6 +1264,8 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
         key_mask: optional (batch, kv_len) bool, True = a real key; every query attends only
             those (broadcast as (batch, 1, 1, kv_len): no dense mask). Not with
             ``segment_ids``.
+        window_size: ``None``, or ``w``: the kernel's band, query ``i`` attends key ``j`` iff
+            ``|i - j| <= w`` (a dense (q_len, kv_len) bool mask: for small or reference runs).
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
@@ -1274,10 +1276,19 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
         mask = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
     elif key_mask is not None:
         mask = key_mask[:, None, None, :]
+    if window_size is not None:
+        band = _band_mask(q.shape[2], k.shape[2], window_size)[None, None]
+        mask = band if mask is None else mask & band
     # jax.nn.dot_product_attention takes (batch, len, heads, head_dim).
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     out = jax.nn.dot_product_attention(qt, kt, vt, scale=scale, mask=mask)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def _band_mask(q_len: int, kv_len: int, window_size: int) -> jax.Array:
+    """(q_len, kv_len) bool: ``|i - j| <= window_size``, the kernel's local window."""
+    i = jnp.arange(q_len)[:, None]
+    return jnp.abs(i - jnp.arange(kv_len)[None, :]) <= window_size
 
 
 # Backend forced for a scope (``forced_attention``): the Wan VAE's attention always takes XLA.
@@ -1459,18 +1470,27 @@ def _sdpa(
         )
     if enable_gqa:
         raise ValueError("scaled_dot_product_attention: enable_gqa=True is not supported")
-    attention = _FORCED_ATTENTION.get() or attention
+    forced = _FORCED_ATTENTION.get()
+    attention = forced or attention
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
     real, mask, before = _real_keys(q, k, mask)
     segment_ids = None if real is None else _key_segment_ids(q, k, real)
+    # --window_size and --k_smoothing are the model's self-attention options: not for the
+    # forced (VAE) scopes, and the window not for cross-attention (q_len != kv_len).
+    window = options["window_size"] if forced is None and q.shape[2] == k.shape[2] else None
+    smooth = options["k_smoothing"] and forced is None
     if mask is not None or is_causal:
         # Masks the kernels were not built for take the exact reference path.
         if real is not None:
             mask = mask & real[:, None, None, :]
+        if window is not None:
+            mask = mask & _band_mask(q.shape[2], k.shape[2], window)
         out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
     elif attention == "xla":
-        out = xla_attention(q, k, v, scale=scale, key_mask=real)
+        if smooth:  # exact for softmax; here only so that the flag means the same everywhere
+            k = _smooth_keys(k, segment_ids)
+        out = xla_attention(q, k, v, scale=scale, key_mask=real, window_size=window)
     elif attention in SPLASH_KERNELS:
         mesh = options["mesh"]
         if mesh is None:
@@ -1479,7 +1499,7 @@ def _sdpa(
             if attention == "stock_splash":
                 out = stock_splash_attention(q, k, v, **kwargs)
             else:
-                out = splash_attention(q, k, v, k_smoothing=options["k_smoothing"],
+                out = splash_attention(q, k, v, k_smoothing=smooth, window_size=window,
                                        real_keys_before=before, **kwargs)
         elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
             # The wrapper cannot split this call: XLA, which GSPMD partitions as it likes,
@@ -1490,13 +1510,13 @@ def _sdpa(
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
-            out = xla_attention(q, k, v, scale=scale, key_mask=real)
+            out = xla_attention(q, k, v, scale=scale, key_mask=real, window_size=window)
         else:
             kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
                           segment_ids=segment_ids, interpret=options["interpret"],
                           kernel=attention)
             if attention == "splash":
-                kwargs.update(k_smoothing=options["k_smoothing"], real_keys_before=before)
+                kwargs.update(k_smoothing=smooth, window_size=window, real_keys_before=before)
             out = sharded_splash_attention(q, k, v, mesh=mesh, **kwargs)
     else:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
@@ -1512,6 +1532,7 @@ def install_sdpa_override(
     interpret: bool = False,
     k_smoothing: bool = False,
     on_fallback=None,
+    window_size: int | None = None,
 ) -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
 
@@ -1531,7 +1552,13 @@ def install_sdpa_override(
             kernel wrapper.
         block_sizes: optional kernel ``BlockSizes``.
         interpret: run the Pallas kernel in interpret mode (CPU).
-        k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``).
+        k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``);
+            exact for softmax, so XLA applies it too. Not with "stock_splash".
+        window_size: ``None`` or ``w >= 0``: local attention in every self-attention call
+            (q_len == kv_len; not in ``forced_attention`` scopes), query position ``i``
+            attends key ``j`` iff ``|i - j| <= w`` (positions in the flattened token order),
+            through the kernel's window or, for "xla", the same dense band mask. Not with
+            "stock_splash".
         on_fallback: optional ``f(kind, detail)`` told when a call the wrapper cannot split
             goes to XLA instead.
 
@@ -1542,8 +1569,10 @@ def install_sdpa_override(
 
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
+    if attention == "stock_splash" and (window_size is not None or k_smoothing):
+        raise ValueError("attention='stock_splash': window_size and k_smoothing are ours only")
     options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret,
-                   k_smoothing=k_smoothing, on_fallback=on_fallback)
+                   k_smoothing=k_smoothing, on_fallback=on_fallback, window_size=window_size)
     env.override_op_definition(
         torch.nn.functional.scaled_dot_product_attention,
         functools.partial(_sdpa, env=env, attention=attention, options=options),
