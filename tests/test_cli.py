@@ -107,6 +107,11 @@ BAD = [
     (["--stage", "decode", "--profile_dir", "prof"], "--profile_dir='prof'",
      "needs a denoising run"),
     (["--estimate"], "--estimate=True", "needs --dry_run"),
+    (["--window_size", "-1"], "--window_size=-1", "must be an int >= 0"),
+    (["--attention", "stock_splash", "--window_size", "16"], "--window_size=16",
+     "needs --attention splash or xla"),
+    (["--attention", "stock_splash", "--k_smoothing"], "--k_smoothing=True",
+     "needs --attention splash or xla"),
 ]
 
 
@@ -210,3 +215,16 @@ def test_second_process_hits_the_persistent_compilation_cache(tiny_checkpoint, t
     # small ops) is now read back instead of compiled.
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
     assert warm["compile_time_saved_s"] > 0
+
+
+def test_window_size_is_wan_only():
+    """HunyuanVideo-1.5's joint attention appends text tokens: no 1-D window there."""
+    import argparse
+
+    from engine.config import check_attention_options
+    from engine.errors import UsageError
+
+    args = argparse.Namespace(window_size=8, k_smoothing=False, attention="splash")
+    with pytest.raises(UsageError, match=r"--window_size=8: Wan only"):
+        check_attention_options(args, "hunyuanvideo1.5")
+    check_attention_options(args, "wan2.1")
