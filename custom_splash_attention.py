@@ -104,6 +104,12 @@ Design
   ``l = 0``; the final normalisation maps that row to zeros. (A query's first real key
   gives ``2^(x - floor) = inf``, which sends that tile to the exact redo.)
 * ``segment_ids``: a query attends only to keys with the same id (per-batch int32 ids).
+  ``real_keys_before=P`` classifies kv blocks statically (as the ``MaskInfo`` of JAX's
+  splash kernel does): blocks wholly before P, whose keys the caller promises all have id
+  ``REAL_SEGMENT_ID``, read no kv ids and mask no score; a query of another id is skipped
+  there by a (1, block_q) column select, folded into the lazy shift's acceptance. Blocks
+  from P on compare ids per key. The class is a branch on the kv grid index, never on
+  data, so the static profile charges each class's code (issue #26).
 * ``window_size=w``: local attention, query position ``i`` attends key position ``j`` iff
   ``|i - j| <= w`` (symmetric, positions in the unpadded sequences; intended for
   self-attention). The KV grid axis shrinks to the blocks that can intersect a q block's
