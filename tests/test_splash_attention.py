@@ -599,6 +599,40 @@ def test_sdpa_override_key_padding_mask_is_exact(torchax_env, attention, mesh_sh
                                got.transpose(0, 2, 1, 3)[rows], atol=2e-5, rtol=2e-5)
 
 
+def test_sdpa_override_real_keys_before_under_sp(torchax_env):
+    """HunyuanVideo-1.5's route under sp: a family-declared ``real_keys_before`` (video
+    tokens first, padding only in the text) and declared sp padding, through the sharded
+    kernel on dp2 x tp2 x sp2. The kernel gets the smaller position (2 all-real kv blocks of
+    128) and real rows equal torch's masked SDPA."""
+    import torch
+
+    csa.install_sdpa_override(torchax_env, attention="splash", mesh=_mesh(2, 2, 2),
+                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+    s, video = 400, 300  # [video tokens 0-299 (sp padding from 290), text 300-399]
+    q, k, v = _torch_inputs(s, s, seed=8)
+    real = torch.ones(2, s, dtype=torch.bool)
+    real[:, 290:300] = False  # sp padding, declared below
+    real[0, 350:] = False  # text padding, in the mask
+    real[1, 320:330] = False
+    mask = real.clone()
+    mask[:, 290:300] = True  # the family's mask knows nothing of sp padding
+    token = csa.pad_self_attention_keys(300, 290)
+    flag = csa._IN_SELF_ATTENTION.set(True)
+    try:
+        with _kernel_spy() as seen, csa.real_keys_before(video):
+            got = _run_sdpa(torchax_env, q, k, v, attn_mask=mask[:, None, None, :])
+    finally:
+        csa._IN_SELF_ATTENTION.reset(flag)
+        csa.unpad_self_attention_keys(token)
+    assert set(seen) == {290 // 128}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=real[:, None, None, :]).numpy()
+    rows = real.numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.transpose(0, 2, 1, 3)[rows],
+                               want.transpose(0, 2, 1, 3)[rows], atol=2e-5, rtol=2e-5)
+
+
 def test_key_padding_mask_builds_no_dense_mask(torchax_env):
     """Through the Splash kernel the compiled program holds no (S, S) array at all."""
     import jax
