@@ -161,8 +161,10 @@ def test_kernel_variants_lower_through_mosaic(variant):
             ids = jnp.broadcast_to((jnp.arange(s) >= 3000).astype(jnp.int32), (b, s))
             kwargs["segment_ids"] = (ids, ids)
         if variant == "segments_real_prefix":
-            # 3 kv blocks of 3072: one all real, one compared, the ragged last one compared
-            # (every block class of the static classification in one kernel).
+            # 4 kv blocks of 2048: one all real, two compared, the ragged last one compared
+            # (every block class of the static classification in one kernel; small blocks
+            # for compile time, the default blocks' all-real path is profiled in
+            # benchmarks/kernel_cycles_results.md).
             ids = jnp.broadcast_to((jnp.arange(s) < 7000).astype(jnp.int32), (b, s))
             kwargs.update(segment_ids=(ids, ids), real_keys_before=4000)
         return csa.sharded_splash_attention(
@@ -170,6 +172,8 @@ def test_kernel_variants_lower_through_mosaic(variant):
             # f32 at large blocks compiles too (55 s on this host); small blocks prove the
             # f32 path, whose score and value tiles are twice the bytes.
             block_sizes=(csa.BlockSizes(1024, 1024, 256) if variant == "f32"
+                         else csa.BlockSizes(1024, 2048, 1024)
+                         if variant == "segments_real_prefix"
                          else csa.default_block_sizes("v6e")),
             **kwargs
         )
