@@ -104,6 +104,12 @@ Design
   ``l = 0``; the final normalisation maps that row to zeros. (A query's first real key
   gives ``2^(x - floor) = inf``, which sends that tile to the exact redo.)
 * ``segment_ids``: a query attends only to keys with the same id (per-batch int32 ids).
+  ``real_keys_before=P`` classifies kv blocks statically (as the ``MaskInfo`` of JAX's
+  splash kernel does): blocks wholly before P, whose keys the caller promises all have id
+  ``REAL_SEGMENT_ID``, read no kv ids and mask no score; a query of another id is skipped
+  there by a (1, block_q) column select, folded into the lazy shift's acceptance. Blocks
+  from P on compare ids per key. The class is a branch on the kv grid index, never on
+  data, so the static profile charges each class's code (issue #26).
 * ``window_size=w``: local attention, query position ``i`` attends key position ``j`` iff
   ``|i - j| <= w`` (symmetric, positions in the unpadded sequences; intended for
   self-attention). The KV grid axis shrinks to the blocks that can intersect a q block's
@@ -207,6 +213,9 @@ _LAZY_BOUND = float(2**_LAZY_LOG2_BOUND)
 _NT = (((1,), (1,)), ((), ()))
 # Sub-tiles per grid step that are unrolled (more: a rolled loop, for compile time).
 _UNROLL_MAX_TILES = 16
+# The segment id of real tokens where the SDPA override builds ids from a key-padding mask
+# (padding: 0). ``real_keys_before`` promises that keys before it carry this id.
+REAL_SEGMENT_ID = 1
 
 
 def default_attention_backend() -> str:
@@ -400,6 +409,7 @@ def _splash_kernel(
     num_kv_blocks: int,
     window_size: int | None,
     precision,
+    real_kv_blocks: int = 0,
 ):
     """One (batch, head, q block, kv step) grid step; see the module docstring.
 
@@ -413,6 +423,12 @@ def _splash_kernel(
     blocks with garbage, NaN in interpret mode): garbage queries only touch their own
     score columns and output rows, which Pallas discards on write; garbage keys are
     masked out of the scores and zeroed in V.
+
+    ``real_kv_blocks`` (static, with segment ids): the first ``real_kv_blocks`` kv blocks
+    hold only keys of id ``REAL_SEGMENT_ID``, so there a query attends every key iff its
+    own id is ``REAL_SEGMENT_ID``: those steps read no kv ids and mask no score, they only
+    skip the other query columns (mask kind "qsegment": a (1, block_q) select on l and acc,
+    folded into the lazy shift's per-column acceptance). Later blocks compare ids per key.
     """
     q_block, kv_step = pl.program_id(2), pl.program_id(3)
     num_kv_steps = pl.num_programs(3)
@@ -452,7 +468,8 @@ def _splash_kernel(
             if "window" in mask_kinds:
                 q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
                 conditions.append(jnp.abs(q_pos - k_pos) <= window_size)
-            s = jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
+            if conditions:  # "qsegment" masks columns later, not scores
+                s = jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
         return s
 
     def values(c, mask_kinds: tuple[str, ...]):
@@ -484,7 +501,9 @@ def _splash_kernel(
                 preferred_element_type=jnp.float32,
             )
             ok = lax.broadcasted_iota(jnp.int32, s0.shape, 0) < kv_len
-            if q_ids_ref is not None:
+            if q_ids_ref is not None and real_kv_blocks:  # block 0 is all real
+                ok = jnp.logical_and(ok, q_ids_ref[...] == REAL_SEGMENT_ID)
+            elif q_ids_ref is not None:
                 ok = jnp.logical_and(ok, kv_ids_ref[:n0, :1] == q_ids_ref[...])
             s0 = jnp.where(ok, s0, -jnp.inf)
             m_ref[...] = jnp.maximum(jnp.max(s0, axis=0, keepdims=True), _M_FLOOR)
@@ -514,14 +533,21 @@ def _splash_kernel(
         p = jnp.exp2(scores(c, mask_kinds) - m)
         l_tile = jnp.sum(p, axis=0, keepdims=True)
         bad = l_tile > _LAZY_BOUND
-        bad_ref[c] = bad.astype(jnp.float32)
+        if "qsegment" in mask_kinds:
+            # All-real block: a query of another id attends none of its keys. Its column
+            # is skipped (-1.0: neither added nor redone), whatever p holds there.
+            skip = q_ids_ref[...] != REAL_SEGMENT_ID
+            bad_ref[c] = jnp.where(skip, -1.0, bad.astype(jnp.float32))
+            bad = jnp.logical_or(bad, skip)
+        else:
+            bad_ref[c] = bad.astype(jnp.float32)
         l_ref[...] = jnp.where(bad, l_ref[...], l_ref[...] + l_tile)
         p_ref[...] = p.astype(p_ref.dtype)
 
     def lazy_pv(c, mask_kinds):
         """Fast path, second half: acc += V^T P^T of sub-tile ``c`` for its accepted
-        columns, from the scratch ``lazy_scores`` left."""
-        bad = bad_ref[c] > 0.0
+        columns, from the scratch ``lazy_scores`` left (rejected: 1.0, skipped: -1.0)."""
+        bad = bad_ref[c] != 0.0
         acc_ref[...] = jnp.where(
             bad, acc_ref[...], acc_ref[...] + pv(values(c, mask_kinds), p_ref[...])
         )
@@ -572,22 +598,33 @@ def _splash_kernel(
     if window_size is None:
         tail = kv_len - (num_kv_blocks - 1) * block_kv  # real keys in the last block
         full, part = divmod(tail, block_kv_compute)
-        if tail == block_kv:
-            lazy_tiles([(0, num_sub, base_masks)])
-        else:
-
-            @pl.when(kv_block < num_kv_blocks - 1)
-            def _body():
-                lazy_tiles([(0, num_sub, base_masks)])
-
-            # Last block: sub-tiles wholly past kv_len are skipped statically; only the
-            # one that straddles kv_len pays for a mask.
-            @pl.when(kv_block == num_kv_blocks - 1)
-            def _last():
-                runs = [(0, full, base_masks)] if full else []
-                if part:
-                    runs.append((full, full + 1, base_masks + ("tail",)))
-                lazy_tiles(runs)
+        # Static block classes, as ranges [lo, hi) of kv blocks: all-real blocks (no id
+        # compare), blocks that may hold other ids (exact compare), and the ragged last
+        # block, whose sub-tiles wholly past kv_len are skipped statically and whose one
+        # straddling sub-tile pays for a tail mask. Each class is one branch on the kv
+        # grid index (never on data), so the profile charges each class's code.
+        real_masks = ("qsegment",) if real_kv_blocks else base_masks
+        body_end = num_kv_blocks if tail == block_kv else num_kv_blocks - 1
+        fast_end = min(real_kv_blocks, body_end)
+        ranges = [(0, fast_end, [(0, num_sub, real_masks)]),
+                  (fast_end, body_end, [(0, num_sub, base_masks)])]
+        if tail != block_kv:
+            mk = real_masks if real_kv_blocks >= num_kv_blocks else base_masks
+            runs = [(0, full, mk)] if full else []
+            if part:
+                runs.append((full, full + 1, mk + ("tail",)))
+            ranges.append((num_kv_blocks - 1, num_kv_blocks, runs))
+        ranges = [r for r in ranges if r[1] > r[0]]
+        if len(ranges) == 1:
+            lazy_tiles(ranges[0][2])
+        for lo, hi, runs in ranges if len(ranges) > 1 else ():
+            if lo == 0:
+                cond = kv_block < hi
+            elif hi == num_kv_blocks:
+                cond = kv_block >= lo
+            else:
+                cond = jnp.logical_and(kv_block >= lo, kv_block < hi)
+            pl.when(cond)(functools.partial(lazy_tiles, runs))
     else:
         masks = base_masks + ("window", "tail")
 
@@ -691,6 +728,7 @@ def splash_attention(
     segment_ids=None,
     interpret: bool = False,
     vmem_limit_bytes: int | None = None,
+    real_keys_before: int = 0,
 ) -> jax.Array:
     """Softmax attention with the Pallas TPU flash kernel (forward only).
 
@@ -715,6 +753,14 @@ def splash_attention(
         vmem_limit_bytes: scoped VMEM to request from Mosaic, bytes; ``None`` sizes it from
             the blocks and the chip (``_vmem_limit_bytes``). libtpu's static-profile flag
             adds VMEM buffers of its own, so ``engine.estimate`` profiles ask for less.
+        real_keys_before: static block classification for ``segment_ids``: the caller
+            promises that every key at a position < ``real_keys_before`` has segment id
+            ``REAL_SEGMENT_ID`` (1), in every batch row (as the SDPA override's ids from a
+            key-padding mask whose padding lies at or after that position). kv blocks wholly
+            below it skip the per-key id load and compare (a query then attends all of
+            their keys iff its id is 1); blocks that can hold other ids keep the exact
+            compare. 0 (default): every block compares. A broken promise is not detected
+            (ids are data) and gives wrong results. Ignored with ``window_size``.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
@@ -734,6 +780,7 @@ def splash_attention(
         segment_ids=segment_ids,
         interpret=interpret,
         vmem_limit_bytes=vmem_limit_bytes,
+        real_keys_before=real_keys_before,
     )
 
 
@@ -750,6 +797,7 @@ def _splash_attention(
     interpret: bool = False,
     q_offset=None,
     vmem_limit_bytes: int | None = None,
+    real_keys_before: int = 0,
 ) -> jax.Array:
     """``splash_attention`` with ``q_offset``: the global position of q's first row.
 
@@ -781,6 +829,12 @@ def _splash_attention(
     if window_size is not None:
         window_size = int(window_size)
         num_kv_steps = min(num_kv_blocks, -(-(bq + 2 * window_size) // bkv) + 1)
+    if int(real_keys_before) != real_keys_before or real_keys_before < 0:
+        raise ValueError(f"real_keys_before: expected an int >= 0, got {real_keys_before!r}")
+    real_kv_blocks = 0  # leading kv blocks whose keys all have id REAL_SEGMENT_ID
+    if segment_ids is not None and window_size is None:
+        real_kv_blocks = (num_kv_blocks if real_keys_before >= kv_len
+                          else int(real_keys_before) // bkv)
 
     if k_smoothing:
         k = _smooth_keys(k, segment_ids)
@@ -817,11 +871,19 @@ def _splash_attention(
         # that broadcast against the (keys, queries) score tile without relayout.
         q_ids = segment_ids.q[:, None, :]
         kv_ids = jnp.broadcast_to(segment_ids.kv[:, :, None], (batch, kv_len, NUM_LANES))
+        # All-real blocks read no kv ids: their steps keep the buffer of the first block
+        # that may hold other ids (an unchanged block index is not fetched again), so kv
+        # ids cost no DMA there either.
+        first_mixed = min(real_kv_blocks, num_kv_blocks - 1)
+
+        def kv_ids_index(b, h, i, j, off):
+            if real_kv_blocks:
+                return b, jnp.maximum(j, first_mixed), 0
+            return b, kv_index(i, j, off), 0
+
         in_specs += [
             pl.BlockSpec((None, 1, bq), lambda b, h, i, j, off: (b, 0, i)),
-            pl.BlockSpec(
-                (None, bkv, NUM_LANES), lambda b, h, i, j, off: (b, kv_index(i, j, off), 0)
-            ),
+            pl.BlockSpec((None, bkv, NUM_LANES), kv_ids_index),
         ]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
@@ -833,6 +895,7 @@ def _splash_attention(
         num_kv_blocks=num_kv_blocks,
         window_size=window_size,
         precision=precision,
+        real_kv_blocks=real_kv_blocks,
     )
     itemsize = jnp.dtype(q.dtype).itemsize
     cost = pl.CostEstimate(
@@ -893,6 +956,7 @@ def sharded_splash_attention(
     segment_ids=None,
     interpret: bool = False,
     kernel: str = "splash",
+    real_keys_before: int = 0,
 ) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
 
@@ -920,6 +984,10 @@ def sharded_splash_attention(
         mesh: ``jax.sharding.Mesh`` with axis names "dp", "tp" and "sp".
         kernel: "splash" (ours) or "stock_splash" (``stock_splash_attention``, JAX's kernel;
             no ``window_size`` or ``k_smoothing``).
+        real_keys_before: as ``splash_attention``, a global key position. Every layout hands
+            the kernel the whole key sequence (heads and Ulysses: all keys of its heads;
+            q-sequence: full K and V), so the position needs no translation per shard.
+            Ignored by "stock_splash".
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype, sharded as described.
@@ -994,6 +1062,7 @@ def sharded_splash_attention(
                 segment_ids=seg,
                 interpret=interpret,
                 q_offset=offset,
+                real_keys_before=real_keys_before,
             )
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
             out = lax.all_to_all(out, "sp", split_axis=2, concat_axis=1, tiled=True)
@@ -1187,7 +1256,7 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     return o.astype(q.dtype)
 
 
-def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
+def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None, window_size=None):
     """Softmax attention through ``jax.nn.dot_product_attention`` (XLA).
 
     Under ``jax.jit`` with sharded inputs XLA partitions it by itself, so it needs no
@@ -1201,6 +1270,8 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
         key_mask: optional (batch, kv_len) bool, True = a real key; every query attends only
             those (broadcast as (batch, 1, 1, kv_len): no dense mask). Not with
             ``segment_ids``.
+        window_size: ``None``, or ``w``: the kernel's band, query ``i`` attends key ``j`` iff
+            ``|i - j| <= w`` (a dense (q_len, kv_len) bool mask: for small or reference runs).
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
@@ -1211,10 +1282,19 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None):
         mask = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
     elif key_mask is not None:
         mask = key_mask[:, None, None, :]
+    if window_size is not None:
+        band = _band_mask(q.shape[2], k.shape[2], window_size)[None, None]
+        mask = band if mask is None else mask & band
     # jax.nn.dot_product_attention takes (batch, len, heads, head_dim).
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     out = jax.nn.dot_product_attention(qt, kt, vt, scale=scale, mask=mask)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def _band_mask(q_len: int, kv_len: int, window_size: int) -> jax.Array:
+    """(q_len, kv_len) bool: ``|i - j| <= window_size``, the kernel's local window."""
+    i = jnp.arange(q_len)[:, None]
+    return jnp.abs(i - jnp.arange(kv_len)[None, :]) <= window_size
 
 
 # Backend forced for a scope (``forced_attention``): the Wan VAE's attention always takes XLA.
@@ -1255,6 +1335,26 @@ _KEY_PADDING: contextvars.ContextVar[KeyPadding | None] = contextvars.ContextVar
 _IN_SELF_ATTENTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "in_self_attention", default=False
 )
+
+
+_REAL_KEYS_BEFORE: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "real_keys_before", default=None
+)
+
+
+@contextlib.contextmanager
+def real_keys_before(position: int):
+    """Declare, for the SDPA calls traced inside, that a key-padding ``attn_mask`` can only
+    mask keys at positions >= ``position`` (a static fact of the family's token layout,
+    e.g. HunyuanVideo-1.5's joint attention: [video tokens, text tokens], padding only in
+    the text). The Splash kernel then skips the segment-id compare in kv blocks wholly
+    before it (``splash_attention(real_keys_before=...)``). A mask that breaks the promise
+    gives wrong results; nothing checks it at run time."""
+    token = _REAL_KEYS_BEFORE.set(int(position))
+    try:
+        yield
+    finally:
+        _REAL_KEYS_BEFORE.reset(token)
 
 
 def pad_self_attention_keys(padded_len: int, valid_len: int) -> contextvars.Token:
@@ -1323,16 +1423,24 @@ def _declared_padding(q, k):
 
 
 def _real_keys(q, k, mask):
-    """(real keys (batch, kv_len) bool or None, the mask left for the reference path).
+    """(real keys (batch, kv_len) bool or None, the mask left for the reference path,
+    the static position before which every key is real: 0 when unknown).
 
-    A key-padding ``mask`` is consumed; declared sequence-parallel padding is added."""
+    A key-padding ``mask`` is consumed (its padding may sit anywhere unless
+    ``real_keys_before`` declared where); declared sequence-parallel padding, which starts
+    at its ``valid_len``, is added."""
+    kv_len = k.shape[2]
     real = key_padding_mask(mask, q, k)
+    before = kv_len
     if real is not None:
         mask = None
+        declared_before = _REAL_KEYS_BEFORE.get()
+        before = 0 if declared_before is None else min(declared_before, kv_len)
     declared = _declared_padding(q, k)
     if declared is not None:
         real = declared if real is None else real & declared
-    return real, mask
+        before = min(before, _KEY_PADDING.get().valid_len)
+    return real, mask, before
 
 
 def _key_segment_ids(q, k, real) -> SegmentIds:
@@ -1368,24 +1476,37 @@ def _sdpa(
         )
     if enable_gqa:
         raise ValueError("scaled_dot_product_attention: enable_gqa=True is not supported")
-    attention = _FORCED_ATTENTION.get() or attention
+    forced = _FORCED_ATTENTION.get()
+    attention = forced or attention
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
-    real, mask = _real_keys(q, k, mask)
+    real, mask, before = _real_keys(q, k, mask)
     segment_ids = None if real is None else _key_segment_ids(q, k, real)
+    # --window_size and --k_smoothing are the model's self-attention options: not for the
+    # forced (VAE) scopes, and the window not for cross-attention (q_len != kv_len).
+    window = options["window_size"] if forced is None and q.shape[2] == k.shape[2] else None
+    smooth = options["k_smoothing"] and forced is None
     if mask is not None or is_causal:
         # Masks the kernels were not built for take the exact reference path.
         if real is not None:
             mask = mask & real[:, None, None, :]
+        if window is not None:
+            mask = mask & _band_mask(q.shape[2], k.shape[2], window)
         out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
     elif attention == "xla":
-        out = xla_attention(q, k, v, scale=scale, key_mask=real)
+        if smooth:  # exact for softmax; here only so that the flag means the same everywhere
+            k = _smooth_keys(k, segment_ids)
+        out = xla_attention(q, k, v, scale=scale, key_mask=real, window_size=window)
     elif attention in SPLASH_KERNELS:
         mesh = options["mesh"]
         if mesh is None:
-            fn = stock_splash_attention if attention == "stock_splash" else splash_attention
-            out = fn(q, k, v, scale=scale, block_sizes=options["block_sizes"],
-                     segment_ids=segment_ids, interpret=options["interpret"])
+            kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
+                          segment_ids=segment_ids, interpret=options["interpret"])
+            if attention == "stock_splash":
+                out = stock_splash_attention(q, k, v, **kwargs)
+            else:
+                out = splash_attention(q, k, v, k_smoothing=smooth, window_size=window,
+                                       real_keys_before=before, **kwargs)
         elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
             # The wrapper cannot split this call: XLA, which GSPMD partitions as it likes,
             # instead of failing; reported, never silent.
@@ -1395,13 +1516,13 @@ def _sdpa(
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
-            out = xla_attention(q, k, v, scale=scale, key_mask=real)
+            out = xla_attention(q, k, v, scale=scale, key_mask=real, window_size=window)
         else:
             kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
                           segment_ids=segment_ids, interpret=options["interpret"],
                           kernel=attention)
             if attention == "splash":
-                kwargs["k_smoothing"] = options["k_smoothing"]
+                kwargs.update(k_smoothing=smooth, window_size=window, real_keys_before=before)
             out = sharded_splash_attention(q, k, v, mesh=mesh, **kwargs)
     else:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
@@ -1417,6 +1538,7 @@ def install_sdpa_override(
     interpret: bool = False,
     k_smoothing: bool = False,
     on_fallback=None,
+    window_size: int | None = None,
 ) -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
 
@@ -1436,7 +1558,13 @@ def install_sdpa_override(
             kernel wrapper.
         block_sizes: optional kernel ``BlockSizes``.
         interpret: run the Pallas kernel in interpret mode (CPU).
-        k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``).
+        k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``);
+            exact for softmax, so XLA applies it too. Not with "stock_splash".
+        window_size: ``None`` or ``w >= 0``: local attention in every self-attention call
+            (q_len == kv_len; not in ``forced_attention`` scopes), query position ``i``
+            attends key ``j`` iff ``|i - j| <= w`` (positions in the flattened token order),
+            through the kernel's window or, for "xla", the same dense band mask. Not with
+            "stock_splash".
         on_fallback: optional ``f(kind, detail)`` told when a call the wrapper cannot split
             goes to XLA instead.
 
@@ -1447,8 +1575,10 @@ def install_sdpa_override(
 
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
+    if attention == "stock_splash" and (window_size is not None or k_smoothing):
+        raise ValueError("attention='stock_splash': window_size and k_smoothing are ours only")
     options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret,
-                   k_smoothing=k_smoothing, on_fallback=on_fallback)
+                   k_smoothing=k_smoothing, on_fallback=on_fallback, window_size=window_size)
     env.override_op_definition(
         torch.nn.functional.scaled_dot_product_attention,
         functools.partial(_sdpa, env=env, attention=attention, options=options),

@@ -49,7 +49,7 @@ from engine.checkpoint import (
     model_config_dir,
     read_component_config,
 )
-from engine.config import RunConfig
+from engine.config import RunConfig, check_attention_options
 from engine.errors import EXIT_RUNTIME, EXIT_USAGE, GenerationError, UsageError, fail, first_line
 from families import FAMILIES, detect_family
 
@@ -209,6 +209,13 @@ def _add_parallel_flags(g) -> None:
                    help="SDPA backend: splash = our kernel, stock_splash = JAX's own splash "
                         "kernel (the trusted fallback), xla = plain XLA attention (needs "
                         "~228 GB per chip for 14B at 720p); auto = splash on TPU, else xla")
+    g.add_argument("--window_size", type=int, default=None,
+                   help="local self-attention: token i attends token j iff |i - j| <= W, "
+                        "positions in the flattened frames x height x width order (Wan; "
+                        "splash or xla; default: global)")
+    g.add_argument("--k_smoothing", action="store_true",
+                   help="subtract K's mean before attention (SageAttention's K smoothing; "
+                        "exact for softmax; splash or xla)")
     g.add_argument("--bq", type=int, default=d["bq"],
                    help="Splash block_q: queries per kernel grid step (multiple of 128; "
                         "default: the chip's, see README's block-size table)")
@@ -255,6 +262,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
+    check_attention_options(args, family_key)
     defaults = {**family.defaults, **family.checkpoint_defaults(args.model_id)}
     values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
@@ -568,7 +576,8 @@ def install_attention(config, mesh, attention: str, fallbacks) -> None:
     from custom_splash_attention import install_sdpa_override
 
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          block_sizes=config.block_sizes(),
+                          block_sizes=config.block_sizes(), window_size=config.window_size,
+                          k_smoothing=config.k_smoothing,
                           interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
 
 

@@ -34,6 +34,7 @@ One subprocess per chip: libtpu aborts the whole process with the profile flag o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -52,7 +53,16 @@ SHAPES = {"720p": (75600, 75600), "480p": (32760, 32760), "cross": (75600, 512)}
 CANDIDATES = ("3328,2816,256", "3328,3072,512", "3328,3072,1024", "3328,4096,1024")
 
 
-def shape_cost(chip: str, blocks, shape: str, head_dim: int = 128, cache=None) -> dict:
+# --segment-ids: the kernel variant profiled. "masked": all-ones segment ids compared in
+# every kv block (real_keys_before=0, the kernel before issue #26 on every block);
+# "all_real": the same ids declared real everywhere (real_keys_before past the end), the
+# path of every kv block before HunyuanVideo-1.5's text or the sp padding.
+SEGMENT_MODES = {"off": {}, "masked": dict(segment_ids=True),
+                 "all_real": dict(segment_ids=True, real_keys_before=1 << 30)}
+
+
+def shape_cost(chip: str, blocks, shape: str, head_dim: int = 128, cache=None,
+               segment_mode: str = "off") -> dict:
     """Estimated cycles of one head of ``shape`` on ``chip`` at ``blocks`` (an ESTIMATE).
 
     Returns {"fitted", "grid", "cycles", "grid_mxu_use", "token_mxu_use", "cost"}.
@@ -63,11 +73,11 @@ def shape_cost(chip: str, blocks, shape: str, head_dim: int = 128, cache=None) -
     bs = csa.BlockSizes(*blocks)
     fitted = csa._fit_block_sizes(bs, q_len, kv_len)
     grid = [1, 1, -(-q_len // fitted.block_q), -(-kv_len // fitted.block_kv)]
-    key = (tuple(dataclass_values(fitted)), min(grid[3], 3))
+    key = (tuple(dataclass_values(fitted)), min(grid[3], 3), segment_mode)
     cache = {} if cache is None else cache
     if key not in cache:
         cache[key] = estimate.kernel_cost(TOPOLOGY[chip], fitted, kv_steps=grid[3],
-                                          head_dim=head_dim)
+                                          head_dim=head_dim, **SEGMENT_MODES[segment_mode])
     cost = cache[key]
     cycles = estimate.call_cycles(dict(grid=grid), cost)
     per_cycle = MXU_FLOPS_PER_CYCLE[chip]
@@ -82,39 +92,40 @@ def dataclass_values(bs) -> list[int]:
 
 
 def run_chip(chip: str, candidates: list[str], shapes: list[str], head_dim: int,
-             jsonl: str | None = None) -> list:
+             jsonl: str | None = None, segment_modes=("off",)) -> list:
     """Rows for one chip, in this process (the profile flag must precede libtpu); each row
     is also appended to ``jsonl`` as it comes (a sweep takes tens of minutes)."""
     estimate.setup_profile_environment()
     rows, cache = [], {}
-    for blocks in candidates:
-        for shape in shapes:
-            row = dict(chip=chip, blocks=blocks, shape=shape)
-            try:
-                row.update(shape_cost(chip, [int(x) for x in blocks.split(",")], shape,
-                                      head_dim, cache))
-            except Exception as e:  # noqa: BLE001 - a row that failed says why
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if jsonl:
-                with open(jsonl, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+    for blocks, shape, mode in itertools.product(candidates, shapes, segment_modes):
+        row = dict(chip=chip, blocks=blocks, shape=shape, segment_ids=mode)
+        try:
+            row.update(shape_cost(chip, [int(x) for x in blocks.split(",")], shape,
+                                  head_dim, cache, mode))
+        except Exception as e:  # noqa: BLE001 - a row that failed says why
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
 
 
 def print_table(rows: list) -> None:
     print("\nESTIMATES from libtpu 0.0.42.1's static profile (deviceless; no TPU measured)")
-    print(f"{'chip':<6} {'shape':<6} {'blocks':<15} {'fitted':<15} {'grid QxK':>9} "
-          f"{'Mcycles/head':>12} {'per step':>9} {'grid MXU':>8} {'token MXU':>9}")
+    print(f"{'chip':<6} {'shape':<6} {'blocks':<15} {'seg ids':<8} {'fitted':<15} "
+          f"{'grid QxK':>9} {'Mcycles/head':>12} {'per step':>9} {'slope':>7} "
+          f"{'grid MXU':>8} {'token MXU':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['chip']:<6} {r['shape']:<6} {r['blocks']:<15} {r['error']}")
             continue
         q, k = r["grid"][2:]
         print(f"{r['chip']:<6} {r['shape']:<6} {r['blocks']:<15} "
-              f"{','.join(map(str, r['fitted'])):<15} {f'{q}x{k}':>9} "
-              f"{r['cycles'] / 1e6:12.2f} {r['cycles'] / (q * k):9,.0f} "
+              f"{r.get('segment_ids', 'off'):<8} {','.join(map(str, r['fitted'])):<15} "
+              f"{f'{q}x{k}':>9} {r['cycles'] / 1e6:12.2f} {r['cycles'] / (q * k):9,.0f} "
+              f"{r['cost']['per_step']:7,.0f} "
               f"{r['grid_mxu_use']:8.1%} {r['token_mxu_use']:9.1%}")
     best = {}
     for r in rows:
@@ -134,6 +145,10 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="every candidate in CANDIDATES")
     parser.add_argument("--shapes", default="720p,480p,cross")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--segment-ids", default="off",
+                        help="comma list of kernel variants: off (no segment ids), masked "
+                             "(ids compared in every kv block), all_real (ids declared real: "
+                             "the compare skipped, issue #26)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--jsonl", help="append each row here as soon as it is profiled")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -141,18 +156,21 @@ def main(argv=None):
     candidates = list(CANDIDATES) if args.sweep else (args.blocks or ["3328,3072,1024"])
     shapes = args.shapes.split(",")
     if args.worker:
-        run_chip(args.worker, candidates, shapes, args.head_dim, args.jsonl)
+        run_chip(args.worker, candidates, shapes, args.head_dim, args.jsonl,
+                 args.segment_ids.split(","))
         return
     rows = []
     for chip in args.chips.split(","):
         cmd = [sys.executable, __file__, "--worker", chip, "--shapes", args.shapes,
-               "--head-dim", str(args.head_dim)] + (["--jsonl", args.jsonl] if args.jsonl else [])
+               "--head-dim", str(args.head_dim), "--segment-ids", args.segment_ids]
+        cmd += ["--jsonl", args.jsonl] if args.jsonl else []
         for b in candidates:
             cmd += ["--blocks", b]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         got = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
         rows += got
-        if proc.returncode != 0 and len(got) < len(candidates) * len(shapes):
+        if proc.returncode != 0 and len(got) < len(candidates) * len(shapes) * len(
+                args.segment_ids.split(",")):
             rows.append(dict(chip=chip, blocks="-", shape="-",
                              error=f"profile process exited {proc.returncode} (libtpu abort)"))
     print_table(rows)

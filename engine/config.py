@@ -42,6 +42,8 @@ class RunConfig:
     bq: int | None
     bkv: int | None
     bkv_compute: int | None
+    window_size: int | None
+    k_smoothing: bool
     compilation_cache_dir: str
     stage: str
     work_dir: str
@@ -125,3 +127,26 @@ class RunConfig:
     def settings(self) -> dict:
         """The configuration as a plain dict, for reports and intermediates."""
         return dataclasses.asdict(self)
+
+
+def check_attention_options(args, family: str) -> None:
+    """--window_size and --k_smoothing against the attention backend and the family, before
+    any model loads (one-line ``UsageError``s).
+
+    The window is Wan's: HunyuanVideo-1.5's joint attention appends text tokens to the
+    video tokens, where a band over positions has no video meaning. JAX's stock splash kernel
+    gets neither option here (our wrapper passes it segment ids only; its ``LocalMask`` is
+    not wired up): a usage error rather than a silent global run.
+    """
+    from engine.errors import fail
+
+    w = args.window_size
+    if w is not None and w < 0:
+        fail("--window_size", w, "must be an int >= 0 (omit it for global attention)")
+    if w is not None and not family.startswith("wan"):
+        fail("--window_size", w, f"Wan only (the {family} family's self-attention mixes in "
+                                 "text tokens)")
+    for flag, given in (("--window_size", w is not None), ("--k_smoothing", args.k_smoothing)):
+        if given and args.attention == "stock_splash":
+            fail(flag, w if flag == "--window_size" else True,
+                 "needs --attention splash or xla (JAX's stock kernel is not wired for it)")

@@ -219,7 +219,8 @@ def dry_run(config, family) -> tuple[int, dict]:
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.attention == "auto" else config.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          block_sizes=config.block_sizes(), interpret=False)
+                          block_sizes=config.block_sizes(), interpret=False,
+                          window_size=config.window_size, k_smoothing=config.k_smoothing)
     placed = abstract_transformer(config, family, cfg, mesh)
     vae, vae_placed = abstract_vae(family, folder, mesh)
     inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)

@@ -546,7 +546,8 @@ class _StubPallas:
                 dtype=str(out_shape.dtype), q_len=int(out_shape.shape[2]),
                 kv_len=int(kw.get("kv_len", 0)),
                 block_sizes=[kw.get("block_q"), kw.get("block_kv"), kw.get("block_kv_compute")],
-                segment_ids=args[-1] is not None, window_size=kw.get("window_size")))
+                segment_ids=args[-1] is not None, window_size=kw.get("window_size"),
+                real_kv_blocks=int(kw.get("real_kv_blocks", 0))))
             any_spec = pl.BlockSpec(memory_space=pl.ANY)
             return pl.pallas_call(
                 lambda *refs: None, out_shape=out_shape, name=STUB_NAME,
@@ -701,9 +702,16 @@ def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
 
 
 def call_cycles(call: dict, cost: dict) -> float:
-    """Estimated cycles of one recorded kernel call (grid [batch, heads, Q, K])."""
+    """Estimated cycles of one recorded kernel call (grid [batch, heads, Q, K]).
+
+    A call with segment ids whose first ``call["real_kv_blocks"]`` kv blocks are declared
+    all real (``splash_attention(real_keys_before=...)``) charges those steps at
+    ``cost["all_real"]["per_step"]`` (the profile of the same kernel with every block
+    declared real), the rest at ``cost["per_step"]``."""
     batch, heads, q_blocks, kv_steps = call["grid"]
-    return (cost["per_step"] * batch * heads * q_blocks * kv_steps
+    fast = min(call.get("real_kv_blocks", 0), kv_steps) if "all_real" in cost else 0
+    return (batch * heads * q_blocks * (cost["per_step"] * (kv_steps - fast)
+                                        + (cost["all_real"]["per_step"] * fast if fast else 0))
             + cost["per_q_block"] * batch * heads * q_blocks)
 
 
@@ -721,12 +729,22 @@ def profile_worker(request: dict) -> dict:
         cost = kernel_cost(request["topology"], c["block_sizes"], kv_steps=kv_steps,
                            head_dim=c["head_dim"], dtype=c["dtype"],
                            segment_ids=c["segment_ids"], window_size=c["window_size"])
+        if any(x.get("real_kv_blocks") for x in request["kernel_calls"]
+               if _kernel_key(x) == key):
+            # The same kernel with every kv block declared real: the steps before the
+            # declared padding position (issue #26).
+            cost["all_real"] = kernel_cost(
+                request["topology"], c["block_sizes"], kv_steps=kv_steps,
+                head_dim=c["head_dim"], dtype=c["dtype"], segment_ids=True,
+                real_keys_before=1 << 30)
         kernels[key] = dict(cost, cycles_per_step=cost["per_step"],
                             block_sizes=c["block_sizes"], head_dim=c["head_dim"],
                             dtype=c["dtype"], segment_ids=c["segment_ids"],
                             compile_s=time.perf_counter() - t0)
         print(f"estimate: kernel {key}: {cost['per_step']:,.0f} cycles/step + "
-              f"{cost['per_q_block']:,.0f}/q block", file=sys.stderr, flush=True)
+              f"{cost['per_q_block']:,.0f}/q block"
+              + (f"; all-real kv blocks {cost['all_real']['per_step']:,.0f} cycles/step"
+                 if "all_real" in cost else ""), file=sys.stderr, flush=True)
     return kernels
 
 

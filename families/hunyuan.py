@@ -341,6 +341,8 @@ class KeyPaddingAttnProcessor:
         import torch.nn.functional as F
         from diffusers.models.embeddings import apply_rotary_emb
 
+        import custom_splash_attention as csa
+
         def heads(x):  # (B, N, H*D) -> (B, N, H, D)
             return x.unflatten(2, (attn.heads, -1))
 
@@ -359,7 +361,11 @@ class KeyPaddingAttnProcessor:
             (query, text_q), (key, text_k), (value, text_v)))
         # Video tokens are always real: the mask is [ones(N), text mask], (B, 1, 1, N + T).
         real = F.pad(attention_mask.bool(), (query.shape[2] - n_text, 0), value=True)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=real[:, None, None, :])
+        # Static: padding can only sit in the text, so the kernel skips the segment-id
+        # compare in kv blocks wholly inside the video tokens.
+        with csa.real_keys_before(query.shape[2] - n_text):
+            out = F.scaled_dot_product_attention(query, key, value,
+                                                 attn_mask=real[:, None, None, :])
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)  # (B, N + T, H*D)
         video, text = out[:, :-n_text], out[:, -n_text:]
         return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text)

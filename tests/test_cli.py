@@ -118,6 +118,11 @@ BAD = [
     (["--cache", "magcache"], "--cache='magcache'", "no calibrated ratios are known"),
     (["--cache", "magcache", "--mag_ratios", "[1, 0]"], "--mag_ratios='[1, 0]'",
      "JSON list of positive numbers"),
+    (["--window_size", "-1"], "--window_size=-1", "must be an int >= 0"),
+    (["--attention", "stock_splash", "--window_size", "16"], "--window_size=16",
+     "needs --attention splash or xla"),
+    (["--attention", "stock_splash", "--k_smoothing"], "--k_smoothing=True",
+     "needs --attention splash or xla"),
 ]
 
 
@@ -379,3 +384,16 @@ def test_bad_lora_is_one_line_before_loading(tiny_checkpoint, tmp_path, case, ru
     assert len(lines) == 1, proc.stderr
     assert "--lora=" in lines[0] and rule in lines[0], lines[0]
     assert not out.exists() or not os.listdir(out)
+
+
+def test_window_size_is_wan_only():
+    """HunyuanVideo-1.5's joint attention appends text tokens: no 1-D window there."""
+    import argparse
+
+    from engine.config import check_attention_options
+    from engine.errors import UsageError
+
+    args = argparse.Namespace(window_size=8, k_smoothing=False, attention="splash")
+    with pytest.raises(UsageError, match=r"--window_size=8: Wan only"):
+        check_attention_options(args, "hunyuanvideo1.5")
+    check_attention_options(args, "wan2.1")

@@ -260,3 +260,15 @@ def test_kernel_cost_model_predicts_grids_it_was_not_fitted_on(profiled):
     large, more_q = profiled["large"][0], profiled["more_q"][0]
     assert estimate.call_cycles(dict(grid=[1, 1, 2, 4]), cost) == pytest.approx(large, rel=0.02)
     assert estimate.call_cycles(dict(grid=[1, 1, 3, 2]), cost) == pytest.approx(more_q, rel=0.06)
+
+
+def test_call_cycles_charges_all_real_kv_blocks_at_their_own_rate():
+    """Issue #26: a call's first ``real_kv_blocks`` kv steps of every q block cost the
+    all-real profile's per-step figure, the rest the masked one's."""
+    cost = dict(per_step=100.0, per_q_block=10.0, all_real=dict(per_step=80.0, per_q_block=9.0))
+    q_blocks = 1 * 2 * 3  # batch x heads x q blocks
+    assert estimate.call_cycles(dict(grid=[1, 2, 3, 5], real_kv_blocks=4), cost) == (
+        q_blocks * (4 * 80 + 1 * 100) + q_blocks * 10)
+    assert estimate.call_cycles(dict(grid=[1, 2, 3, 5]), cost) == q_blocks * (5 * 100 + 10)
+    assert estimate.call_cycles(dict(grid=[1, 2, 3, 5], real_kv_blocks=9), cost) == (
+        q_blocks * (5 * 80 + 10))

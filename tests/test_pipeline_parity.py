@@ -235,3 +235,25 @@ def test_euler_scheduler_without_cfg_matches_diffusers(tiny_checkpoint):
     unipc = _reference_frames(tiny_checkpoint, torch.float32, seed=4, flow_shift=5.0,
                               guidance_scale=1.0)
     assert np.abs(unipc - ours).max() > 0.01  # the sampler really changed
+
+
+def test_window_size_and_k_smoothing_flags(tiny_checkpoint):
+    """--window_size 16 through our kernel (interpret mode, dp2 x tp2 x sp2) equals XLA
+    attention with the same band mask; the window changes the video far more than that;
+    --k_smoothing (exact for softmax) changes nothing beyond float32 rounding. 72 video
+    tokens (3 x 4 x 6), so a 16-token band drops most key pairs."""
+    mesh = ("--dp", "2", "--tp", "2", "--sp", "2")
+    window = ("--window_size", "16")
+    runs = {}
+    for name, extra in (("xla", ()), ("xla_w", window),
+                        ("splash_w", ("--attention", "splash", *window)),
+                        ("splash_w_ks", ("--attention", "splash", *window, "--k_smoothing"))):
+        runs[name], report = _our_frames(tiny_checkpoint, "float32", seed=7, flow_shift=5.0,
+                                         extra=(*mesh, *extra))
+        assert report["settings"]["window_size"] == (16 if "w" in name.split("_")[1:] else None)
+        assert report["settings"]["k_smoothing"] == name.endswith("_ks")
+    print({f"{a} vs {b}": float(np.max(np.abs(runs[a] - runs[b]))) for a, b in (
+        ("splash_w", "xla_w"), ("xla_w", "xla"), ("splash_w_ks", "splash_w"))})
+    np.testing.assert_allclose(runs["splash_w"], runs["xla_w"], atol=1e-4, rtol=0)
+    assert np.max(np.abs(runs["xla_w"] - runs["xla"])) > 100 * 1e-4
+    np.testing.assert_allclose(runs["splash_w_ks"], runs["splash_w"], atol=1e-4, rtol=0)

@@ -26,6 +26,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import contextlib  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -160,6 +161,67 @@ def test_segment_ids_with_empty_row(dtype):
         out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=SMALL, interpret=True)
         _check(out, want, dtype, "segments")
         assert np.all(np.asarray(out[0, :, 150:170], np.float32) == 0.0)
+
+
+@contextlib.contextmanager
+def _kernel_spy():
+    """Yields the list of ``real_kv_blocks`` each kernel trace got."""
+    seen, real_kernel = [], csa._splash_kernel
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["real_kv_blocks"])
+        return real_kernel(*args, **kwargs)
+
+    csa._splash_kernel = spy
+    try:
+        yield seen
+    finally:
+        csa._splash_kernel = real_kernel
+
+
+def _real_prefix_case(pad, seed=3):
+    """Self-attention-style ids (real = 1, padding = 0 over ``pad``), one query whose id no
+    key has, and a key that makes one query's max jump by ~90 base-2 units inside an
+    all-real block (the lazy shift's exact redo runs there)."""
+    b, n = 2, 700
+    q, k, v = _inputs((b, 1, n, 64), n, jnp.float32, seed=seed)
+    k = np.asarray(k).copy()
+    k[0, 0, 450] = 8 * np.asarray(q)[0, 0, 200]
+    ids = np.ones((b, n), np.int32)
+    if pad:
+        ids[:, pad[0]:pad[1]] = csa.REAL_SEGMENT_ID - 1
+    q_ids = ids.copy()
+    q_ids[1, 5] = 3
+    want = _ref64(q, k, v, valid=q_ids[:, None, :, None] == ids[:, None, None, :])
+    return (q, jnp.asarray(k), v), (jnp.asarray(q_ids), jnp.asarray(ids)), want
+
+
+@pytest.mark.parametrize("pad,before,real_blocks", [
+    ((600, 700), 600, 2),  # padding at the end: blocks 0, 1 all real, the last one mixed
+    (None, 700, 3),  # nothing can be padding: every block, the ragged last one too
+    ((300, 340), 300, 1),  # padding in the middle: block 1 must take the exact compare
+], ids=["end", "none", "middle"])
+def test_real_keys_before_is_exact(pad, before, real_blocks):
+    """Static block classification (issue #26): kv blocks wholly before ``real_keys_before``
+    skip the id compare; every row (padded queries and an id no key has included) stays
+    equal to the float64 reference."""
+    (q, k, v), seg, want = _real_prefix_case(pad)
+    bs = csa.BlockSizes(128, 256, 128)  # 3 kv blocks of 256, the last one ragged (188)
+    with _kernel_spy() as seen:
+        out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=bs, interpret=True,
+                                   real_keys_before=before)
+    assert set(seen) == {real_blocks}
+    _check(out, want, jnp.float32, f"real_keys_before={before}")
+    assert np.all(np.asarray(out[1, :, 5]) == 0.0)
+
+
+def test_real_keys_before_skips_the_compare():
+    """A broken promise (padding at 300-340 declared real) lets real queries attend the
+    padding: proof that the all-real blocks really read no ids."""
+    (q, k, v), seg, want = _real_prefix_case((300, 340))
+    out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=csa.BlockSizes(128, 256, 128),
+                               interpret=True, real_keys_before=700)
+    assert np.max(np.abs(np.asarray(out, np.float64) - want)) > 0.1
 
 
 @pytest.mark.parametrize("window", [0, 40, 200])
@@ -382,6 +444,49 @@ def test_sharded_segment_ids(mesh_shape, kv_len):
     _check(got, want, jnp.float32, "sharded segments")
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 4, 2), (2, 2, 2)], ids=["q-sequence", "ulysses"])
+def test_sharded_real_keys_before(mesh_shape):
+    """Under sp the kernel sees the whole key sequence in every layout, so the global
+    position applies unchanged: padding at the end (as sp padding), exact on every row."""
+    mesh = _mesh(*mesh_shape)
+    heads = 4 if mesh_shape == (1, 4, 2) else 8  # 4 over tp*sp=8 forces the q-sequence layout
+    n, pad_from = 512, 460
+    q, k, v = _inputs((2, heads, n, 64), n, jnp.float32, seed=33)
+    ids = np.ones((2, n), np.int32)
+    ids[:, pad_from:] = 0
+    want = _ref64(q, k, v, valid=ids[:, None, :, None] == ids[:, None, None, :])
+    with _kernel_spy() as seen:
+        got = csa.sharded_splash_attention(
+            q, k, v, mesh=mesh, segment_ids=(jnp.asarray(ids), jnp.asarray(ids)),
+            block_sizes=csa.BlockSizes(128, 128, 128), interpret=True,
+            real_keys_before=pad_from)
+    assert set(seen) == {pad_from // 128}  # blocks 0-2 all real, block 3 holds the padding
+    _check(got, want, jnp.float32, "sharded real_keys_before")
+
+
+def test_sdpa_real_keys_position():
+    """Where the SDPA override says keys are real: a key-padding mask alone, nowhere; a
+    family's ``real_keys_before`` bounds it; declared sp padding starts at its valid
+    length; with both, the smaller."""
+    q = k = jnp.zeros((2, 1, 200, 8))
+    mask = jnp.ones((2, 1, 1, 200), bool)
+    assert csa._real_keys(q, k, None)[2] == 200
+    assert csa._real_keys(q, k, mask)[2] == 0
+    with csa.real_keys_before(150):
+        assert csa._real_keys(q, k, mask)[2] == 150
+    token = csa.pad_self_attention_keys(200, 180)
+    flag = csa._IN_SELF_ATTENTION.set(True)
+    try:
+        assert csa._real_keys(q, k, None)[2] == 180
+        with csa.real_keys_before(190):
+            assert csa._real_keys(q, k, mask)[2] == 180
+        with csa.real_keys_before(150):
+            assert csa._real_keys(q, k, mask)[2] == 150
+    finally:
+        csa._IN_SELF_ATTENTION.reset(flag)
+        csa.unpad_self_attention_keys(token)
+
+
 def test_sharded_validation():
     mesh = _mesh(1, 4, 2)
     q, k, v = _inputs((1, 6, 128, 64), 128, jnp.float32)
@@ -492,6 +597,40 @@ def test_sdpa_override_key_padding_mask_is_exact(torchax_env, attention, mesh_sh
     poisoned = _run_sdpa(torchax_env, q, k, v_poisoned, attn_mask=mask)
     np.testing.assert_allclose(poisoned.transpose(0, 2, 1, 3)[rows],
                                got.transpose(0, 2, 1, 3)[rows], atol=2e-5, rtol=2e-5)
+
+
+def test_sdpa_override_real_keys_before_under_sp(torchax_env):
+    """HunyuanVideo-1.5's route under sp: a family-declared ``real_keys_before`` (video
+    tokens first, padding only in the text) and declared sp padding, through the sharded
+    kernel on dp2 x tp2 x sp2. The kernel gets the smaller position (2 all-real kv blocks of
+    128) and real rows equal torch's masked SDPA."""
+    import torch
+
+    csa.install_sdpa_override(torchax_env, attention="splash", mesh=_mesh(2, 2, 2),
+                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+    s, video = 400, 300  # [video tokens 0-299 (sp padding from 290), text 300-399]
+    q, k, v = _torch_inputs(s, s, seed=8)
+    real = torch.ones(2, s, dtype=torch.bool)
+    real[:, 290:300] = False  # sp padding, declared below
+    real[0, 350:] = False  # text padding, in the mask
+    real[1, 320:330] = False
+    mask = real.clone()
+    mask[:, 290:300] = True  # the family's mask knows nothing of sp padding
+    token = csa.pad_self_attention_keys(300, 290)
+    flag = csa._IN_SELF_ATTENTION.set(True)
+    try:
+        with _kernel_spy() as seen, csa.real_keys_before(video):
+            got = _run_sdpa(torchax_env, q, k, v, attn_mask=mask[:, None, None, :])
+    finally:
+        csa._IN_SELF_ATTENTION.reset(flag)
+        csa.unpad_self_attention_keys(token)
+    assert set(seen) == {290 // 128}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=real[:, None, None, :]).numpy()
+    rows = real.numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.transpose(0, 2, 1, 3)[rows],
+                               want.transpose(0, 2, 1, 3)[rows], atol=2e-5, rtol=2e-5)
 
 
 def test_key_padding_mask_builds_no_dense_mask(torchax_env):

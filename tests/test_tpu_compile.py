@@ -141,7 +141,8 @@ def test_cross_attention_kernel_beats_xla(topology):
     assert cost_k["bytes accessed"] < cost_x["bytes accessed"] / 2
 
 
-@pytest.mark.parametrize("variant", ["window", "segments", "f32", "head_dim64"])
+@pytest.mark.parametrize("variant", ["window", "segments", "segments_real_prefix", "f32",
+                                     "head_dim64"])
 def test_kernel_variants_lower_through_mosaic(variant):
     """The masked and f32 paths also pass Mosaic (smaller shapes, v6e's default blocks)."""
     mesh = _topology_mesh("v6e:2x4", (2, 4, 1))
@@ -159,11 +160,20 @@ def test_kernel_variants_lower_through_mosaic(variant):
         if variant == "segments":
             ids = jnp.broadcast_to((jnp.arange(s) >= 3000).astype(jnp.int32), (b, s))
             kwargs["segment_ids"] = (ids, ids)
+        if variant == "segments_real_prefix":
+            # 4 kv blocks of 2048: one all real, two compared, the ragged last one compared
+            # (every block class of the static classification in one kernel; small blocks
+            # for compile time, the default blocks' all-real path is profiled in
+            # benchmarks/kernel_cycles_results.md).
+            ids = jnp.broadcast_to((jnp.arange(s) < 7000).astype(jnp.int32), (b, s))
+            kwargs.update(segment_ids=(ids, ids), real_keys_before=4000)
         return csa.sharded_splash_attention(
             q, k, v, mesh=mesh, k_smoothing=variant == "window",
             # f32 at large blocks compiles too (55 s on this host); small blocks prove the
             # f32 path, whose score and value tiles are twice the bytes.
             block_sizes=(csa.BlockSizes(1024, 1024, 256) if variant == "f32"
+                         else csa.BlockSizes(1024, 2048, 1024)
+                         if variant == "segments_real_prefix"
                          else csa.default_block_sizes("v6e")),
             **kwargs
         )
