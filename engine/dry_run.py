@@ -14,8 +14,8 @@ import os
 import re
 import time
 
-from engine import chips, placement, runtime
-from engine.checkpoint import model_config_dir, read_component_config
+from engine import chips, experts, placement, runtime
+from engine.checkpoint import model_config_dir, read_component_config, read_model_index
 from engine.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.mesh import make_mesh, resolve_mesh_shape
 from engine.report import versions
@@ -194,14 +194,19 @@ def _leaves(tree) -> list:
     return jax.tree.leaves(tree)
 
 
-def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int) -> None:
+def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
+                  experts: int = 1) -> None:
     """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
     weights while the transformer runs; the decoded chunks and their concatenation are held
-    too. The compiler sees one program at a time, so add what the others keep."""
+    too. With two experts (Wan 2.2 A14B) both stay resident: the step program's arguments
+    are one expert's weights, the other's are kept. The compiler sees one program at a time,
+    so add what the others keep."""
     step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
     resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
-                                                     *vae_placed["buffers"].values()]),
-                "VAE decode": step_weights + _per_chip_bytes(_leaves(inputs)) + 2 * video_bytes}
+                                                     *vae_placed["buffers"].values()])
+                + (experts - 1) * step_weights,
+                "VAE decode": experts * step_weights + _per_chip_bytes(_leaves(inputs))
+                + 2 * video_bytes}
     for r in rows:
         r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
         if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
@@ -260,7 +265,8 @@ def dry_run(config, family) -> tuple[int, dict]:
     rows += _vae_rows(config, decoder, latents, capacity)
     video = 3 * config.frames * config.height * config.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
-    _add_resident(rows, placed, vae_placed, inputs, video)
+    n_experts = experts.count(read_model_index(config.model_id))
+    _add_resident(rows, placed, vae_placed, inputs, video, n_experts)
     fits = all(r["fits"] for r in rows)
     report = dict(
         dry_run=True, topology=config.topology, devices=len(devices),
@@ -269,6 +275,7 @@ def dry_run(config, family) -> tuple[int, dict]:
         vae_checked=not config.dry_run_skip_vae,
         settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
         mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
+        experts_resident=n_experts,
         per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
         analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
@@ -323,7 +330,9 @@ def print_dry_run(report: dict) -> None:
     print(f"host RAM for weights: each of {hosts['count']} host(s) reads "
           f"{max(hosts['weight_bytes']) / 2**30:.2f} GiB of slices for its own devices, "
           f"streamed (largest slice {hosts['largest_slice_bytes'] / 2**30:.2f} GiB)")
-    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
+    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"
+          + (f"; {report['experts_resident']} experts resident"
+             if report.get("experts_resident", 1) > 1 else ""))
     print("verdict:", "fits" if report["fits"] else "does not fit",
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
     if "estimate" in report:

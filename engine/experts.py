@@ -29,6 +29,15 @@ def second_expert(pipe):
     return second if second is not None and ratio is not None else None
 
 
+def count(model_index: dict) -> int:
+    """Experts a checkpoint keeps resident: 2 when ``model_index.json`` names a
+    ``transformer_2`` and sets ``boundary_ratio`` (Wan 2.2 A14B), else 1."""
+    spec = model_index.get("transformer_2")
+    two = (model_index.get("boundary_ratio") is not None and isinstance(spec, list)
+           and all(spec))
+    return 2 if two else 1
+
+
 def expert_schedule(timesteps, boundary_ratio: float, num_train_timesteps: int) -> list[int]:
     """Per step, 0 (``transformer``) when ``t >= boundary_ratio * num_train_timesteps``,
     else 1 (``transformer_2``), as ``WanPipeline`` decides it."""

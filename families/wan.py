@@ -110,9 +110,9 @@ DOWNLOAD_HINTS = {
 def is_two_expert(model_index: dict) -> bool:
     """A Wan 2.2 A14B layout: ``transformer_2`` names a model and ``boundary_ratio`` is set
     (diffusers' ``WanPipeline`` switches experts only then)."""
-    spec = model_index.get("transformer_2")
-    return (model_index.get("boundary_ratio") is not None and isinstance(spec, list)
-            and all(spec))
+    from engine import experts
+
+    return experts.count(model_index) == 2
 
 
 def checkpoint_defaults(model_id: str) -> dict:
