@@ -214,12 +214,13 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
             r["fits"] = r["fits"] and r["total_bytes"] <= r["capacity_bytes"]
 
 
-def _hosts(placed, vae_placed) -> dict:
+def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
     """What each host reads from the checkpoint for its own devices (weights stream slice by
-    slice, so a host never holds more than the largest slice beyond what is placed)."""
+    slice, so a host never holds more than the largest slice beyond what is placed); every
+    expert of a two-expert model is read alike."""
     per_host, largest = placement.per_host_bytes(
-        [*placed["params"].values(), *placed["buffers"].values(),
-         *vae_placed["params"].values(), *vae_placed["buffers"].values()])
+        [*placed["params"].values(), *placed["buffers"].values()] * n_experts
+        + [*vae_placed["params"].values(), *vae_placed["buffers"].values()])
     return dict(count=len(per_host), weight_bytes=[per_host[p] for p in sorted(per_host)],
                 largest_slice_bytes=largest)
 
@@ -279,7 +280,7 @@ def dry_run(config, family) -> tuple[int, dict]:
         per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
         analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
-        hosts=_hosts(placed, vae_placed))
+        hosts=_hosts(placed, vae_placed, n_experts))
     if config.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
     return (0 if fits else EXIT_DOES_NOT_FIT), report
