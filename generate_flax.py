@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from engine import benchmark, chips, integrity, lora, runtime, staging, step_cache, videos
+from engine import benchmark, chips, experts, integrity, lora, runtime, staging, step_cache, videos
 from engine.checkpoint import (
     component_folder,
     looks_local,
@@ -124,6 +124,9 @@ def _add_generation_flags(g) -> None:
     g.add_argument("--guidance_scale", type=float, default=None,
                    help=f"CFG scale; > 1 runs cond and uncond as one batch-2 call ({fam}; "
                         "HunyuanVideo: the checkpoint's guider)")
+    g.add_argument("--guidance_scale_2", type=float, default=None,
+                   help="two-expert models only (Wan 2.2 A14B): CFG scale of the low-noise "
+                        "expert transformer_2 (family default: 3.0)")
     g.add_argument("--flow_shift", type=float, default=d["flow_shift"],
                    help="scheduler flow shift; Wan 2.1 default by resolution as its model "
                         "card says: 5.0 when the shorter side is >= 720 px, else 3.0; "
@@ -266,7 +269,11 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     defaults = {**family.defaults, **family.checkpoint_defaults(args.model_id)}
     values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
-    _validate_size(family, values)
+    values["guidance_scale_2"] = experts.resolve_guidance_scale_2(args.guidance_scale_2,
+                                                                  defaults)
+    sources = {k: v for k, v in defaults.get("sources", {}).items()
+               if getattr(args, k, None) is None} or None
+    _validate_size(family, values, defaults.get("pixel_multiple", family.pixel_multiple))
     broken = family.check_flags(values)
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
@@ -291,7 +298,8 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                   step_cache=step_cache.validate_cache_flags(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
     config = RunConfig(**{**flags, **values, **extras, "family": family_key,
-                          "flow_shift": flow_shift, "flow_shift_source": source})
+                          "flow_shift": flow_shift, "flow_shift_source": source,
+                          "default_sources": sources})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
     return config.resolve_block_sizes(args.topology.split(":")[0]) if args.dry_run else config
 
@@ -305,9 +313,10 @@ def _validate_numbers(args) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             fail(f"--{name}", value, f"must be {rule}")
-    g = args.guidance_scale
-    if g is not None and (not math.isfinite(g) or g < 0):
-        fail("--guidance_scale", g, "must be a finite number >= 0")
+    for flag in ("guidance_scale", "guidance_scale_2"):
+        g = getattr(args, flag)
+        if g is not None and (not math.isfinite(g) or g < 0):
+            fail(f"--{flag}", g, "must be a finite number >= 0")
     shift = args.flow_shift
     if shift is not None and (not math.isfinite(shift) or shift <= 0):
         fail("--flow_shift", shift, "must be a finite number > 0")
@@ -323,8 +332,8 @@ def _validate_numbers(args) -> None:
              "tpu7x:2x2x1")
 
 
-def _validate_size(family, values: dict) -> None:
-    step, multiple = family.frame_step, family.pixel_multiple
+def _validate_size(family, values: dict, multiple: int) -> None:
+    step = family.frame_step
     if values["frames"] < 1 or (values["frames"] - 1) % step:
         fail("--frames", values["frames"], f"must be of the form {step}n+1 (1, {step + 1}, "
              f"{2 * step + 1}, ...) for {family.name}")
@@ -484,12 +493,17 @@ def generate(config: RunConfig, devices=None, on_video=None):
         report["cache"] = step_cache.cache_report(programs.cache, runs,
                                                   config.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
+    flops = None if programs.step is None else experts.flops_per_step(
+        programs.step, lambda k: family.transformer_flops(dict(
+            (pipe.transformer, pipe.transformer_2)[k].config), config))
+    if flops is not None:
+        report["experts"] = programs.step.report()
+    elif programs.step is not None:
+        flops = step_cache.flops_per_step(family.transformer_flops(cfg, config), config, cfg)
     report.update(reporting.run_report(config, family, cfg, devices, mesh_shape, placed,
                                        fallbacks,
-                             summary=reporting.summarize(
-                                 runs, timings, step_cache.flops_per_step(
-                                     family.transformer_flops(cfg, config), config, cfg)
-                                 if programs.step is not None else None, devices),
+                                       summary=reporting.summarize(runs, timings, flops,
+                                                                   devices),
                              cache=cache_before if cache_on else None))
     if stage == "denoise":
         staging.save_run_latents(config, latents)
@@ -552,12 +566,16 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
         install_attention(config, mesh, attention, fallbacks)
         with runtime.hardware_errors("placing the transformer weights", oom_hint):
             placed = place_transformer(config, family, pipe, mesh, fallbacks, pipe_loras)
+            second = experts.second_expert(pipe) and experts.place_second(
+                config, family, pipe, mesh, fallbacks)  # Wan 2.2 A14B: both stay resident
             inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
         timings["place_transformer_s"] = placed["seconds"]
         timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
+        if second:
+            timings["place_transformer_2_s"] = second["seconds"]
         with runtime.hardware_errors("compiling the transformer step", oom_hint):
             step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
-                                              inputs, timings)
+                                              inputs, timings, second)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
                      sigmas=family.scheduler_sigmas, cache=cache)
     else:
@@ -618,10 +636,12 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     return inputs, latents0
 
 
-def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, timings):
+def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, timings,
+                        second=None):
     """AOT-compile one denoising step's model call; returns (step(latents, t, inputs),
     ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
-    what changes. With step caching the full and the cached programs both compile here."""
+    what changes. With step caching the full and the cached programs both compile here.
+    With a ``second`` expert the same program serves both (``experts.ExpertStep``)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -640,6 +660,12 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
         return (lambda lat, ts, inp: cache.full(lat, ts, inp)[0]), cache
     compiled, timings["compile_transformer_s"] = compile_step(placed, mesh, fn, latents0, t,
                                                               inputs)
+    if second:
+        return experts.ExpertStep(
+            compiled, [placed, second], (config.guidance_scale, config.guidance_scale_2),
+            inputs, boundary_ratio=pipe.config.boundary_ratio,
+            num_train_timesteps=pipe.scheduler.config.num_train_timesteps,
+            timesteps=pipe.scheduler.timesteps), None
     params, buffers = placed["params"], placed["buffers"]
     return (lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)), None
 

@@ -24,7 +24,9 @@ from engine.runtime import is_writer, to_host
 class Programs:
     """What a run executes; a part is None when its stage does not run (staged mode).
 
-    step: compiled model call ``(latents, t, embeds) -> noise prediction`` (weights bound).
+    step: compiled model call ``(latents, t, embeds) -> noise prediction`` (weights bound),
+        or an object whose ``at_timestep(host t)`` returns one (``engine.experts.ExpertStep``:
+        a two-expert model's weights chosen per step, one compiled program).
     scheduler_config: the diffusers scheduler's config; a fresh scheduler is built from it
         per run (its ``_class_name`` names the class).
     sigmas: optional ``f(num_inference_steps) -> sigmas`` for ``set_timesteps`` (the
@@ -85,6 +87,8 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds):
     import torchax
 
     env = torchax.default_env()
+    if hasattr(step, "at_timestep"):  # two experts: the host picks one (engine/experts.py)
+        step = step.at_timestep(t_torch)
     noise_pred = step(latents, t, embeds)
     with env:
         out = scheduler.step(env.j2t_iso(noise_pred), t_torch, env.j2t_iso(latents),

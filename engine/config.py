@@ -76,6 +76,11 @@ class RunConfig:
     lora: tuple = ()
     # "unipc" or "euler" (--scheduler, resolved to the family's default).
     scheduler: str = "unipc"
+    # Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale; None otherwise.
+    guidance_scale_2: float | None = None
+    # {flag: where its default came from} for the flags the user left unset, when the
+    # checkpoint's family records sources (Wan 2.2).
+    default_sources: Any = None
 
     @property
     def use_cfg(self) -> bool:

@@ -14,9 +14,9 @@ import os
 import re
 import time
 
-from engine import chips, placement, runtime
+from engine import chips, experts, placement, runtime
 from engine.abstract import abstract_inputs, abstract_transformer, abstract_vae
-from engine.checkpoint import model_config_dir, read_component_config
+from engine.checkpoint import model_config_dir, read_component_config, read_model_index
 from engine.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.mesh import make_mesh, resolve_mesh_shape
 from engine.report import versions
@@ -164,14 +164,19 @@ def _leaves(tree) -> list:
     return jax.tree.leaves(tree)
 
 
-def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int) -> None:
+def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
+                  experts: int = 1) -> None:
     """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
     weights while the transformer runs; the decoded chunks and their concatenation are held
-    too. The compiler sees one program at a time, so add what the others keep."""
+    too. With two experts (Wan 2.2 A14B) both stay resident: the step program's arguments
+    are one expert's weights, the other's are kept. The compiler sees one program at a time,
+    so add what the others keep."""
     step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
     resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
-                                                     *vae_placed["buffers"].values()]),
-                "VAE decode": step_weights + _per_chip_bytes(_leaves(inputs)) + 2 * video_bytes}
+                                                     *vae_placed["buffers"].values()])
+                + (experts - 1) * step_weights,
+                "VAE decode": experts * step_weights + _per_chip_bytes(_leaves(inputs))
+                + 2 * video_bytes}
     for r in rows:
         r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
         if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
@@ -179,12 +184,13 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int) -> N
             r["fits"] = r["fits"] and r["total_bytes"] <= r["capacity_bytes"]
 
 
-def _hosts(placed, vae_placed) -> dict:
+def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
     """What each host reads from the checkpoint for its own devices (weights stream slice by
-    slice, so a host never holds more than the largest slice beyond what is placed)."""
+    slice, so a host never holds more than the largest slice beyond what is placed); every
+    expert of a two-expert model is read alike."""
     per_host, largest = placement.per_host_bytes(
-        [*placed["params"].values(), *placed["buffers"].values(),
-         *vae_placed["params"].values(), *vae_placed["buffers"].values()])
+        [*placed["params"].values(), *placed["buffers"].values()] * n_experts
+        + [*vae_placed["params"].values(), *vae_placed["buffers"].values()])
     return dict(count=len(per_host), weight_bytes=[per_host[p] for p in sorted(per_host)],
                 largest_slice_bytes=largest)
 
@@ -235,7 +241,8 @@ def dry_run(config, family) -> tuple[int, dict]:
     rows += _vae_rows(config, decoder, latents, capacity)
     video = 3 * config.frames * config.height * config.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
-    _add_resident(rows, placed, vae_placed, inputs, video)
+    n_experts = experts.count(read_model_index(config.model_id))
+    _add_resident(rows, placed, vae_placed, inputs, video, n_experts)
     fits = all(r["fits"] for r in rows)
     report = dict(
         dry_run=True, topology=config.topology, devices=len(devices),
@@ -244,10 +251,11 @@ def dry_run(config, family) -> tuple[int, dict]:
         vae_checked=not config.dry_run_skip_vae,
         settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
         mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
+        experts_resident=n_experts,
         per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
         analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
-        hosts=_hosts(placed, vae_placed))
+        hosts=_hosts(placed, vae_placed, n_experts))
     if cache is not None:
         report["cache"] = cache
     if config.lora:
@@ -322,7 +330,9 @@ def print_dry_run(report: dict) -> None:
         print(f"LoRA {x['path']} (scale {x['scale']}): {x['matched_weights']} weights fused "
               f"into their slices at placement, no step-time cost; replicated weights it "
               f"touches: {', '.join(rep) if rep else 'none'}")
-    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)")
+    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"
+          + (f"; {report['experts_resident']} experts resident"
+             if report.get("experts_resident", 1) > 1 else ""))
     print("verdict:", "fits" if report["fits"] else "does not fit",
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
     if "estimate" in report:

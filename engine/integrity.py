@@ -300,7 +300,8 @@ def components_to_check(family, stage: str, dry_run: bool) -> tuple[str, ...]:
     """Checkpoint subfolders the run reads: the stage's components' weight folders, or, for
     a dry run, the configs it reads (transformer and VAE)."""
     if dry_run:
-        return ("transformer", "vae")
+        return ("transformer", "vae") + tuple(f for f in family.optional_folders
+                                              if f in family.weight_folders["transformer"])
     return tuple(f for c in family.components[stage] for f in family.weight_folders[c])
 
 
@@ -326,6 +327,8 @@ def check_checkpoint(config, family) -> dict:
     out = {}
     for sub in components_to_check(family, config.stage, config.dry_run):
         spec = index.get(sub)
+        if sub in family.optional_folders and not (isinstance(spec, list) and all(spec)):
+            continue  # e.g. Wan's transformer_2: [null, null] unless the model has two experts
         if not (isinstance(spec, list) and len(spec) == 2 and all(spec)):
             raise UsageError(f"--model_id={config.model_id!r}: model_index.json: no "
                              f"[library, class] for {sub!r}")

@@ -237,6 +237,9 @@ def resolve_cache_flags(args, *, num_steps: int, num_layers: int | None,
                  "contradicts it")
         kind = "deepcache"
     kind = kind or "none"
+    if kind != "none" and model_index.get("boundary_ratio") is not None:
+        fail("--cache", kind, "is not supported yet for two-expert models (boundary_ratio "
+             "in model_index.json): the cache would have to restart at the expert switch")
     given = {k: getattr(args, k) for k in DEFAULTS if k != "cache"}
     given = {k: v for k, v in given.items() if v is not None and v is not False}
     deep = ("cache_start_step", "cache_end_step", "cache_step_interval", "cache_recompute_blocks")

@@ -75,6 +75,8 @@ class ModelFamily:
         scheduler_sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for
             the scheduler's own spacing.
         timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
+        optional_folders: weight folders a checkpoint may leave out (``model_index.json``
+            entry absent or [null, null]), e.g. Wan 2.2 A14B's ``transformer_2``.
     """
 
     name: str
@@ -111,6 +113,7 @@ class ModelFamily:
     check_flags: Callable
     scheduler_sigmas: Callable
     timestep_dtype: str
+    optional_folders: tuple[str, ...] = ()
 
 
 def empty_model(cls, cfg: dict, dtype):

@@ -1,8 +1,18 @@
-"""Wan 2.1 text-to-video (diffusers ``WanPipeline``): the family module.
+"""Wan 2.1 and Wan 2.2 text-to-video (diffusers ``WanPipeline``): the family module.
 
 Sources: the Wan 2.1 model card and ``generate.py`` (720p samples with flow_shift 5.0 and
 480p with 3.0; 50 UniPC steps; CFG 5.0; 16 fps; 512 UMT5 text tokens) and diffusers 0.42.1's
 ``WanPipeline``, ``WanTransformer3DModel`` and ``AutoencoderKLWan``, which run unmodified.
+
+Wan 2.2 runs through the same ``WanPipeline``, told apart by ``model_index.json``:
+    T2V-A14B: ``transformer_2`` and ``boundary_ratio`` (two experts; ``engine/experts.py``
+        picks the expert per step on the host, one compiled step serves both).
+    TI2V-5B: ``expand_timesteps`` true, 48 latent channels, the Wan 2.2 VAE (z_dim 48,
+        2x2 patchify, 16x spatial). Its per-token timesteps are all equal in text-to-video,
+        so the scalar timestep path is used (see ``step_fn``).
+Their official defaults and where each comes from are ``WAN22_A14B_DEFAULTS`` and
+``WAN22_TI2V_DEFAULTS`` (``checkpoint_defaults`` applies them; the JSON report records the
+sources under ``settings.default_sources``).
 """
 
 from __future__ import annotations
@@ -11,10 +21,26 @@ from engine.errors import GenerationError
 from engine.scan_layers import WAN_BLOCKS
 from families import ModelFamily, empty_model
 
-# Wan 2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
+# Wan's VAEs compress 4x in time; the transformer patchifies 2x2. The spatial factor is the
+# VAE's: 8 for Wan 2.1's (z_dim 16), 16 for Wan 2.2's (z_dim 48: 8x from its blocks, 2x from
+# its patchify). It is read from the VAE config's ``scale_factor_spatial`` where that is at
+# hand, else from the transformer's ``out_channels`` (the latent channels = the VAE's z_dim).
 VAE_TEMPORAL_SCALE = 4
-VAE_SPATIAL_SCALE = 8
-PIXELS_PER_TOKEN_SIDE = 16
+PATCH_SIDE = 2
+WAN22_VAE_Z_DIM = 48
+
+
+def spatial_scale_for(cfg: dict) -> int:
+    """The VAE's spatial compression for transformer config ``cfg``: 16 when its latents have
+    48 channels (only Wan 2.2's VAE has z_dim 48), else 8 (Wan 2.1's VAE)."""
+    return 16 if cfg.get("out_channels") == WAN22_VAE_Z_DIM else 8
+
+
+def vae_spatial_scale(vae_cfg: dict) -> int:
+    """``scale_factor_spatial`` of a VAE config (diffusers' default 8 when absent, as
+    ``AutoencoderKLWan.__init__`` has it)."""
+    return int(vae_cfg.get("scale_factor_spatial") or 8)
+
 
 DEFAULTS = dict(
     prompt="A cat walks on the grass, realistic style.",
@@ -34,8 +60,72 @@ DEFAULTS = dict(
     max_sequence_length=512,
 )
 
+# Wan 2.2 T2V-A14B's official sampling settings (Wan2.2 repo wan/configs/wan_t2v_A14B.py:
+# sample_steps 40, sample_shift 12.0, sample_guide_scale (3.0, 4.0) as (low, high noise),
+# frame_num 81, sample_fps 16; the model card's 720x1280 example). The Hub's
+# scheduler_config.json builds UniPC with flow_shift 3.0; the official 12.0 overrides it
+# (at 40 steps: 26 high-noise steps with 12.0, 13 with 3.0).
+_A14B_REPO = "Wan2.2 repo wan/configs/wan_t2v_A14B.py"
+WAN22_A14B_DEFAULTS = dict(
+    height=720, width=1280, frames=81, fps=16, num_inference_steps=40,
+    guidance_scale=4.0, guidance_scale_2=3.0, flow_shift=12.0,
+    sources=dict(
+        height="Wan2.2 model card (720P: 1280x720)", width="Wan2.2 model card (720P: 1280x720)",
+        frames=f"{_A14B_REPO} frame_num 81", fps=f"{_A14B_REPO} sample_fps 16",
+        num_inference_steps=f"{_A14B_REPO} sample_steps 40",
+        guidance_scale=f"{_A14B_REPO} sample_guide_scale high-noise 4.0; maxdiffusion "
+                       "base_wan_27b.yml",
+        guidance_scale_2=f"{_A14B_REPO} sample_guide_scale low-noise 3.0; maxdiffusion "
+                         "base_wan_27b.yml",
+        flow_shift=f"{_A14B_REPO} sample_shift 12.0 (overrides the Hub scheduler_config's "
+                   "3.0)"))
+# Wan 2.2 TI2V-5B (Wan2.2 repo wan/configs/wan_ti2v_5B.py: sample_steps 50, sample_shift
+# 5.0, sample_guide_scale 5.0, frame_num 121, sample_fps 24; size 704x1280 or 1280x704).
+_TI2V_REPO = "Wan2.2 repo wan/configs/wan_ti2v_5B.py"
+WAN22_TI2V_DEFAULTS = dict(
+    height=704, width=1280, frames=121, fps=24, num_inference_steps=50, guidance_scale=5.0,
+    flow_shift=5.0,
+    pixel_multiple=16 * PATCH_SIDE,
+    sources=dict(
+        height="Wan2.2 model card (TI2V-5B: 1280x704 or 704x1280)",
+        width="Wan2.2 model card (TI2V-5B: 1280x704 or 704x1280)",
+        frames=f"{_TI2V_REPO} frame_num 121", fps=f"{_TI2V_REPO} sample_fps 24",
+        num_inference_steps=f"{_TI2V_REPO} sample_steps 50",
+        guidance_scale=f"{_TI2V_REPO} sample_guide_scale 5.0",
+        flow_shift=f"{_TI2V_REPO} sample_shift 5.0"))
+
 # The pinned huggingface_hub (2.4.0) installs only the `hf` command; `huggingface-cli` is gone.
 DOWNLOAD_HINT = "hf download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH"
+DOWNLOAD_HINTS = {
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": DOWNLOAD_HINT,
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers":
+        "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir PATH",
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers":
+        "hf download Wan-AI/Wan2.2-T2V-A14B-Diffusers --local-dir PATH",
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers":
+        "hf download Wan-AI/Wan2.2-TI2V-5B-Diffusers --local-dir PATH",
+}
+
+
+def is_two_expert(model_index: dict) -> bool:
+    """A Wan 2.2 A14B layout: ``transformer_2`` names a model and ``boundary_ratio`` is set
+    (diffusers' ``WanPipeline`` switches experts only then)."""
+    from engine import experts
+
+    return experts.count(model_index) == 2
+
+
+def checkpoint_defaults(model_id: str) -> dict:
+    """The official Wan 2.2 defaults for an A14B or TI2V layout (with ``sources``), {} for
+    Wan 2.1 (its flow_shift is by resolution, ``default_flow_shift``)."""
+    from engine.checkpoint import read_model_index
+
+    index = read_model_index(model_id)
+    if is_two_expert(index):
+        return dict(WAN22_A14B_DEFAULTS)
+    if index.get("expand_timesteps"):
+        return dict(WAN22_TI2V_DEFAULTS)
+    return {}
 
 
 def default_flow_shift(height: int, width: int) -> float:
@@ -45,14 +135,16 @@ def default_flow_shift(height: int, width: int) -> float:
 
 
 def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
+    scale = vae_spatial_scale(vae_cfg)
     return (1, vae_cfg["z_dim"], (frames - 1) // VAE_TEMPORAL_SCALE + 1,
-            height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE)
+            height // scale, width // scale)
 
 
 def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
     pt, ph, pw = cfg["patch_size"]
     f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
-    return (f // pt) * (height // VAE_SPATIAL_SCALE // ph) * (width // VAE_SPATIAL_SCALE // pw)
+    scale = spatial_scale_for(cfg)
+    return (f // pt) * (height // scale // ph) * (width // scale // pw)
 
 
 def num_heads(cfg: dict) -> int:
@@ -106,11 +198,11 @@ def load_pipeline(config, components):
     """Load the diffusers ``WanPipeline`` on CPU from safetensors only, with only
     ``components`` (of "text_encoder", "transformer", "vae"); the others are None.
 
-    The transformer comes with meta weights (``empty_transformer``): the engine streams its
-    values from the checkpoint's safetensors straight into their device shards, so no host
-    holds the whole 14B checkpoint. The text encoder uses ``config.dtype``; the VAE stays
-    float32 as in diffusers' Wan examples (a bf16 Wan VAE under torchax fails with a conv2d
-    input/bias dtype mismatch).
+    The transformer (and a Wan 2.2 A14B's ``transformer_2``, loaded with it) comes with meta
+    weights (``empty_transformer``): the engine streams its values from the checkpoint's
+    safetensors straight into their device shards, so no host holds the whole 14B checkpoint.
+    The text encoder uses ``config.dtype``; the VAE stays float32 as in diffusers' Wan
+    examples (a bf16 Wan VAE under torchax fails with a conv2d input/bias dtype mismatch).
 
     Raises:
         GenerationError: the weights could not be found or read.
@@ -118,6 +210,7 @@ def load_pipeline(config, components):
     import torch
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
+    from engine.checkpoint import read_model_index
     from engine.errors import first_line
 
     dtype = getattr(torch, config.dtype)
@@ -125,10 +218,15 @@ def load_pipeline(config, components):
             if name not in components}
     if "text_encoder" not in components:
         skip["tokenizer"] = None
+    experts = ("transformer", "transformer_2") if is_two_expert(
+        read_model_index(config.model_id)) else ("transformer",)
+    if len(experts) == 2 and "transformer" not in components:
+        skip["transformer_2"] = None
     try:
         if "transformer" in components:
-            skip["transformer"] = empty_transformer(dict(WanTransformer3DModel.load_config(
-                config.model_id, subfolder="transformer")), dtype)
+            for name in experts:
+                skip[name] = empty_transformer(dict(WanTransformer3DModel.load_config(
+                    config.model_id, subfolder=name)), dtype)
         if "vae" in components:
             skip["vae"] = AutoencoderKLWan.from_pretrained(
                 config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
@@ -141,7 +239,8 @@ def load_pipeline(config, components):
     pipe.scheduler = make_scheduler(pipe.scheduler.config, config.scheduler, config.flow_shift)
     # eval() only: torchax treats parameters with requires_grad=False as buffers, which would
     # hide them from the sharding rules.
-    for m in (pipe.transformer, pipe.vae, pipe.text_encoder):
+    for m in (pipe.transformer, getattr(pipe, "transformer_2", None), pipe.vae,
+              pipe.text_encoder):
         if m is not None:
             m.eval()
     return pipe
@@ -217,12 +316,17 @@ def prepare_latents(pipe, config):
 
 def model_inputs(embeds: dict, config) -> dict:
     """{"encoder_hidden_states": (B, T, text_dim)} in the model dtype, B = 2 with CFG
-    ([cond, uncond], as ``WanPipeline`` orders its two calls)."""
+    ([cond, uncond], as ``WanPipeline`` orders its two calls), and "guidance_scale": (B,)
+    float32, every entry ``config.guidance_scale``: the CFG scale is an argument of the step
+    program, not a constant compiled into it, so a two-expert model's second scale
+    (``--guidance_scale_2``) runs the same program (``engine.experts``)."""
     import torch
 
     pos = embeds["prompt_embeds"]
     x = torch.cat([pos, embeds["negative_prompt_embeds"]]) if config.use_cfg else pos
-    return {"encoder_hidden_states": x.to(getattr(torch, config.dtype))}
+    return {"encoder_hidden_states": x.to(getattr(torch, config.dtype)),
+            "guidance_scale": torch.full((x.shape[0],), config.guidance_scale,
+                                         dtype=torch.float32)}
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
@@ -231,7 +335,8 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
 
     return {"encoder_hidden_states": jax.ShapeDtypeStruct(
         (config.batch, config.max_sequence_length, cfg["text_dim"]),
-        getattr(jnp, config.dtype))}
+        getattr(jnp, config.dtype)),
+        "guidance_scale": jax.ShapeDtypeStruct((config.batch,), jnp.float32)}
 
 
 def step_fn(jm, config):
@@ -239,13 +344,28 @@ def step_fn(jm, config):
 
     latents (1, C, F, H, W) float32 -> noise prediction (1, C, F, H, W) in the model dtype.
     With CFG, cond and uncond run as one batch-2 call; the guidance combination is done in the
-    model dtype, exactly as ``WanPipeline`` does it.
+    model dtype, exactly as ``WanPipeline`` does it. The scale is ``inputs["guidance_scale"]``
+    (traced; see ``model_inputs``); callers passing only the embeddings get
+    ``config.guidance_scale`` as a constant.
+
+    The timestep is the scalar ``t`` of the step, expanded over the batch, also for a
+    ``expand_timesteps`` checkpoint (TI2V-5B): in text-to-video ``WanPipeline`` builds the
+    per-token timesteps as ``ones_mask * t``, every token the same ``t``, and the
+    transformer's (B, S) path computes per token exactly what the (B,) path computes once and
+    broadcasts (the time embedding is row-wise; the modulation is an elementwise add). The
+    scalar path skips a (B, S, 6, D) float32 modulation tensor per block (4.0 GB for the CFG
+    pair at 704x1280x121). tests/test_wan22.py checks it against diffusers' per-token path.
     """
     import torch
 
-    dtype, cfg, scale = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
+    dtype, cfg, constant = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
 
     def step(params, buffers, latents, timestep, inputs):
+        inputs = dict(inputs)
+        scale = inputs.pop("guidance_scale", None)
+        # A 0-d tensor does not promote the bf16 predictions: the combination stays in the
+        # model dtype, as diffusers' Python-float scale keeps it.
+        scale = constant if scale is None else scale[0]
         x = latents.to(dtype)  # diffusers: latent_model_input = latents.to(transformer_dtype)
         if cfg:
             x = torch.cat([x, x])  # (2, C, F, H, W): [cond, uncond]
@@ -304,8 +424,8 @@ def is_vae_decode_weight(name: str) -> bool:
 
 
 def _vae_full_fn(jm):
-    """Torch function: normalised latents (1, 16, F', H/8, W/8) -> video (1, 3, F, H, W) in
-    [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
+    """Torch function: normalised latents (1, z_dim, F', H/s, W/s) -> video (1, 3, F, H, W)
+    in [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
     import torch
 
     def decode(params, buffers, latents, mean, inv_std):
@@ -315,7 +435,8 @@ def _vae_full_fn(jm):
     return decode
 
 
-def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
+def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
+                  patch_size: int | None = None):
     """Torch function decoding ONE latent frame with the causal-conv cache as explicit state.
 
     diffusers' ``AutoencoderKLWan._decode`` loops over latent frames in Python, keeping each
@@ -330,12 +451,19 @@ def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
     (a ``NamedSharding``) splits the frame's width over the mesh: GSPMD then partitions every
     conv spatially, exchanging halos, so each chip decodes 1/n of the width instead of all chips
     decoding the same frame.
+    The Wan 2.2 VAE (``patch_size`` 2) runs the same decoder loop (its residual up blocks
+    carry their own ``first_chunk`` slicing and cache entries) and then ``unpatchify``s the
+    whole output once (``AutoencoderKLWan._decode``); ``unpatchify`` only moves channels into
+    2x2 pixel blocks of the same frame, so applying it to each frame's chunk is the same, and
+    so is clamping before or after it.
     Signature of the returned function:
-        (params, buffers, z (1, 16, 1, h, w), mean, inv_std, cache list)
-        -> (video chunk (1, 3, 1 or 4, 8h, 8w) float32 in [-1, 1], new cache list)
+        (params, buffers, z (1, z_dim, 1, h, w), mean, inv_std, cache list)
+        -> (video chunk (1, 3, 1 or 4, s*h, s*w) float32 in [-1, 1] with s the VAE's spatial
+        scale (8, or 16 with patch_size 2), new cache list)
     """
     import jax
     import torch
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     from torchax import interop
 
     def run(model, z, feat):
@@ -352,6 +480,8 @@ def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
         record[(kinds, first)] = tuple(
             "none" if f is None else "rep" if isinstance(f, str) else "tensor" for f in feat)
         new_cache = [f for f in feat if f is not None and not isinstance(f, str)]
+        if patch_size is not None:
+            out = unpatchify(out, patch_size=patch_size)
         out = torch.clamp(out, min=-1.0, max=1.0)
         if spatial is not None:
             # Keep the carried cache and the frames width-sharded too, or they come back
@@ -367,39 +497,39 @@ def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
 
 def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
                 fallbacks=None):
-    """The Wan VAE decode as an ``engine.vae_decode.ChunkedDecoder``: frame-chunked with the
-    causal-conv cache as explicit state (default) or, with ``tiling``, diffusers' spatially
-    tiled ``decode`` in one program.
+    """The Wan VAE decode (Wan 2.1's, or Wan 2.2's with ``patch_size``) as an
+    ``engine.vae_decode.ChunkedDecoder``: frame-chunked with the causal-conv cache as explicit
+    state (default) or, with ``tiling``, diffusers' spatially tiled ``decode`` in one
+    program."""
+    import functools
 
-    Raises:
-        GenerationError: a Wan 2.2 VAE (patch_size set), whose decode this does not cover.
-    """
     from engine.vae_decode import ChunkedDecoder
 
-    if vae.config.patch_size is not None:
-        raise GenerationError("VAE with patch_size (Wan 2.2) is not supported yet")
     if tiling:
         vae.enable_tiling()
     return ChunkedDecoder(
-        placed, mesh, chunk_fn=_vae_chunk_fn,
+        placed, mesh, chunk_fn=functools.partial(_vae_chunk_fn,
+                                                 patch_size=vae.config.patch_size),
         initial_kinds=("none",) * vae._cached_conv_counts["decoder"],
         latents_mean=vae.config.latents_mean, latents_std=vae.config.latents_std,
         full_fn=_vae_full_fn if tiling else None, abstract=abstract, fallbacks=fallbacks)
 
 
 FAMILY = ModelFamily(
-    name="Wan 2.1",
+    name="Wan",
     pipeline_classes=("WanPipeline",),
     defaults=DEFAULTS,
-    shipped_configs=("Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+    shipped_configs=("Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                     "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
     download_hint=DOWNLOAD_HINT,
     required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
     components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
                 "denoise": ("transformer",), "decode": ("vae",)},
-    weight_folders={"text_encoder": ("text_encoder",), "transformer": ("transformer",),
-                    "vae": ("vae",)},
+    weight_folders={"text_encoder": ("text_encoder",),
+                    "transformer": ("transformer", "transformer_2"), "vae": ("vae",)},
     frame_step=VAE_TEMPORAL_SCALE,
-    pixel_multiple=PIXELS_PER_TOKEN_SIDE,
+    # Wan 2.1's VAE x patch; a Wan 2.2 VAE (16x) makes it 32 (``checkpoint_defaults``).
+    pixel_multiple=8 * PATCH_SIDE,
     default_flow_shift=default_flow_shift,
     latent_shape=latent_shape,
     token_count=token_count,
@@ -420,8 +550,9 @@ FAMILY = ModelFamily(
     is_vae_decode_weight=is_vae_decode_weight,
     vae_decoder=vae_decoder,
     block_stack=WAN_BLOCKS,
-    checkpoint_defaults=lambda model_id: {},  # flow_shift is by resolution (model card)
+    checkpoint_defaults=checkpoint_defaults,
     check_flags=lambda values: None,
     scheduler_sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
     timestep_dtype="int32",
+    optional_folders=("transformer_2",),
 )

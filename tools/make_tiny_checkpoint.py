@@ -11,8 +11,19 @@ The default architecture is the one diffusers' own Wan pipeline tests use (trans
 patch (1, 2, 2), 2 heads x 12 dims, 2 layers; VAE with base_dim 3, z_dim 16). ``--heads``,
 ``--head_dim``, ``--layers`` and ``--ffn_dim`` widen it for benchmarks.
 
+Wan 2.2 layouts, both run by the same ``WanPipeline``:
+    --experts 2 --boundary_ratio R   T2V-A14B style: a second, differently initialised
+                                     transformer (``transformer_2``, the low-noise expert)
+                                     and ``boundary_ratio`` in model_index.json.
+    --ti2v                           TI2V-5B style: 48 latent channels, the Wan 2.2 VAE
+                                     (z_dim 48, 2x2 patchify, is_residual, 16x spatial) and
+                                     ``expand_timesteps`` true in model_index.json.
+
 Usage:
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan
+    python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan22-a14b --experts 2 \
+        --boundary_ratio 0.9
+    python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan22-ti2v --ti2v
 """
 
 from __future__ import annotations
@@ -47,6 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ffn_dim", type=int, default=32, help="transformer FFN hidden size")
     p.add_argument("--text_dim", type=int, default=32, help="UMT5 hidden size (d_model)")
     p.add_argument("--seed", type=int, default=0, help="torch seed for the random init")
+    p.add_argument("--experts", type=int, choices=(1, 2), default=1,
+                   help="2: Wan 2.2 A14B layout with transformer_2 (the low-noise expert)")
+    p.add_argument("--boundary_ratio", type=float, default=0.875,
+                   help="with --experts 2: model_index.json's boundary_ratio (A14B: 0.875)")
+    p.add_argument("--ti2v", action="store_true",
+                   help="Wan 2.2 TI2V-5B layout: 48 channels, Wan 2.2 VAE, expand_timesteps")
     p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
     return p.parse_args(argv)
 
@@ -108,27 +125,57 @@ def build_pipeline(args: argparse.Namespace):
             decoder_start_token_id=0,
         )
     ).eval()
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=args.heads,
-        attention_head_dim=args.head_dim,
-        in_channels=16,
-        out_channels=16,
-        text_dim=args.text_dim,
-        freq_dim=256,
-        ffn_dim=args.ffn_dim,
-        num_layers=args.layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    ).eval()
-    vae = AutoencoderKLWan(
-        base_dim=3,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    ).eval()
+    channels = 48 if args.ti2v else 16
+
+    def new_transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=args.heads,
+            attention_head_dim=args.head_dim,
+            in_channels=channels,
+            out_channels=channels,
+            text_dim=args.text_dim,
+            freq_dim=256,
+            ffn_dim=args.ffn_dim,
+            num_layers=args.layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ).eval()
+
+    transformer = new_transformer()
+    # The low-noise expert: same architecture, its own random weights (drawn after the first's).
+    transformer_2 = new_transformer() if args.experts == 2 else None
+    if args.ti2v:
+        # Wan 2.2's VAE (Wan2.2-TI2V-5B-Diffusers/vae/config.json) shrunk: z_dim 48, 2x2
+        # patchify of 3 -> 12 channels, residual up/down blocks, 8x from the blocks times 2x
+        # from the patchify = 16x spatial. Non-trivial latent statistics, so a mean/std mix-up
+        # cannot pass the parity tests.
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            decoder_base_dim=12,
+            z_dim=48,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            scale_factor_temporal=4,
+            latents_mean=(torch.randn(48, generator=gen) * 0.3).tolist(),
+            latents_std=(torch.rand(48, generator=gen) + 0.5).tolist(),
+        ).eval()
+    else:
+        vae = AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ).eval()
     # Wan 2.1's shipped scheduler config: UniPC in flow-prediction mode with flow sigmas.
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
@@ -142,6 +189,9 @@ def build_pipeline(args: argparse.Namespace):
         transformer=transformer,
         vae=vae,
         scheduler=scheduler,
+        transformer_2=transformer_2,
+        boundary_ratio=args.boundary_ratio if args.experts == 2 else None,
+        expand_timesteps=args.ti2v,
     )
 
 
@@ -152,7 +202,10 @@ def main(argv=None) -> int:
     if pipe is None:
         return 0
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
-    print(f"wrote tiny Wan 2.1 checkpoint to {out} (transformer: {n_params:,} parameters)")
+    kind = ("Wan 2.2 two-expert" if args.experts == 2 else "Wan 2.2 TI2V-style" if args.ti2v
+            else "Wan 2.1")
+    print(f"wrote tiny {kind} checkpoint to {out} (transformer: {n_params:,} parameters"
+          + (", twice" if args.experts == 2 else "") + ")")
     return 0
 
 

@@ -1,0 +1,214 @@
+"""Wan 2.2 through ``WanPipeline``: the two-expert A14B layout (one compiled step, the expert
+chosen per step on the host) and the TI2V-5B layout (48 channels, the Wan 2.2 VAE), each
+against diffusers' eager pipeline on a tiny random checkpoint (tools/make_tiny_checkpoint.py).
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import generate_flax
+from families import wan
+
+# Latent width 128 / 8 (Wan 2.1 VAE) or 128 / 16 (Wan 2.2 VAE) splits over 8 devices, so
+# the decode on the 8-device mesh is width-sharded too.
+SHAPE = dict(height=64, width=128, frames=9)
+STEPS = 4
+SHIFT = 5.0
+# UniPC's 4 timesteps at flow_shift 5.0 are [999, 937, 833, 625]: with boundary_ratio 0.9
+# (t >= 900) steps 0-1 run transformer and steps 2-3 transformer_2.
+BOUNDARY = 0.9
+
+
+@pytest.fixture(scope="session")
+def two_expert_checkpoint(tmp_path_factory):
+    from conftest import _build
+
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-a14b",
+                  "--experts", "2", "--boundary_ratio", str(BOUNDARY))
+
+
+@pytest.fixture(scope="session")
+def ti2v_checkpoint(tmp_path_factory):
+    from conftest import _build
+
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-ti2v", "--ti2v")
+
+
+def _reference(checkpoint, seed, frames=SHAPE["frames"], **kw):
+    """diffusers' WanPipeline.__call__, eager float32 PyTorch on CPU."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae", dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(checkpoint, vae=vae, dtype=torch.float32)
+    pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config,
+                                                         flow_shift=SHIFT)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        out = pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
+                   num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed),
+                   output_type="np", num_frames=frames, height=SHAPE["height"],
+                   width=SHAPE["width"], **kw)
+    return out.frames[0]
+
+
+def _ours(checkpoint, seed, flags=(), devices=None, frames=SHAPE["frames"]):
+    args = generate_flax.validate_args(generate_flax.parse_args([
+        "--model_id", checkpoint, "--dtype", "float32", "--seed", str(seed),
+        "--flow_shift", str(SHIFT), "--num_inference_steps", str(STEPS),
+        "--num_iterations", "1", "--warmup_steps", "0",
+        "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
+        "--frames", str(frames), "--attention", "xla",
+        "--compilation_cache_dir", "none", *flags]))
+    return generate_flax.generate(args, devices=devices)
+
+
+def test_two_experts_match_diffusers(two_expert_checkpoint):
+    """Both experts run (steps 0-1 and 2-3) with different scales; 1 device and dp2 x tp2 x
+    sp2 match diffusers' eager two-expert loop; swapping the scales moves the video by far
+    more than the tolerance."""
+    # 5 frames (2 latent frames) keep it lean; the 3-program decode is covered by the TI2V
+    # test and the decode test below.
+    ck, seed, frames = two_expert_checkpoint, 7, 5
+    ref = _reference(ck, seed, frames, guidance_scale=5.0, guidance_scale_2=2.0)
+    swapped = _reference(ck, seed, frames, guidance_scale=2.0, guidance_scale_2=5.0)
+    flags = ["--guidance_scale", "5", "--guidance_scale_2", "2"]
+    one, report = _ours(ck, seed, flags, devices=jax.devices()[:1], frames=frames)
+    mesh8, report8 = _ours(ck, seed, flags + ["--dp", "2", "--tp", "2", "--sp", "2"],
+                           frames=frames)
+    assert ref.std() > 0.01  # not a flat video: the comparison means something
+    # float32 on both sides; measured ~2e-7 (1 device) and ~3e-7 (8 devices).
+    np.testing.assert_allclose(one, ref, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(mesh8, ref, atol=1e-3, rtol=0)
+    assert np.abs(swapped - ref).max() > 0.1  # measured ~0.5: 100x the tolerance
+    for r in (report, report8):
+        experts = r["experts"]
+        assert experts["steps"] == {"transformer": [0, 1], "transformer_2": [2, 3]}
+        assert (experts["guidance_scale"], experts["guidance_scale_2"]) == (5.0, 2.0)
+        assert experts["compiled_programs"] == 1
+        assert "place_transformer_2_s" in r["timings"]
+    assert report8["mesh"] == {"dp": 2, "tp": 2, "sp": 2} and report8["fallbacks"] == []
+    # FLOPs count each step's expert (the two have one config, so the mean is either's).
+    cfg = dict(json_config(ck, "transformer"))
+    config = generate_flax.validate_args(generate_flax.parse_args(
+        ["--model_id", ck, "--height", "64", "--width", "128", "--frames", str(frames)]))
+    assert report["timings"]["transformer_flops_per_step"] == wan.transformer_flops(cfg, config)
+
+
+def json_config(checkpoint, sub):
+    import json
+    import os
+
+    with open(os.path.join(checkpoint, sub, "config.json")) as f:
+        return json.load(f)
+
+
+def test_two_expert_defaults_and_refusals(two_expert_checkpoint, tiny_checkpoint):
+    from engine.errors import UsageError
+
+    config = generate_flax.validate_args(generate_flax.parse_args(
+        ["--model_id", two_expert_checkpoint]))
+    assert (config.num_inference_steps, config.height, config.width, config.frames,
+            config.fps) == (40, 720, 1280, 81, 16)
+    assert (config.guidance_scale, config.guidance_scale_2, config.flow_shift) == \
+        (4.0, 3.0, 12.0)
+    assert "sample_shift 12.0" in config.default_sources["flow_shift"]
+    with pytest.raises(UsageError, match=r"--guidance_scale_2=2.0: needs a two-expert"):
+        generate_flax.validate_args(generate_flax.parse_args(
+            ["--model_id", tiny_checkpoint, "--guidance_scale_2", "2"]))
+    with pytest.raises(UsageError, match=r"--cache='magcache': is not supported yet for two"):
+        generate_flax.validate_args(generate_flax.parse_args(
+            ["--model_id", two_expert_checkpoint, "--cache", "magcache"]))
+
+
+def test_ti2v_matches_diffusers(ti2v_checkpoint):
+    """48 channels, the Wan 2.2 VAE (patchify, 16x) and expand_timesteps: diffusers feeds
+    per-token timesteps, we feed the scalar; 1 device and dp2 x tp2 x sp2."""
+    ck, seed = ti2v_checkpoint, 5
+    ref = _reference(ck, seed, guidance_scale=5.0)
+    one, report = _ours(ck, seed, ["--guidance_scale", "5"], devices=jax.devices()[:1])
+    mesh8, report8 = _ours(ck, seed, ["--guidance_scale", "5", "--dp", "2", "--tp", "2",
+                                      "--sp", "2"])
+    assert ref.shape == (9, 64, 128, 3) and ref.std() > 0.01
+    # Measured 2.2e-6 (1 device) and 1.3e-6 (8 devices).
+    np.testing.assert_allclose(one, ref, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(mesh8, ref, atol=1e-3, rtol=0)
+    assert report["tokens"] == 3 * (64 // 32) * (128 // 32)  # 16x VAE, 2x2 patch
+    assert report8["fallbacks"] == []  # the decode really was width-sharded
+
+
+def test_ti2v_scalar_timestep_equals_per_token(ti2v_checkpoint):
+    """The transformer's (B, S) timestep path with every token at t equals its (B,) path up
+    to float32 rounding (not bitwise: the time embedding's matmuls see other shapes)."""
+    from diffusers import WanTransformer3DModel
+
+    m = WanTransformer3DModel.from_pretrained(ti2v_checkpoint, subfolder="transformer").eval()
+    g = torch.Generator().manual_seed(0)
+    x, e = torch.randn(2, 48, 3, 4, 8, generator=g), torch.randn(2, 512, 32, generator=g)
+    t = torch.tensor([937, 937])
+    with torch.no_grad():
+        scalar = m(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+        per_token = m(hidden_states=x, timestep=t[:, None].expand(2, 3 * 2 * 4),
+                      encoder_hidden_states=e, return_dict=False)[0]
+    assert per_token.abs().mean() > 0.1
+    assert (scalar - per_token).abs().max() < 1e-5  # measured 4.8e-7
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_wan22_vae_decode_equals_diffusers(ti2v_checkpoint, n_devices):
+    from diffusers import AutoencoderKLWan
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from engine.mesh import MeshShape, make_mesh
+    from engine.sharding import place_module
+
+    vae = AutoencoderKLWan.from_pretrained(ti2v_checkpoint, subfolder="vae").eval()
+    assert vae.config.patch_size == 2 and vae.config.z_dim == 48
+    # 3 latent frames: the first, second and later-frame programs; latent width 8 splits
+    # over 8 devices.
+    z = torch.randn(1, 48, 3, 2, 8, generator=torch.Generator().manual_seed(1))
+    mean = torch.tensor(vae.config.latents_mean).view(1, 48, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 48, 1, 1, 1)
+    with torch.no_grad():  # as WanPipeline de-normalises: latents / (1 / std) + mean
+        ref = vae.decode(z / (1.0 / std) + mean, return_dict=False)[0].numpy()
+    mesh = make_mesh(MeshShape(1, 1, n_devices), jax.devices()[:n_devices])
+    placed = place_module(vae, mesh, include=wan.is_vae_decode_weight, desc="vae")
+    decoder = wan.vae_decoder(placed, vae, mesh)
+    zj = jax.device_put(z.numpy(), NamedSharding(mesh, P()))
+    decoder.compile(zj)
+    video = decoder(zj)
+    assert video.shape == ref.shape == (1, 3, 9, 32, 128)
+    np.testing.assert_allclose(np.asarray(video), ref, atol=1e-5, rtol=0)
+    if n_devices == 8:
+        assert {s.data.shape[-1] for s in video.addressable_shards} == {128 // 8}
+
+
+def test_dry_run_counts_both_experts_resident():
+    """--dry_run's "kept" column: the step program's arguments are one expert; the other
+    expert stays in HBM beside it and both beside the VAE decode."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from engine import dry_run, experts
+    from engine.mesh import MeshShape, make_mesh
+
+    mesh = make_mesh(MeshShape(2, 4, 1))
+
+    def struct(shape, spec):
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec))
+
+    placed = dict(params={"w": struct((64, 32), P("tp"))}, buffers={})  # 2 KiB per chip
+    vae = dict(params={"v": struct((16,), P())}, buffers={})  # 64 B per chip
+    inputs = {"x": struct((2, 8), P("dp"))}  # 32 B per chip
+    for n, step_kept, vae_kept in ((1, 64, 2048 + 32 + 200), (2, 64 + 2048, 4096 + 32 + 200)):
+        rows = [dict(program="transformer step", total_bytes=0, fits=True, capacity_bytes=1e9),
+                dict(program="VAE decode (3 programs, peak)", total_bytes=0, fits=True,
+                     capacity_bytes=1e9)]
+        dry_run._add_resident(rows, placed, vae, inputs, 100, n)
+        assert [r["resident_bytes"] for r in rows] == [step_kept, vae_kept]
+    index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    assert experts.count(index) == 2
+    assert experts.count({**index, "transformer_2": [None, None]}) == 1
+    assert experts.count({**index, "boundary_ratio": None}) == 1
