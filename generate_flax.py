@@ -446,7 +446,7 @@ def generate(config: RunConfig, devices=None, on_video=None):
     pipe = family.load_pipeline(config, family.components[stage])
     timings: dict = {}
     video_list = config.videos or (None,)
-    embeds = [staged] if stage == "denoise" else None
+    embeds = [staged] if stage == "denoise" else [None]
     if stage in ("all", "encode"):
         embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
     if stage == "encode":
