@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) $(TINY) $(TINY_HY) outputs
