@@ -130,9 +130,7 @@ def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
                                     + time.perf_counter() - t1, capacity))
         except Exception as e:  # the compiler reports real OOMs as errors
             rows.append(_oom_row(label, e, time.perf_counter() - t1, capacity))
-    cache = dict(settings.report(config.num_inference_steps),
-                 kept_shapes=[list(s) for s in lowered.kept_shapes],
-                 kept_bytes=lowered.kept_bytes, kept_bytes_per_chip=lowered.kept_bytes_per_chip,
+    cache = dict(step_cache.cache_report(lowered, [], config.num_inference_steps),
                  kept_specs=[str(s) for s in step_cache.kept_specs(lowered.kept_shapes, mesh)])
     return rows, cache
 

@@ -31,6 +31,7 @@ and nothing here measures quality on real weights (README, "Step caching").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -74,6 +75,11 @@ class CacheSettings:
     @property
     def on(self) -> bool:
         return self.kind != "none"
+
+    def cached_share(self, num_layers: int) -> float:
+        """A cached step's share of a full step's block work: k / L with DeepCache, none with
+        MagCache (embeddings and the output head are outside the blocks)."""
+        return self.recompute_blocks / num_layers if self.kind == "deepcache" else 0.0
 
     def schedule(self, num_steps: int) -> tuple[bool, ...]:
         """Per step, True when the step is cached (skips blocks)."""
@@ -419,6 +425,12 @@ def magnitude_ratio(current, previous):
     """Per batch row: mean over tokens of ||current|| / (||previous|| + 1e-8) over the last
     axis, in float32, as diffusers' ``MagCacheBlockHook._perform_calibration_step`` (which runs
     it per CFG branch). (B, N, D) x2 -> (B,) float32, on the device."""
+    return _magnitude_ratio_fn()(current, previous)
+
+
+@functools.cache
+def _magnitude_ratio_fn():
+    # Jitted once per process: a fresh jax.jit per calibration step would trace it every step.
     import jax
     import jax.numpy as jnp
 
@@ -428,7 +440,7 @@ def magnitude_ratio(current, previous):
         pn = jnp.linalg.norm(p.astype(jnp.float32), axis=-1)
         return jnp.mean(cn / (pn + 1e-8), axis=1)
 
-    return ratio(current, previous)
+    return ratio
 
 
 def step_functions(step_fn, blocks):
@@ -523,13 +535,14 @@ def flops_per_step(full_flops: float, config, cfg: dict) -> float:
         return full_flops
     schedule = settings.schedule(config.num_inference_steps)
     cached = sum(schedule)
-    share = settings.recompute_blocks / cfg["num_layers"] if settings.kind == "deepcache" else 0
+    share = settings.cached_share(cfg["num_layers"])
     return full_flops * (len(schedule) - cached + cached * share) / len(schedule)
 
 
 def cache_report(cache: StepCache, runs: list, num_steps: int) -> dict:
-    """The JSON report's ``cache`` entry: settings, ``cached_steps`` (0-based), what the cache
-    keeps (shapes, bytes in all and per chip), and the calibration of the last run."""
+    """The JSON report's ``cache`` entry (a run's, and with ``runs`` empty the dry run's):
+    settings, ``cached_steps`` (0-based), what the cache keeps (shapes, bytes in all and per
+    chip), and the calibration and per-device bytes of the last run."""
     out = cache.settings.report(num_steps)
     out.update(kept_shapes=[list(s) for s in cache.kept_shapes], kept_bytes=cache.kept_bytes,
                kept_bytes_per_chip=cache.kept_bytes_per_chip)
@@ -548,8 +561,7 @@ def estimate_schedule(full_step_s: float, settings: CacheSettings, num_steps: in
     at 14B 720p and left out). Every figure is an ESTIMATE (see ``engine.estimate``)."""
     schedule = settings.schedule(num_steps)
     cached = sum(schedule)
-    share = settings.recompute_blocks / num_layers if settings.kind == "deepcache" else 0.0
-    cached_s = full_step_s * share
+    cached_s = full_step_s * settings.cached_share(num_layers)
     total = (num_steps - cached) * full_step_s + cached * cached_s
     return dict(kind=settings.kind, full_steps=num_steps - cached, cached_steps=cached,
                 full_step_s=full_step_s, cached_step_s=cached_s, denoise_s=total,
