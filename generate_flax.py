@@ -49,8 +49,9 @@ from engine.checkpoint import (
     model_config_dir,
     read_component_config,
 )
-from engine.config import RunConfig, check_attention_options
+from engine.config import RunConfig, check_attention_options, validate_block_size_flags
 from engine.errors import EXIT_RUNTIME, EXIT_USAGE, GenerationError, UsageError, fail, first_line
+from engine.image import check_for_model, read_image
 from families import FAMILIES, detect_family
 
 # Engine defaults in one place; the model-specific ones (prompt, size, frames, steps, guidance,
@@ -131,6 +132,9 @@ def _add_generation_flags(g) -> None:
                    help="scheduler flow shift; Wan 2.1 default by resolution as its model "
                         "card says: 5.0 when the shorter side is >= 720 px, else 3.0; "
                         "HunyuanVideo: the checkpoint scheduler's shift")
+    g.add_argument("--image", default=None, metavar="PATH",
+                   help="first frame of an image-to-video checkpoint (PNG, JPEG or WebP); "
+                        "see README 'Image-to-video'")
     g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                    help="a LoRA .safetensors (diffusers/PEFT or original/lightx2v keys), "
                         "fused into the weights as they are placed; repeatable; SCALE 1.0 "
@@ -261,7 +265,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         UsageError: one line naming the flag, the value and the rule.
     """
     _validate_numbers(args)
-    _validate_block_sizes(args)
+    validate_block_size_flags(args)
     runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
@@ -293,6 +297,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
     extras = dict(videos=videos.plan(args, values),
+                  image=check_for_model(args.image, family, args.model_id),
                   lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
                   scheduler=lora.validate_scheduler(args.scheduler, family_key),
                   step_cache=step_cache.validate_cache_flags(args, values["num_inference_steps"]))
@@ -342,29 +347,6 @@ def _validate_size(family, values: dict, multiple: int) -> None:
         if v < multiple or v % multiple:
             fail(f"--{flag}", v, f"must be a positive multiple of {multiple} for {family.name} "
                  "(VAE compression times patch size)")
-
-
-def _validate_block_sizes(args) -> None:
-    from custom_splash_attention import BlockSizes, BlockSizesError
-
-    # Each given value alone (128 stands in for the others); the three together once the
-    # chip's defaults fill the rest (RunConfig.resolve_block_sizes).
-    for flag, field in (("bq", "block_q"), ("bkv", "block_kv"),
-                        ("bkv_compute", "block_kv_compute")):
-        value = getattr(args, flag)
-        if value is None:
-            continue
-        try:
-            BlockSizes(**{"block_q": 128, "block_kv": 128, "block_kv_compute": 128,
-                          field: value})
-        except BlockSizesError as e:
-            if e.field == field:
-                fail(f"--{flag}", value, f"expected {e.expected}")
-    if args.bkv is not None and args.bkv_compute is not None:
-        try:
-            BlockSizes(block_q=128, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
-        except BlockSizesError as e:
-            fail("--bkv", args.bkv, f"expected {e.expected}")
 
 
 def _validate_model(args) -> str:
@@ -449,6 +431,9 @@ def generate(config: RunConfig, devices=None, on_video=None):
     embeds = [staged] if stage == "denoise" else [None]
     if stage in ("all", "encode"):
         embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
+        if config.image is not None:
+            embeds, timings["image_encode_s"] = encode_image(pipe, config, family, embeds,
+                                                             devices)
     if stage == "encode":
         staging.save_run_embeddings(config, embeds[0])
         return None, dict(report, timings=timings)
@@ -544,6 +529,14 @@ def encode(pipe, config: RunConfig, family, videos):
                 setattr(pipe, name, module)
         embeds.append(family.encode_prompts(pipe, for_video(config, video)))
     return embeds, time.perf_counter() - t0
+
+
+def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
+    """The image conditioning (``family.encode_image``), computed once and joined to every
+    video's embeddings: (embeds, seconds)."""
+    t0 = time.perf_counter()
+    cond = family.encode_image(pipe, config, read_image(config.image), devices)
+    return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
 def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fallbacks,

@@ -81,6 +81,8 @@ class RunConfig:
     # {flag: where its default came from} for the flags the user left unset, when the
     # checkpoint's family records sources (Wan 2.2).
     default_sources: Any = None
+    # --image: engine.image.ImageInfo (path, size, sha256) of an image-to-video run.
+    image: Any = None
 
     @property
     def use_cfg(self) -> bool:
@@ -155,3 +157,33 @@ def check_attention_options(args, family: str) -> None:
         if given and args.attention == "stock_splash":
             fail(flag, w if flag == "--window_size" else True,
                  "needs --attention splash or xla (JAX's stock kernel is not wired for it)")
+
+
+def validate_block_size_flags(args) -> None:
+    """--bq/--bkv/--bkv_compute as given, each alone and the pair together, before the chip's
+    defaults fill the rest (``RunConfig.resolve_block_sizes``).
+
+    Raises:
+        UsageError: "expected X" from ``custom_splash_attention.BlockSizes``.
+    """
+    from custom_splash_attention import BlockSizes, BlockSizesError
+    from engine.errors import fail
+
+    # Each given value alone (128 stands in for the others); the three together once the
+    # chip's defaults fill the rest (RunConfig.resolve_block_sizes).
+    for flag, field in (("bq", "block_q"), ("bkv", "block_kv"),
+                        ("bkv_compute", "block_kv_compute")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        try:
+            BlockSizes(**{"block_q": 128, "block_kv": 128, "block_kv_compute": 128,
+                          field: value})
+        except BlockSizesError as e:
+            if e.field == field:
+                fail(f"--{flag}", value, f"expected {e.expected}")
+    if args.bkv is not None and args.bkv_compute is not None:
+        try:
+            BlockSizes(block_q=128, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
+        except BlockSizesError as e:
+            fail("--bkv", args.bkv, f"expected {e.expected}")

@@ -77,6 +77,16 @@ class ModelFamily:
         timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
         optional_folders: weight folders a checkpoint may leave out (``model_index.json``
             entry absent or [null, null]), e.g. Wan 2.2 A14B's ``transformer_2``.
+    Image-to-video (``--image``, ``engine/image.py``):
+        image_mode(model_id) -> "none" (text-to-video only), "optional" (either, e.g.
+            TI2V-5B) or "required" (an image-to-video checkpoint).
+        encode_image(pipe, config, image, devices) -> {name: tensor}: the image conditioning
+            (image-encoder embeddings, condition latents), computed once per run after the
+            prompts and before the transformer is placed; ``image`` is an RGB PIL image,
+            ``devices`` the run's devices (for an on-device VAE encode). The tensors join
+            every video's embeddings: ``model_inputs`` gets them and the encode stage stores
+            them, so a staged denoise needs no image encoder.
+        image_names: the names ``encode_image`` returns.
     """
 
     name: str
@@ -114,6 +124,9 @@ class ModelFamily:
     scheduler_sigmas: Callable
     timestep_dtype: str
     optional_folders: tuple[str, ...] = ()
+    image_mode: Callable = lambda model_id: "none"
+    encode_image: Callable | None = None
+    image_names: tuple[str, ...] = ()
 
 
 def empty_model(cls, cfg: dict, dtype):
