@@ -139,6 +139,9 @@ def _add_generation_flags(g) -> None:
                    help="a LoRA .safetensors (diffusers/PEFT or original/lightx2v keys), "
                         "fused into the weights as they are placed; repeatable; SCALE 1.0 "
                         "when omitted (Wan 2.1; see README 'LoRA and few-step generation')")
+    g.add_argument("--lora_2", action="append", default=None, metavar="PATH[:SCALE]",
+                   help="as --lora, fused into a two-expert checkpoint's transformer_2 "
+                        "(Wan 2.2 A14B's low-noise expert)")
     g.add_argument("--scheduler", choices=("unipc", "euler"), default=None,
                    help="sampler: diffusers' UniPCMultistepScheduler or "
                         "FlowMatchEulerDiscreteScheduler, from the checkpoint's scheduler "
@@ -299,6 +302,8 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     extras = dict(videos=videos.plan(args, values),
                   image=check_for_model(args.image, family, args.model_id),
                   lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
+                  lora_2=lora.validate(args.lora_2, family_key, args.model_id, args.dtype,
+                                       "--lora_2"),
                   scheduler=lora.validate_scheduler(args.scheduler, family_key),
                   step_cache=step_cache.validate_cache_flags(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
@@ -566,6 +571,7 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
         timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
         if second:
             timings["place_transformer_2_s"] = second["seconds"]
+            placed["loras_2"] = second["loras"]
         with runtime.hardware_errors("compiling the transformer step", oom_hint):
             step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
                                               inputs, timings, second)

@@ -74,6 +74,8 @@ class RunConfig:
     videos: tuple = ()  # engine.videos.Video per video of --prompts_file / --seeds
     # ((path, scale), ...) of --lora, checked and loaded by engine.lora.validate.
     lora: tuple = ()
+    # --lora_2: the same for a two-expert checkpoint's transformer_2.
+    lora_2: tuple = ()
     # "unipc" or "euler" (--scheduler, resolved to the family's default).
     scheduler: str = "unipc"
     # Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale; None otherwise.

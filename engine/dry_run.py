@@ -256,11 +256,16 @@ def dry_run(config, family) -> tuple[int, dict]:
         hosts=_hosts(placed, vae_placed, n_experts))
     if cache is not None:
         report["cache"] = cache
-    if config.lora:
+    if config.lora or config.lora_2:
         from engine import lora
 
-        report["loras"] = [dict(x.report(), replicated_weights=lora.touched_replicated(
-            x, placed["specs"], family.block_stack)) for x in lora.loaded(config.lora, None)]
+        # transformer_2 has the first expert's tree and specs (one program serves both).
+        report["loras"] = [dict(x.report(), expert=lora.COMPONENTS[flag],
+                                replicated_weights=lora.touched_replicated(
+                                    x, placed["specs"], family.block_stack))
+                           for flag, specs in (("--lora", config.lora),
+                                               ("--lora_2", config.lora_2))
+                           for x in lora.loaded(specs, None, flag)]
     if config.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
         if cache is not None:
@@ -325,7 +330,8 @@ def print_dry_run(report: dict) -> None:
           f"streamed (largest slice {hosts['largest_slice_bytes'] / 2**30:.2f} GiB)")
     for x in report.get("loras", []):
         rep = x["replicated_weights"]
-        print(f"LoRA {x['path']} (scale {x['scale']}): {x['matched_weights']} weights fused "
+        print(f"LoRA {x['path']} ({x['expert']}, scale {x['scale']}): "
+              f"{x['matched_weights']} weights fused "
               f"into their slices at placement, no step-time cost; replicated weights it "
               f"touches: {', '.join(rep) if rep else 'none'}")
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"

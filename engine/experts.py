@@ -58,15 +58,19 @@ def expert_schedule(timesteps, boundary_ratio: float, num_train_timesteps: int) 
 
 def place_second(config, family, pipe, mesh, fallbacks) -> dict:
     """Stream ``transformer_2``'s weights from its own safetensors into the same shardings as
-    the first expert's (``engine.sharding.place_transformer``)."""
-    from engine import sharding
+    the first expert's (``engine.sharding.place_transformer``), with the ``--lora_2`` files
+    fused into each slice as ``--lora`` is into the first expert's."""
+    from engine import lora, sharding
     from engine.checkpoint import component_folder
 
-    return sharding.place_transformer(
+    loras = lora.placed_loras(config, pipe, "--lora_2")
+    placed = sharding.place_transformer(
         pipe.transformer_2, mesh, family.sharding_rules(config),
         checkpoint=component_folder(config.model_id, "transformer_2"), fsdp=config.fsdp,
         scan=config.scan_layers, megatron_sp=config.megatron_sp, fallbacks=fallbacks,
-        stack=family.block_stack)
+        stack=family.block_stack, loras=loras)
+    placed["loras"] = [x.report() for x in loras]
+    return placed
 
 
 def _layout(placed: dict):

@@ -42,7 +42,7 @@ _KEY = re.compile(r"^transformer\.(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B
                   r"lora_B\.bias)$")
 
 
-def parse_flag(value: str) -> tuple[str, float]:
+def parse_flag(value: str, flag: str = "--lora") -> tuple[str, float]:
     """``PATH[:SCALE]`` -> (path, scale); scale 1.0 when absent. A path that itself contains
     ':' works when the whole value names an existing file.
 
@@ -55,14 +55,14 @@ def parse_flag(value: str) -> tuple[str, float]:
     try:
         scale = float(tail)
     except ValueError:
-        fail("--lora", value, f"SCALE {tail!r} after the last ':' must be a number "
+        fail(flag, value, f"SCALE {tail!r} after the last ':' must be a number "
              "(PATH[:SCALE], e.g. lora.safetensors:0.7)")
     if not math.isfinite(scale):
-        fail("--lora", value, "SCALE must be a finite number")
+        fail(flag, value, "SCALE must be a finite number")
     return path, scale
 
 
-def read_file(path: str) -> tuple[dict, dict]:
+def read_file(path: str, flag: str = "--lora") -> tuple[dict, dict]:
     """The file's tensors (``safetensors.torch.load_file``, never pickle) and its
     ``__metadata__``.
 
@@ -73,16 +73,16 @@ def read_file(path: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     if path.lower().endswith(PICKLE_SUFFIXES):
-        fail("--lora", path, "pickled checkpoints are refused (no pickle); convert it to "
+        fail(flag, path, "pickled checkpoints are refused (no pickle); convert it to "
              ".safetensors")
     if not os.path.isfile(path):
-        fail("--lora", path, "file not found")
+        fail(flag, path, "file not found")
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        fail("--lora", path, f"not a readable safetensors file ({str(e).splitlines()[0][:160]})")
+        fail(flag, path, f"not a readable safetensors file ({str(e).splitlines()[0][:160]})")
     return tensors, metadata
 
 
@@ -138,27 +138,28 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def load(path: str, scale: float, shapes: dict) -> Lora:
+def load(path: str, scale: float, shapes: dict, flag: str = "--lora") -> Lora:
     """Read, convert (diffusers' ``WanLoraLoaderMixin.lora_state_dict``) and match one LoRA.
 
     Args:
         path: a .safetensors LoRA file.
         scale: the user's scale (``fuse_lora(lora_scale=...)``).
         shapes: {name: shape} of the transformer's unscanned state dict (``blocks.N.*``).
+        flag: the flag errors name (``--lora``, or ``--lora_2`` for the second expert).
 
     Raises:
-        UsageError (one line, naming --lora and the file): unreadable or pickle file, keys
+        UsageError (one line, naming ``flag`` and the file): unreadable or pickle file, keys
         diffusers cannot convert, keys that match no transformer weight (the first three
         named), shapes that do not fit their weight.
     """
     from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 
-    tensors, metadata = read_file(path)
+    tensors, metadata = read_file(path, flag)
     keys = len(tensors)
     try:
         converted = WanLoraLoaderMixin.lora_state_dict(dict(tensors))
     except (ValueError, KeyError, IndexError, RuntimeError) as e:
-        fail("--lora", path, "diffusers' Wan LoRA conversion rejects its keys "
+        fail(flag, path, "diffusers' Wan LoRA conversion rejects its keys "
              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
     parts: dict = {}
     unmatched = []
@@ -169,20 +170,20 @@ def load(path: str, scale: float, shapes: dict) -> Lora:
             continue
         parts.setdefault(m["module"], {})[m["part"]] = value
     if unmatched:
-        fail("--lora", path, f"{len(unmatched)} key(s) match no transformer weight "
+        fail(flag, path, f"{len(unmatched)} key(s) match no transformer weight "
              f"({', '.join(sorted(unmatched)[:3])}{', ...' if len(unmatched) > 3 else ''})")
     if not parts:
-        fail("--lora", path, "holds no LoRA weights for the transformer")
+        fail(flag, path, "holds no LoRA weights for the transformer")
     weights, biases = {}, {}
     for module, p in sorted(parts.items()):
         w_shape = tuple(shapes[f"{module}.weight"])
         a, b = p.get("lora_A.weight"), p.get("lora_B.weight")
         if (a is None) != (b is None):
-            fail("--lora", path, f"{module} has only one of lora_A/lora_B")
+            fail(flag, path, f"{module} has only one of lora_A/lora_B")
         if a is not None:
             if len(w_shape) != 2 or a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] \
                     or (b.shape[0], a.shape[1]) != w_shape:
-                fail("--lora", path, f"{module}: lora_B {tuple(b.shape)} @ lora_A "
+                fail(flag, path, f"{module}: lora_B {tuple(b.shape)} @ lora_A "
                      f"{tuple(a.shape)} does not fit its weight {w_shape}")
             factor = scale * _peft_scaling(metadata, module, a.shape[0])
             weights[f"{module}.weight"] = (a, b, factor)
@@ -190,7 +191,7 @@ def load(path: str, scale: float, shapes: dict) -> Lora:
         if bias is not None:
             b_shape = shapes.get(f"{module}.bias")
             if b_shape is None or tuple(bias.shape) != tuple(b_shape):
-                fail("--lora", path, f"{module}: lora_B.bias {tuple(bias.shape)} does not fit "
+                fail(flag, path, f"{module}: lora_B.bias {tuple(bias.shape)} does not fit "
                      f"its bias {b_shape}")
             rank = a.shape[0] if a is not None else 1
             biases[f"{module}.bias"] = (bias, scale * _peft_scaling(metadata, module, rank))
@@ -203,30 +204,40 @@ def transformer_shapes(transformer) -> dict:
     return {n: tuple(p.shape) for n, p in transformer.named_parameters()}
 
 
-def validate(values, family: str, model_id: str, dtype: str) -> tuple:
-    """Parse, read and match every ``--lora`` value before any model loads.
+def validate(values, family: str, model_id: str, dtype: str, flag: str = "--lora") -> tuple:
+    """Parse, read and match every ``--lora`` (or ``--lora_2``) value before any model loads.
+
+    ``--lora_2`` fuses into a two-expert checkpoint's ``transformer_2`` (Wan 2.2 A14B's
+    low-noise expert), as diffusers' ``load_lora_weights(..., load_into_transformer_2=True)``;
+    its names and shapes are checked against ``transformer_2``'s config.
 
     Returns ((path, scale), ...) for the RunConfig; the loaded ``Lora``s are kept in
     ``_LOADED`` so that placement does not read the files again. The transformer's names
     and shapes come from a meta model of its config (no weights load).
 
     Raises:
-        UsageError: see ``parse_flag`` and ``load``; a family other than Wan 2.1.
+        UsageError: see ``parse_flag`` and ``load``; a family other than Wan; ``--lora_2``
+            for a checkpoint with one expert.
     """
-    specs = tuple(parse_flag(v) for v in values or ())
+    specs = tuple(parse_flag(v, flag) for v in values or ())
     if not specs:
         return ()
     if family != "wan2.1":
-        fail("--lora", values[0], "LoRAs are supported for Wan 2.1 only so far")
+        fail(flag, values[0], "LoRAs are supported for Wan only so far")
     import torch
 
-    from engine.checkpoint import read_component_config
+    from engine import experts
+    from engine.checkpoint import read_component_config, read_model_index
     from families import wan
 
-    cfg = read_component_config(model_id, "transformer", download=True)
+    component = COMPONENTS[flag]
+    if component == "transformer_2" and experts.count(read_model_index(model_id)) != 2:
+        fail(flag, values[0], "needs a two-expert checkpoint (Wan 2.2 A14B: transformer_2 "
+             "and boundary_ratio in model_index.json); use --lora for the one transformer")
+    cfg = read_component_config(model_id, component, download=True)
     shapes = transformer_shapes(wan.empty_transformer(cfg, getattr(torch, dtype)))
     for path, scale in specs:
-        _LOADED[(os.path.abspath(path), scale)] = load(path, scale, shapes)
+        _LOADED[(component, os.path.abspath(path), scale)] = load(path, scale, shapes, flag)
     return specs
 
 
@@ -246,16 +257,18 @@ def validate_scheduler(value: str | None, family: str) -> str:
 
 
 _LOADED: dict = {}
+# The flag of each expert's LoRAs and the pipeline component it fuses into.
+COMPONENTS = {"--lora": "transformer", "--lora_2": "transformer_2"}
 
 
-def loaded(specs, shapes: dict) -> list:
-    """The ``Lora`` of each (path, scale) in ``specs``: from ``check_flags``' cache, or
-    loaded now (a RunConfig built without ``check_flags``)."""
+def loaded(specs, shapes: dict, flag: str = "--lora") -> list:
+    """The ``Lora`` of each (path, scale) in ``specs``: from ``validate``'s cache, or
+    loaded now (a RunConfig built without ``validate``)."""
     out = []
     for path, scale in specs or ():
-        key = (os.path.abspath(path), scale)
+        key = (COMPONENTS[flag], os.path.abspath(path), scale)
         if key not in _LOADED:
-            _LOADED[key] = load(path, scale, shapes)
+            _LOADED[key] = load(path, scale, shapes, flag)
         out.append(_LOADED[key])
     return out
 
@@ -304,8 +317,11 @@ def touched_replicated(lora: Lora, specs: dict, stack) -> list:
     return sorted(out)
 
 
-def placed_loras(config, pipe) -> list:
-    """The ``--lora`` files as ``engine.lora.Lora``s (loaded and checked by validate_args)."""
-    if not config.lora or pipe.transformer is None:
+def placed_loras(config, pipe, flag: str = "--lora") -> list:
+    """The ``--lora`` (or ``--lora_2``: the second expert's) files as ``engine.lora.Lora``s
+    (loaded and checked by ``validate``)."""
+    specs = config.lora if flag == "--lora" else config.lora_2
+    module = getattr(pipe, COMPONENTS[flag], None)
+    if not specs or module is None:
         return []
-    return loaded(config.lora, transformer_shapes(pipe.transformer))
+    return loaded(specs, transformer_shapes(module), flag)

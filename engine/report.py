@@ -207,7 +207,7 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
             # the weights' bytes; equal when one host's devices hold a whole replica.
             weights=dict(source="safetensors slices", param_bytes=placed["param_bytes"],
                          bytes_read_by_this_host=placed["bytes_read"]),
-            loras=placed.get("loras", []))
+            loras=placed.get("loras", []), loras_2=placed.get("loras_2", []))
     return out
 
 

@@ -3,6 +3,8 @@ chosen per step on the host) and the TI2V-5B layout (48 channels, the Wan 2.2 VA
 against diffusers' eager pipeline on a tiny random checkpoint (tools/make_tiny_checkpoint.py).
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -212,3 +214,71 @@ def test_dry_run_counts_both_experts_resident():
     assert experts.count(index) == 2
     assert experts.count({**index, "transformer_2": [None, None]}) == 1
     assert experts.count({**index, "boundary_ratio": None}) == 1
+
+
+def test_lora_2_fuses_into_the_second_expert(two_expert_checkpoint, tmp_path):
+    """--lora into transformer and --lora_2 into transformer_2, fused at placement, equal
+    diffusers' eager load_lora_weights(...) / load_lora_weights(..., load_into_transformer_2=
+    True) + fuse_lora(components=both, lora_scale=0.7); the --lora_2 file alone changes the
+    video by far more than the tolerance (so it reaches the second expert's steps)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    from tiny_lora import write_lora
+
+    ck, seed, frames = two_expert_checkpoint, 3, 5
+    cfg = json.loads(open(os.path.join(ck, "transformer_2", "config.json")).read())
+    first, second = str(tmp_path / "high.safetensors"), str(tmp_path / "low.safetensors")
+    write_lora(first, cfg, fmt="original", rank=4, seed=11)
+    write_lora(second, cfg, fmt="peft", rank=4, seed=12)
+
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(ck, subfolder="vae", dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(ck, vae=vae, dtype=torch.float32)
+    pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config,
+                                                         flow_shift=SHIFT)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(first, adapter_name="high")
+    pipe.load_lora_weights(second, adapter_name="low", load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=0.7)
+    with torch.no_grad():
+        ref = pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
+                   num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed),
+                   output_type="np", num_frames=frames, height=SHAPE["height"],
+                   width=SHAPE["width"], guidance_scale=4.0, guidance_scale_2=2.0).frames[0]
+    del pipe
+    flags = ["--guidance_scale", "4", "--guidance_scale_2", "2", "--lora", f"{first}:0.7",
+             "--lora_2", f"{second}:0.7"]
+    ours, report = _ours(ck, seed, flags, devices=jax.devices()[:1], frames=frames)
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    assert [x["path"] for x in report["loras"]] == [first]
+    (entry,) = report["loras_2"]
+    assert entry["path"] == second and entry["scale"] == 0.7 and entry["matched_weights"] == 40
+    without_2, _ = _ours(ck, seed, flags[:6], devices=jax.devices()[:1], frames=frames)
+    assert np.abs(without_2 - ref).max() > 0.05
+
+
+def test_lora_2_needs_a_second_expert(tiny_checkpoint, tmp_path, capsys):
+    code = generate_flax.cli(["--model_id", tiny_checkpoint, "--lora_2",
+                              str(tmp_path / "x.safetensors"), "--output_dir",
+                              str(tmp_path / "out")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "--lora_2=" in line and "needs a two-expert checkpoint" in line, line
+
+
+@pytest.mark.parametrize("case,rule", [("unmatched keys", "match no transformer weight"),
+                                       ("wrong shape", "does not fit its weight"),
+                                       ("pickle", "pickled checkpoints are refused")])
+def test_bad_lora_2_is_one_line_before_loading(two_expert_checkpoint, tmp_path, capsys, case,
+                                               rule):
+    from test_cli import _bad_lora
+
+    value, out = _bad_lora(tmp_path, two_expert_checkpoint, case), tmp_path / "out"
+    code = generate_flax.cli(["--model_id", two_expert_checkpoint, "--lora_2", value,
+                              "--output_dir", str(out)])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "--lora_2=" in line and rule in line, line
+    assert not out.exists() or not os.listdir(out)
