@@ -433,42 +433,46 @@ def generate(config: RunConfig, devices=None, on_video=None):
     pipe = family.load_pipeline(config, family.components[stage])
     timings: dict = {}
     video_list = config.videos or (None,)
-    embeds = [staged] if stage == "denoise" else [None]
+    embeds = staged if stage == "denoise" else [None] * len(video_list)
     if stage in ("all", "encode"):
         embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
         if config.image is not None:
             embeds, timings["image_encode_s"] = encode_image(pipe, config, family, embeds,
                                                              devices)
     if stage == "encode":
-        staging.save_run_embeddings(config, embeds[0])
-        return None, dict(report, timings=timings)
+        for video, video_embeds in zip(video_list, embeds, strict=True):
+            staging.save_run_embeddings(for_video(config, video), video_embeds, video)
+        return None, dict(report, timings=timings, videos=[
+            dataclasses.asdict(v) for v in config.videos])
 
     mesh, fallbacks = make_mesh(mesh_shape, devices), Fallbacks()
     oom_hint = reporting.dry_run_command(config, devices, mesh_shape)
     programs, latents0, placed = prepare_programs(
-        for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged, attention,
+        for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged[0], attention,
         fallbacks, oom_hint, timings)
     with runtime.hardware_errors("running the warmup", oom_hint):
         timings.update(benchmark.warmup(programs, latents0, warmup_steps=config.warmup_steps,
                                         num_inference_steps=config.num_inference_steps))
     runs, done, frames, before = [], [], None, dict(runtime.CACHE_STATS)
     try:  # an interrupt between videos keeps what is done (--prompts_file, --seeds)
-        for video, video_embeds in zip(video_list, embeds, strict=True):
+        for video, video_embeds, video_staged in zip(video_list, embeds, staged, strict=True):
             if video is not None and video.index > 0:  # video 0's were placed with the step
-                inputs, latents0 = place_model_inputs(for_video(config, video), family, pipe,
-                                                      video_embeds, mesh)
-                programs = dataclasses.replace(programs, embeds=inputs)
+                programs, latents0 = next_video(for_video(config, video), family, pipe, mesh,
+                                                programs, video_embeds, video_staged)
             with runtime.hardware_errors("running the timed generations", oom_hint):
                 latents, decoded, video_runs = benchmark.run_benchmark(
                     programs, latents0, num_iterations=config.num_iterations,
                     num_inference_steps=config.num_inference_steps,
                     desc="" if video is None else f"video {video.label}: ")
             runs += video_runs
+            if stage == "denoise":  # each video's latents as soon as they are done
+                staging.save_run_latents(for_video(config, video), latents, video)
             if decoded is not None:
                 frames = reporting.to_frames(pipe, decoded)
             if video is not None:
                 done.append(dict(dataclasses.asdict(video), runs=video_runs,
-                                 files=on_video(video, frames) if on_video else [],
+                                 files=on_video(video, frames) if on_video and decoded is
+                                 not None else [],
                                  compilation_cache=runtime.cache_events_since(before)))
             before = dict(runtime.CACHE_STATS)
     except KeyboardInterrupt:
@@ -495,10 +499,7 @@ def generate(config: RunConfig, devices=None, on_video=None):
                                        summary=reporting.summarize(runs, timings, flops,
                                                                    devices),
                              cache=cache_before if cache_on else None))
-    if stage == "denoise":
-        staging.save_run_latents(config, latents)
-        return None, report
-    return frames, report
+    return (None if stage == "denoise" else frames), report
 
 
 def for_video(config: RunConfig, video) -> RunConfig:
@@ -507,6 +508,21 @@ def for_video(config: RunConfig, video) -> RunConfig:
         return config
     return config.replace(prompt=video.prompt, negative_prompt=video.negative_prompt,
                           seed=video.seed)
+
+
+def next_video(config, family, pipe, mesh, programs, embeds, staged):
+    """(programs with this video's model inputs, its initial latents) for a video after the
+    first; the decode stage's "initial latents" are the video's staged final latents."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from engine import placement
+
+    if config.stage == "decode":
+        return programs, placement.place_array(placement.host_array(staged),
+                                               NamedSharding(mesh, P()))
+    inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
+    return dataclasses.replace(programs, embeds=inputs), latents0
 
 
 def resolve_mesh(config: RunConfig, family, n_devices: int):
@@ -690,23 +706,6 @@ def prepare_decode(config, family, pipe, mesh, latents0, fallbacks, oom_hint, ti
 # ---------------------------------------------------------------------------------------------
 
 
-def run_dry(config: RunConfig, checked: dict) -> int:
-    from engine import report as reporting
-    from engine.dry_run import dry_run, print_dry_run
-    from engine.plots import dry_run_hbm
-
-    code, report = dry_run(config, FAMILIES[config.family])
-    report["checkpoint_check"] = checked
-    print_dry_run(report)
-    stem = reporting.output_stem(config.output_dir)
-    written = [] if config.no_plots else reporting.save_picture(
-        dry_run_hbm, report, os.path.join(config.output_dir, f"{stem}_dry_run_hbm.png"))
-    path = os.path.join(config.output_dir, f"{stem}_dry_run.json")
-    reporting.save_report(report, path)
-    print(f"wrote {', '.join([*written, path])}")
-    return code
-
-
 def main(argv=None) -> int:
     config = validate_args(parse_args(argv))  # on every host, before any host joins the others
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
@@ -715,7 +714,9 @@ def main(argv=None) -> int:
     # for --dry_run) against the models their configs build (engine/integrity.py).
     checked = integrity.check_checkpoint(config, FAMILIES[config.family])
     if config.dry_run:
-        return run_dry(config, checked)
+        from engine.dry_run import run_dry
+
+        return run_dry(config, FAMILIES[config.family], checked)
     runtime.start_distributed(config.coordinator_address, config.num_processes,
                               config.process_id)
     from engine import report as reporting
@@ -734,7 +735,7 @@ def main(argv=None) -> int:
     if not runtime.is_writer():  # process 0 writes and summarises for every host
         return 0
     devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
-    if frames is None and not config.videos:  # encode or denoise stage: in --work_dir
+    if config.stage in ("encode", "denoise"):  # their reports go in --work_dir
         path = os.path.join(config.work_dir, f"{config.stage}_report.json")
         reporting.save_report(report, path)
         reporting.print_summary(report["timings"], devices["kind"], devices["count"])

@@ -345,3 +345,21 @@ def print_dry_run(report: dict) -> None:
         print_estimate(report["estimate"])
 
 
+def run_dry(config, family, checked: dict) -> int:
+    """``--dry_run`` as the script runs it: compile deviceless, print the per-chip table,
+    write ``<stamp>_dry_run.json`` (with ``checked``, the checkpoint check) and, unless
+    ``--no_plots``, ``<stamp>_dry_run_hbm.png`` in ``--output_dir``. Returns the exit code
+    (0, or ``EXIT_DOES_NOT_FIT``)."""
+    from engine import report as reporting
+    from engine.plots import dry_run_hbm
+
+    code, report = dry_run(config, family)
+    report["checkpoint_check"] = checked
+    print_dry_run(report)
+    stem = reporting.output_stem(config.output_dir)
+    written = [] if config.no_plots else reporting.save_picture(
+        dry_run_hbm, report, os.path.join(config.output_dir, f"{stem}_dry_run_hbm.png"))
+    path = os.path.join(config.output_dir, f"{stem}_dry_run.json")
+    reporting.save_report(report, path)
+    print(f"wrote {', '.join([*written, path])}")
+    return code

@@ -125,48 +125,86 @@ def load_latents(work_dir: str, vae_config, model_id: str, expected_shape):
     return lat.float(), settings
 
 
+def video_dir(work_dir: str, video=None) -> str:
+    """Where one video's intermediates live: ``work_dir`` itself for a single video, else
+    ``work_dir/videos/<name or index>/`` (``--prompts_file`` / ``--seeds``: one embeddings
+    and one latents file per video, so each stage can run, fail or be repeated per entry,
+    and an interrupted stage keeps the videos it finished)."""
+    return work_dir if video is None else os.path.join(work_dir, "videos", video.label)
+
+
+def _check_video(path: str, settings: dict, video, keys) -> None:
+    """Refuse intermediates recorded for another entry of the prompts file."""
+    if video is None:
+        return
+    for key in keys:
+        if settings.get(key) != getattr(video, key):
+            raise UsageError(f"{path}: made for {key} {settings.get(key)!r}, but video "
+                             f"{video.label!r} has {getattr(video, key)!r}; run the earlier "
+                             "stage with the same --prompts_file / --seeds first")
+
+
 def read_intermediates(config, family):
-    """(config with the recorded settings, embeddings or latents) for ``--stage denoise`` /
-    ``decode``; (config, None) otherwise. Checked before any weights load."""
+    """(config with the recorded settings, [embeddings or latents per video]) for
+    ``--stage denoise`` / ``decode``; (config, [None per video]) otherwise. One entry per
+    video of ``config.videos`` (one for a single video). Checked before any weights load.
+
+    Raises:
+        UsageError: a file missing, damaged, made for another model or size, or (many
+            videos) for another prompt or seed than its entry's.
+    """
     from engine.checkpoint import read_component_config
 
+    videos = config.videos or (None,)
     if config.stage == "denoise":
         cfg = read_component_config(config.model_id, "transformer")
-        embeds, settings = load_embeddings(
-            config.work_dir, family.embedding_names,
-            check=lambda e, s: family.check_embeddings(e, {**s, "model_id": config.model_id},
-                                                       cfg))
+        out = []
+        for video in videos:
+            folder = video_dir(config.work_dir, video)
+            embeds, settings = load_embeddings(
+                folder, family.embedding_names,
+                check=lambda e, s: family.check_embeddings(
+                    e, {**s, "model_id": config.model_id}, cfg))
+            _check_video(os.path.join(folder, EMBEDDINGS_FILE), settings, video,
+                         ("prompt", "negative_prompt"))
+            out.append(embeds)
         return config.replace(prompt=settings.get("prompt"),
                               negative_prompt=settings.get("negative_prompt"),
-                              max_sequence_length=settings.get("max_sequence_length")), embeds
+                              max_sequence_length=settings.get("max_sequence_length")), out
     if config.stage == "decode":
         vae_cfg = read_component_config(config.model_id, "vae", download=True)
-        latents, settings = load_latents(
-            config.work_dir, vae_cfg, config.model_id,
-            lambda s: family.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
-        return config.replace(**settings), latents
-    return config, None
+        out = []
+        for video in videos:
+            folder = video_dir(config.work_dir, video)
+            latents, settings = load_latents(
+                folder, vae_cfg, config.model_id,
+                lambda s: family.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
+            _check_video(os.path.join(folder, LATENTS_FILE), settings, video,
+                         ("prompt", "negative_prompt", "seed"))
+            out.append(latents)
+        return config.replace(**settings), out
+    return config, [None] * len(videos)
 
 
-def save_run_embeddings(config, embeds: dict) -> None:
-    """``--stage encode``: the embeddings and the settings the later stages need (process 0
-    writes)."""
+def save_run_embeddings(config, embeds: dict, video=None) -> None:
+    """``--stage encode``: the embeddings and the settings the later stages need, in
+    ``video_dir`` (process 0 writes)."""
     from engine import runtime
 
     if runtime.is_writer():
-        save_embeddings(config.work_dir, embeds, dict(
+        save_embeddings(video_dir(config.work_dir, video), embeds, dict(
             prompt=config.prompt, negative_prompt=config.negative_prompt,
             model_id=config.model_id, max_sequence_length=config.max_sequence_length,
             dtype=config.dtype))
 
 
-def save_run_latents(config, latents) -> None:
-    """``--stage denoise``: the final latents (every process takes part in the gather;
-    process 0 writes)."""
+def save_run_latents(config, latents, video=None) -> None:
+    """``--stage denoise``: the final latents, in ``video_dir`` (every process takes part in
+    the gather; process 0 writes)."""
     from engine import runtime
     from engine.checkpoint import read_component_config
 
     latents_cpu = runtime.torch_from_jax(latents)  # every process takes part in the gather
     if runtime.is_writer():
-        save_latents(config.work_dir, latents_cpu, config.settings(),
-                             read_component_config(config.model_id, "vae", download=True))
+        save_latents(video_dir(config.work_dir, video), latents_cpu, config.settings(),
+                     read_component_config(config.model_id, "vae", download=True))

@@ -119,10 +119,6 @@ def plan(args, values: dict) -> tuple[Video, ...]:
              "its own \"seed\")")
     if args.prompts_file is None and args.seeds is None:
         return ()
-    if args.stage != "all":
-        flag = "--prompts_file" if args.prompts_file is not None else "--seeds"
-        fail(flag, args.prompts_file or args.seeds, f"needs --stage all (many videos run in "
-             f"one process; --stage {args.stage} is one video's stage)")
     if args.seeds is not None:
         return tuple(Video(i, values["prompt"], values["negative_prompt"], s, f"seed{s}")
                      for i, s in enumerate(parse_seeds(args.seeds)))

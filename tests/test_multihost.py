@@ -112,3 +112,32 @@ def test_flags_are_checked_before_joining(tmp_path):
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "--process_id=2" in proc.stderr and "0 <= id < --num_processes" in proc.stderr
+
+
+def test_prompts_file_on_two_processes_equals_one_process(tiny_checkpoint_8h, tmp_path):
+    """A 2-entry prompts file on 2 processes x 4 devices: process 0 writes 2 mp4s (with
+    their frames) and 1 JSON listing both; each video equals the one-process 8-device run."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red fox", "seed": 1}) + "\n"
+                       + json.dumps({"prompt": "a blue bird", "seed": 2, "name": "bird"}) + "\n")
+    out, mesh = tmp_path / "out", ["--dp", "2", "--tp", "4", "--sp", "1"]
+    procs = _launch(["--model_id", tiny_checkpoint_8h, *FLAGS, *mesh, "--prompts_file",
+                     str(prompts), "--output_dir", str(out), "--save_frames", "--no_plots"])
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    (js,) = glob.glob(str(out / "*.json"))
+    assert len(os.listdir(out)) == 5, os.listdir(out)  # 2 mp4s, 2 frames files, 1 JSON
+    report = json.loads(open(js).read())
+    assert [v["name"] for v in report["videos"]] == [None, "bird"]
+    assert report["devices"]["count"] == 8 and len(report["processes"]) == 2
+
+    want = {}
+    args = gf.validate_args(gf.parse_args(["--model_id", tiny_checkpoint_8h, *FLAGS, *mesh,
+                                           "--prompts_file", str(prompts)]))
+    gf.generate(args, devices=jax.devices()[:8],
+                on_video=lambda video, frames: want.__setitem__(video.label, frames) or [])
+    for label in ("0", "bird"):
+        (path,) = glob.glob(str(out / f"*_{label}.frames.safetensors"))
+        np.testing.assert_allclose(load_file(path)["frames"], want[label], atol=1e-5, rtol=0)
+    assert np.abs(want["0"] - want["bird"]).max() > 0.05

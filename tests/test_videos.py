@@ -165,3 +165,28 @@ def test_seeds_with_prompts_file_is_refused(tiny_checkpoint, tmp_path, capsys):
                               "--seeds", "1,2", "--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--seeds='1,2'" in err[0], err
+
+
+def test_staged_prompts_file_equals_the_one_stage_run(tiny_checkpoint, tmp_path, many):
+    """encode -> denoise -> decode with a 2-entry prompts file: one embeddings and one latents
+    file per entry under --work_dir/videos/<label>/, and the decoded videos equal those of
+    the one-stage run (same prompts, seeds and device)."""
+    from engine.errors import UsageError
+
+    path = _write(tmp_path, [json.dumps(e) for e in ENTRIES[:2]])
+    stage = ["--prompts_file", path, "--work_dir", str(tmp_path / "work"), "--stage"]
+    _, encoded = _run(tiny_checkpoint, stage + ["encode"], tmp_path)
+    assert [v["name"] for v in encoded["videos"]] == [None, "bird"]
+    _, denoised = _run(tiny_checkpoint, stage + ["denoise"], tmp_path)
+    assert [len(v["runs"]) for v in denoised["videos"]] == [1, 1]
+    assert sorted(os.listdir(tmp_path / "work" / "videos")) == ["0", "bird"]
+    frames, decoded = _run(tiny_checkpoint, stage + ["decode"], tmp_path)
+    assert sorted(frames) == ["0", "bird"]
+    for label in frames:
+        np.testing.assert_allclose(frames[label], many[0][label], atol=1e-6, rtol=0)
+    # A later stage given another prompt for an entry refuses its files, naming them.
+    other = _write(tmp_path, [json.dumps(ENTRIES[0]), json.dumps(dict(ENTRIES[1], seed=9))],
+                   "other.jsonl")
+    with pytest.raises(UsageError, match=r"videos/bird/latents\.safetensors: made for seed 2, "
+                                         r"but video 'bird' has 9"):
+        _run(tiny_checkpoint, ["--prompts_file", other, *stage[2:], "decode"], tmp_path)
