@@ -9,7 +9,7 @@ TINY_HY := checkpoints/tiny-hunyuan15
 CPU_ENV := JAX_PLATFORMS=cpu
 TEST_ENV := $(CPU_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: demo demo-hunyuan test lint venv checkpoint clean
+.PHONY: demo demo-hunyuan demo-i2v test lint venv checkpoint clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,17 @@ demo-hunyuan: $(STAMP) $(TINY_HY)/model_index.json
 		--prompt 'A neon sign that says "OPEN" above a rainy street' \
 		--num_inference_steps 8 --num_iterations 2 --output_dir outputs
 
+TINY_I2V := checkpoints/tiny-wan-i2v
+
+$(TINY_I2V)/model_index.json: $(STAMP) tools/make_tiny_checkpoint.py tools/tiny_checkpoint.py
+	$(CPU_ENV) $(PY) tools/make_tiny_checkpoint.py --i2v --output $(TINY_I2V) --force
+
+# Wan 2.1 image-to-video on its tiny checkpoint (CLIP image encoder), from the shipped image.
+demo-i2v: $(STAMP) $(TINY_I2V)/model_index.json
+	$(CPU_ENV) $(PY) generate_flax.py --model_id $(TINY_I2V) --image tests/data/first_frame.png \
+		--height 64 --width 96 --frames 17 --num_inference_steps 8 --num_iterations 2 \
+		--output_dir outputs
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
@@ -44,4 +55,4 @@ test: lint
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
-	rm -rf $(VENV) $(TINY) $(TINY_HY) outputs
+	rm -rf $(VENV) $(TINY) $(TINY_HY) $(TINY_I2V) outputs

@@ -300,7 +300,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
     extras = dict(videos=videos.plan(args, values),
-                  image=check_for_model(args.image, family, args.model_id),
+                  image=check_for_model(args, family),
                   lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
                   lora_2=lora.validate(args.lora_2, family_key, args.model_id, args.dtype,
                                        "--lora_2"),

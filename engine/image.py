@@ -75,18 +75,20 @@ def check_image(path: str, flag: str = "--image") -> ImageInfo:
                      mode=mode, sha256=digest)
 
 
-def check_for_model(path: str | None, family, model_id: str) -> ImageInfo | None:
-    """``--image`` against what the checkpoint takes: ``family.image_mode(model_id)`` is
-    "none" (text-to-video only), "optional" (TI2V-5B: either), or "required" (an
-    image-to-video checkpoint).
+def check_for_model(args, family) -> ImageInfo | None:
+    """``args.image`` against what ``args.model_id`` takes: ``family.image_mode(model_id)``
+    is "none" (text-to-video only), "optional" (TI2V-5B: either), or "required" (an
+    image-to-video checkpoint). ``--stage denoise`` / ``decode`` need no image (the encode
+    stage stored the image conditioning with the prompt embeddings).
 
     Raises:
         UsageError: an image for a text-to-video checkpoint, none for an image-to-video one,
             or a bad image (``check_image``).
     """
+    path, model_id = args.image, args.model_id
     mode = family.image_mode(model_id)
     if path is None:
-        if mode == "required":
+        if mode == "required" and args.stage in ("all", "encode"):
             fail("--image", None, f"--model_id={model_id!r} is an image-to-video checkpoint: "
                  "give the first frame with --image PATH (PNG, JPEG or WebP)")
         return None

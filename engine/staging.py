@@ -40,8 +40,9 @@ def save_tensors(tensors: dict, path: str, metadata: dict) -> None:
         {k: v.detach().clone() for k, v in tensors.items()}, tmp, metadata=meta))
 
 
-def load_tensors(path: str, keys, produced_by: str):
-    """Read ``keys`` and the JSON metadata from a safetensors file.
+def load_tensors(path: str, keys, produced_by: str, optional=()):
+    """Read ``keys`` (and those of ``optional`` the file holds) and the JSON metadata from a
+    safetensors file.
 
     Raises:
         UsageError: one line naming the file when it is missing, truncated, corrupt or lacks a
@@ -58,7 +59,7 @@ def load_tensors(path: str, keys, produced_by: str):
             missing = [k for k in keys if k not in f.keys()]
             if missing:
                 raise UsageError(f"{path}: missing tensor(s) {', '.join(missing)}")
-            return {k: f.get_tensor(k) for k in keys}, meta
+            return {k: f.get_tensor(k) for k in (*keys, *optional) if k in f.keys()}, meta
     except UsageError:
         raise
     except Exception as e:  # safetensors raises several types for damaged files
@@ -74,7 +75,7 @@ def save_embeddings(work_dir: str, embeds: dict, settings: dict) -> None:
     save_report(settings, os.path.join(work_dir, GENERATION_CONFIG_FILE))
 
 
-def load_embeddings(work_dir: str, names, check=None):
+def load_embeddings(work_dir: str, names, check=None, optional=()):
     """Embeddings written by ``--stage encode``: ({name: CPU tensor}, recorded settings).
 
     ``check(embeds, settings)`` returns an error text for embeddings the transformer cannot
@@ -84,7 +85,7 @@ def load_embeddings(work_dir: str, names, check=None):
         UsageError: the file is missing or damaged, or ``check`` refuses it.
     """
     path = os.path.join(work_dir, EMBEDDINGS_FILE)
-    embeds, settings = load_tensors(path, tuple(names), "encode")
+    embeds, settings = load_tensors(path, tuple(names), "encode", optional)
     problem = check(embeds, settings) if check is not None else None
     if problem:
         raise UsageError(f"{path}: {problem}")
@@ -164,7 +165,8 @@ def read_intermediates(config, family):
             embeds, settings = load_embeddings(
                 folder, family.embedding_names,
                 check=lambda e, s: family.check_embeddings(
-                    e, {**s, "model_id": config.model_id}, cfg))
+                    e, {**s, "model_id": config.model_id}, cfg),
+                optional=family.image_names)  # image-to-video: the image conditioning
             _check_video(os.path.join(folder, EMBEDDINGS_FILE), settings, video,
                          ("prompt", "negative_prompt"))
             out.append(embeds)

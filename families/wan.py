@@ -10,6 +10,12 @@ Wan 2.2 runs through the same ``WanPipeline``, told apart by ``model_index.json`
     TI2V-5B: ``expand_timesteps`` true, 48 latent channels, the Wan 2.2 VAE (z_dim 48,
         2x2 patchify, 16x spatial). Its per-token timesteps are all equal in text-to-video,
         so the scalar timestep path is used (see ``step_fn``).
+Image-to-video (``WanImageToVideoPipeline``, ``--image``): Wan 2.1 I2V-14B (CLIP image
+embeddings into an image cross-attention; 36 input channels = 16 noisy + 4 mask + 16
+condition) and Wan 2.2 I2V-A14B (the same without CLIP, two experts). The condition is
+diffusers' own: ``video_processor.preprocess``, ``prepare_latents`` (the [image, zeros]
+video VAE-encoded, posterior mode, normalised, with the first-frame mask), computed once per
+run by ``encode_image``; each step feeds cat(latents, condition) as the pipeline does.
 Their official defaults and where each comes from are ``WAN22_A14B_DEFAULTS`` and
 ``WAN22_TI2V_DEFAULTS`` (``checkpoint_defaults`` applies them; the JSON report records the
 sources under ``settings.default_sources``).
@@ -94,6 +100,21 @@ WAN22_TI2V_DEFAULTS = dict(
         guidance_scale=f"{_TI2V_REPO} sample_guide_scale 5.0",
         flow_shift=f"{_TI2V_REPO} sample_shift 5.0"))
 
+# Wan 2.2 I2V-A14B (Wan2.2 repo wan/configs/wan_i2v_A14B.py: sample_steps 40, sample_shift
+# 5.0, sample_guide_scale (3.5, 3.5), frame_num 81, sample_fps 16; maxdiffusion's I2V config
+# uses 4.0 / 3.0 instead).
+_I2V_A14B_REPO = "Wan2.2 repo wan/configs/wan_i2v_A14B.py"
+WAN22_I2V_A14B_DEFAULTS = dict(
+    height=720, width=1280, frames=81, fps=16, num_inference_steps=40,
+    guidance_scale=3.5, guidance_scale_2=3.5, flow_shift=5.0,
+    sources=dict(
+        height="Wan2.2 model card (720P: 1280x720)", width="Wan2.2 model card (720P: 1280x720)",
+        frames=f"{_I2V_A14B_REPO} frame_num 81", fps=f"{_I2V_A14B_REPO} sample_fps 16",
+        num_inference_steps=f"{_I2V_A14B_REPO} sample_steps 40",
+        guidance_scale=f"{_I2V_A14B_REPO} sample_guide_scale high-noise 3.5",
+        guidance_scale_2=f"{_I2V_A14B_REPO} sample_guide_scale low-noise 3.5",
+        flow_shift=f"{_I2V_A14B_REPO} sample_shift 5.0"))
+
 # The pinned huggingface_hub (2.4.0) installs only the `hf` command; `huggingface-cli` is gone.
 DOWNLOAD_HINT = "hf download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir PATH"
 DOWNLOAD_HINTS = {
@@ -104,6 +125,10 @@ DOWNLOAD_HINTS = {
         "hf download Wan-AI/Wan2.2-T2V-A14B-Diffusers --local-dir PATH",
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers":
         "hf download Wan-AI/Wan2.2-TI2V-5B-Diffusers --local-dir PATH",
+    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers":
+        "hf download Wan-AI/Wan2.1-I2V-14B-720P-Diffusers --local-dir PATH",
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers":
+        "hf download Wan-AI/Wan2.2-I2V-A14B-Diffusers --local-dir PATH",
 }
 
 
@@ -115,6 +140,23 @@ def is_two_expert(model_index: dict) -> bool:
     return experts.count(model_index) == 2
 
 
+I2V_PIPELINE = "WanImageToVideoPipeline"
+
+
+def is_image_to_video(model_id: str) -> bool:
+    """``model_index.json`` names ``WanImageToVideoPipeline`` (Wan 2.1 I2V, Wan 2.2
+    I2V-A14B)."""
+    from engine.checkpoint import read_model_index
+
+    return read_model_index(model_id).get("_class_name") == I2V_PIPELINE
+
+
+def image_mode(model_id: str) -> str:
+    """"required" for an image-to-video checkpoint, else "none" (TI2V-5B image-to-video is
+    not supported yet)."""
+    return "required" if is_image_to_video(model_id) else "none"
+
+
 def checkpoint_defaults(model_id: str) -> dict:
     """The official Wan 2.2 defaults for an A14B or TI2V layout (with ``sources``), {} for
     Wan 2.1 (its flow_shift is by resolution, ``default_flow_shift``)."""
@@ -122,7 +164,8 @@ def checkpoint_defaults(model_id: str) -> dict:
 
     index = read_model_index(model_id)
     if is_two_expert(index):
-        return dict(WAN22_A14B_DEFAULTS)
+        i2v = index.get("_class_name") == I2V_PIPELINE
+        return dict(WAN22_I2V_A14B_DEFAULTS if i2v else WAN22_A14B_DEFAULTS)
     if index.get("expand_timesteps"):
         return dict(WAN22_TI2V_DEFAULTS)
     return {}
@@ -208,16 +251,27 @@ def load_pipeline(config, components):
         GenerationError: the weights could not be found or read.
     """
     import torch
-    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
 
     from engine.checkpoint import read_model_index
     from engine.errors import first_line
 
     dtype = getattr(torch, config.dtype)
+    i2v = is_image_to_video(config.model_id)
+    # Image-to-video: the encode stage also runs the image encoder and the VAE encode.
+    if i2v and "text_encoder" in components:
+        components = (*components, "vae")
     skip = {name: None for name in ("text_encoder", "transformer", "vae")
             if name not in components}
     if "text_encoder" not in components:
         skip["tokenizer"] = None
+        if i2v:
+            skip.update(image_encoder=None, image_processor=None)
     experts = ("transformer", "transformer_2") if is_two_expert(
         read_model_index(config.model_id)) else ("transformer",)
     if len(experts) == 2 and "transformer" not in components:
@@ -230,8 +284,8 @@ def load_pipeline(config, components):
         if "vae" in components:
             skip["vae"] = AutoencoderKLWan.from_pretrained(
                 config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
-        pipe = WanPipeline.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True,
-                                           **skip)
+        cls = WanImageToVideoPipeline if i2v else WanPipeline
+        pipe = cls.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise GenerationError(
             f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
@@ -240,7 +294,7 @@ def load_pipeline(config, components):
     # eval() only: torchax treats parameters with requires_grad=False as buffers, which would
     # hide them from the sharding rules.
     for m in (pipe.transformer, getattr(pipe, "transformer_2", None), pipe.vae,
-              pipe.text_encoder):
+              pipe.text_encoder, getattr(pipe, "image_encoder", None)):
         if m is not None:
             m.eval()
     return pipe
@@ -296,6 +350,9 @@ def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | No
     if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape != neg.shape or pos.shape[1] != seq:
         return (f"expected two (1, {seq}, text_dim) tensors, got {tuple(pos.shape)} and "
                 f"{tuple(neg.shape)}")
+    if cfg and cfg["in_channels"] != cfg["out_channels"] and "condition" not in embeds:
+        return ("no image conditioning: --model_id is an image-to-video checkpoint; run "
+                "--stage encode with --image first")
     if cfg and pos.shape[2] != cfg["text_dim"]:
         return (f"embeddings have text_dim {pos.shape[2]}, the transformer of --model_id="
                 f"{settings.get('model_id')!r} expects {cfg['text_dim']}")
@@ -307,11 +364,55 @@ def prepare_latents(pipe, config):
     ``torch.Generator`` seeded with ``config.seed``. Returns a float32 CPU tensor
     (1, 16, (frames-1)/4+1, height/8, width/8)."""
     import torch
+    from diffusers.utils.torch_utils import randn_tensor
 
     generator = torch.Generator("cpu").manual_seed(config.seed)
+    if is_image_to_video(config.model_id):
+        # WanImageToVideoPipeline draws the noise first, with the VAE's z_dim channels (the
+        # transformer's in_channels, 36, also count the mask and condition).
+        s = pipe.vae_scale_factor_spatial
+        shape = (1, pipe.transformer.config.out_channels,
+                 (config.frames - 1) // VAE_TEMPORAL_SCALE + 1, config.height // s,
+                 config.width // s)
+        return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
+                            dtype=torch.float32)
     return pipe.prepare_latents(1, pipe.transformer.config.in_channels, config.height,
                                 config.width, config.frames, torch.float32,
                                 torch.device("cpu"), generator)
+
+
+IMAGE_NAMES = ("image_embeds", "condition")
+
+
+def encode_image(pipe, config, image, devices) -> dict:
+    """The image conditioning of ``WanImageToVideoPipeline``, by its own functions, once per
+    run, then frees the image encoder.
+
+    Returns:
+        "condition": (1, 4 + z_dim, F', h, w) float32: the first-frame mask (4 channels) and
+            the normalised posterior mode of the VAE-encoded [image, zeros x (frames - 1)]
+            video at output size (``prepare_latents``).
+        "image_embeds" (Wan 2.1 I2V only, ``image_encoder`` present): (1, 257, 1280) CLIP
+            penultimate hidden states in the model dtype (``encode_image``).
+    The VAE encode runs on the host here (seconds for the tiny checkpoint; minutes for
+    81 frames at 720p on a CPU: an on-device encode is future work, see README).
+    """
+    import torch
+
+    cpu = torch.device("cpu")
+    out = {}
+    with torch.no_grad():
+        if getattr(pipe, "image_encoder", None) is not None:
+            out["image_embeds"] = pipe.encode_image(image, cpu).to(getattr(torch, config.dtype))
+            pipe.image_encoder = None  # CLIP ViT-H is 1.3 GB in float32; done with it
+        video = pipe.video_processor.preprocess(image, height=config.height,
+                                                width=config.width).to(cpu, torch.float32)
+        # prepare_latents also draws noise; its generator only feeds that (the encode takes
+        # the posterior mode), so any seed gives the same condition.
+        _, out["condition"] = pipe.prepare_latents(
+            video, 1, pipe.vae.config.z_dim, config.height, config.width, config.frames,
+            torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
+    return out
 
 
 def model_inputs(embeds: dict, config) -> dict:
@@ -322,11 +423,20 @@ def model_inputs(embeds: dict, config) -> dict:
     (``--guidance_scale_2``) runs the same program (``engine.experts``)."""
     import torch
 
+    dtype = getattr(torch, config.dtype)
     pos = embeds["prompt_embeds"]
     x = torch.cat([pos, embeds["negative_prompt_embeds"]]) if config.use_cfg else pos
-    return {"encoder_hidden_states": x.to(getattr(torch, config.dtype)),
-            "guidance_scale": torch.full((x.shape[0],), config.guidance_scale,
-                                         dtype=torch.float32)}
+    out = {"encoder_hidden_states": x.to(dtype),
+           "guidance_scale": torch.full((x.shape[0],), config.guidance_scale,
+                                        dtype=torch.float32)}
+    # Image-to-video: the same condition and image embeddings for both CFG passes, as
+    # WanImageToVideoPipeline passes them; one row per pass so they split over dp too.
+    if "condition" in embeds:  # (B, 4 + z_dim, F', h, w)
+        out["condition"] = embeds["condition"].to(dtype).repeat(x.shape[0], 1, 1, 1, 1)
+    if "image_embeds" in embeds:  # (B, 257, image_dim)
+        out["encoder_hidden_states_image"] = embeds["image_embeds"].to(dtype).repeat(
+            x.shape[0], 1, 1)
+    return out
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
@@ -366,9 +476,12 @@ def step_fn(jm, config):
         # A 0-d tensor does not promote the bf16 predictions: the combination stays in the
         # model dtype, as diffusers' Python-float scale keeps it.
         scale = constant if scale is None else scale[0]
+        condition = inputs.pop("condition", None)
         x = latents.to(dtype)  # diffusers: latent_model_input = latents.to(transformer_dtype)
         if cfg:
             x = torch.cat([x, x])  # (2, C, F, H, W): [cond, uncond]
+        if condition is not None:  # image-to-video: (B, C + 4 + C, F, H, W)
+            x = torch.cat([x, condition], dim=1)
         t = timestep.expand(x.shape[0])
         out = jm.functional_call("forward", params, buffers, hidden_states=x, timestep=t,
                                  return_dict=False, **inputs)[0]
@@ -390,6 +503,12 @@ COLUMN_PARALLEL_RULES = (
     (r"blocks\.\d+\.attn[12]\.norm_[qk]\.weight$", ("tp",)),
     (r"blocks\.\d+\.ffn\.net\.0\.proj\.weight$", ("tp", None)),
     (r"blocks\.\d+\.ffn\.net\.0\.proj\.bias$", ("tp",)),
+    # Wan 2.1 I2V's image cross-attention (257 CLIP keys): 2.1 B parameters at 14B, which
+    # replicated would cost 3 GiB more per chip at tp4. norm_added_k is an RMSNorm across
+    # heads, like norm_k: split with its projection.
+    (r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj)\.weight$", ("tp", None)),
+    (r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj)\.bias$", ("tp",)),
+    (r"blocks\.\d+\.attn2\.norm_added_k\.weight$", ("tp",)),
     (r"condition_embedder\.(time_embedder|text_embedder)\.linear_1\.weight$", ("tp", None)),
     (r"condition_embedder\.(time_embedder|text_embedder)\.linear_1\.bias$", ("tp",)),
 )
@@ -517,7 +636,7 @@ def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool
 
 FAMILY = ModelFamily(
     name="Wan",
-    pipeline_classes=("WanPipeline",),
+    pipeline_classes=("WanPipeline", I2V_PIPELINE),
     defaults=DEFAULTS,
     shipped_configs=("Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                      "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
@@ -525,7 +644,7 @@ FAMILY = ModelFamily(
     required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
     components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
                 "denoise": ("transformer",), "decode": ("vae",)},
-    weight_folders={"text_encoder": ("text_encoder",),
+    weight_folders={"text_encoder": ("text_encoder", "image_encoder"),
                     "transformer": ("transformer", "transformer_2"), "vae": ("vae",)},
     frame_step=VAE_TEMPORAL_SCALE,
     # Wan 2.1's VAE x patch; a Wan 2.2 VAE (16x) makes it 32 (``checkpoint_defaults``).
@@ -554,5 +673,8 @@ FAMILY = ModelFamily(
     check_flags=lambda values: None,
     scheduler_sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
     timestep_dtype="int32",
-    optional_folders=("transformer_2",),
+    optional_folders=("transformer_2", "image_encoder"),
+    image_mode=image_mode,
+    encode_image=encode_image,
+    image_names=IMAGE_NAMES,
 )

@@ -19,6 +19,13 @@ Wan 2.2 layouts, both run by the same ``WanPipeline``:
                                      (z_dim 48, 2x2 patchify, is_residual, 16x spatial) and
                                      ``expand_timesteps`` true in model_index.json.
 
+Image-to-video layouts (``WanImageToVideoPipeline``):
+    --i2v                            Wan 2.1 I2V style: 36 input channels (16 noisy, 4 mask,
+                                     16 condition), image cross-attention (``image_dim``,
+                                     ``added_kv_proj_dim``) and a tiny CLIP vision encoder
+                                     with its ``CLIPImageProcessor``.
+    --i2v --experts 2                Wan 2.2 I2V-A14B style: two experts, no CLIP.
+
 Usage:
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan22-a14b --experts 2 \
@@ -49,6 +56,10 @@ An astronaut rides a horse on the moon, photorealistic, wide angle lens.
 """
 
 
+# Hidden size of the tiny CLIP vision encoder (ViT-H/14's is 1280).
+CLIP_DIM = 24
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", default="checkpoints/tiny-wan", help="output folder")
@@ -64,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --experts 2: model_index.json's boundary_ratio (A14B: 0.875)")
     p.add_argument("--ti2v", action="store_true",
                    help="Wan 2.2 TI2V-5B layout: 48 channels, Wan 2.2 VAE, expand_timesteps")
+    p.add_argument("--i2v", action="store_true",
+                   help="image-to-video layout (WanImageToVideoPipeline): Wan 2.1 I2V with "
+                        "CLIP, or with --experts 2 Wan 2.2 I2V-A14B")
     p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
     return p.parse_args(argv)
 
@@ -126,14 +140,19 @@ def build_pipeline(args: argparse.Namespace):
         )
     ).eval()
     channels = 48 if args.ti2v else 16
+    # Wan 2.1 I2V: CLIP penultimate states (CLIP_DIM wide) enter an image cross-attention.
+    clip = args.i2v and args.experts == 1
+    image_kw = dict(image_dim=CLIP_DIM, added_kv_proj_dim=args.heads * args.head_dim) \
+        if clip else {}
 
     def new_transformer():
         return WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=args.heads,
             attention_head_dim=args.head_dim,
-            in_channels=channels,
+            in_channels=channels + (4 + channels if args.i2v else 0),
             out_channels=channels,
+            **image_kw,
             text_dim=args.text_dim,
             freq_dim=256,
             ffn_dim=args.ffn_dim,
@@ -183,6 +202,20 @@ def build_pipeline(args: argparse.Namespace):
         num_train_timesteps=1000,
         flow_shift=3.0,
     )
+    if args.i2v:
+        from diffusers import WanImageToVideoPipeline
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        image_encoder = CLIPVisionModel(CLIPVisionConfig(
+            hidden_size=CLIP_DIM, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=2, image_size=32, patch_size=8)).eval() if clip else None
+        processor = CLIPImageProcessor(size={"shortest_edge": 32},
+                                       crop_size={"height": 32, "width": 32}) if clip else None
+        return WanImageToVideoPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+            image_processor=processor, image_encoder=image_encoder, transformer=transformer,
+            transformer_2=transformer_2,
+            boundary_ratio=args.boundary_ratio if args.experts == 2 else None)
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -203,7 +236,7 @@ def main(argv=None) -> int:
         return 0
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     kind = ("Wan 2.2 two-expert" if args.experts == 2 else "Wan 2.2 TI2V-style" if args.ti2v
-            else "Wan 2.1")
+            else "Wan 2.1") + (" image-to-video" if args.i2v else "")
     print(f"wrote tiny {kind} checkpoint to {out} (transformer: {n_params:,} parameters"
           + (", twice" if args.experts == 2 else "") + ")")
     return 0

@@ -1,0 +1,121 @@
+"""Wan image-to-video (``WanImageToVideoPipeline``, ``--image``) against diffusers' eager
+pipeline on tiny random checkpoints (tools/make_tiny_checkpoint.py --i2v): Wan 2.1 I2V with a
+CLIP image encoder, and Wan 2.2 I2V-A14B with two experts and no CLIP."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+import generate_flax
+from families import wan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST_FRAME = os.path.join(ROOT, "tests", "data", "first_frame.png")
+SHAPE = dict(height=64, width=128, frames=5)
+STEPS, SHIFT, SEED = 3, 5.0, 4
+
+
+@pytest.fixture(scope="session")
+def i2v_checkpoint(tmp_path_factory):
+    from conftest import _build
+
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-i2v", "--i2v")
+
+
+@pytest.fixture(scope="session")
+def i2v_two_expert_checkpoint(tmp_path_factory):
+    from conftest import _build
+
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-i2v", "--i2v",
+                  "--experts", "2", "--boundary_ratio", "0.9")
+
+
+def _reference(checkpoint, image_path, **kw):
+    """diffusers' WanImageToVideoPipeline.__call__, eager float32 PyTorch on CPU."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline
+    from diffusers.utils import load_image
+
+    vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae", dtype=torch.float32)
+    pipe = WanImageToVideoPipeline.from_pretrained(checkpoint, vae=vae, dtype=torch.float32)
+    pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config,
+                                                         flow_shift=SHIFT)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        out = pipe(image=load_image(image_path), prompt=wan.DEFAULTS["prompt"],
+                   negative_prompt=wan.DEFAULTS["negative_prompt"], num_inference_steps=STEPS,
+                   generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
+                   num_frames=SHAPE["frames"], height=SHAPE["height"], width=SHAPE["width"],
+                   **kw)
+    return out.frames[0]
+
+
+def _ours(checkpoint, image_path, flags=(), devices=None):
+    image = ["--image", image_path] if image_path else []
+    config = generate_flax.validate_args(generate_flax.parse_args([
+        "--model_id", checkpoint, *image, "--dtype", "float32",
+        "--seed", str(SEED), "--flow_shift", str(SHIFT), "--num_inference_steps", str(STEPS),
+        "--num_iterations", "1", "--warmup_steps", "0", "--height", str(SHAPE["height"]),
+        "--width", str(SHAPE["width"]), "--frames", str(SHAPE["frames"]),
+        "--attention", "xla", "--compilation_cache_dir", "none", *flags]))
+    return generate_flax.generate(config, devices=devices)
+
+
+def test_wan21_i2v_matches_diffusers(i2v_checkpoint, tmp_path):
+    """CLIP embeddings, the 20-channel condition and the image cross-attention: 1 device and
+    dp2 x tp2 x sp2 equal diffusers' eager pipeline; another image moves the video by far
+    more than the tolerance."""
+    ref = _reference(i2v_checkpoint, FIRST_FRAME, guidance_scale=5.0)
+    one, report = _ours(i2v_checkpoint, FIRST_FRAME, ["--guidance_scale", "5"],
+                        devices=jax.devices()[:1])
+    assert ref.std() > 0.01
+    np.testing.assert_allclose(one, ref, atol=1e-3, rtol=0)
+    assert report["settings"]["image"]["sha256"] and "image_encode_s" in report["timings"]
+    mesh8, report8 = _ours(i2v_checkpoint, FIRST_FRAME, ["--guidance_scale", "5", "--dp", "2",
+                                                         "--tp", "2", "--sp", "2"])
+    np.testing.assert_allclose(mesh8, ref, atol=1e-3, rtol=0)
+    assert report8["mesh"] == {"dp": 2, "tp": 2, "sp": 2} and report8["fallbacks"] == []
+    # The image cross-attention's K/V projections are split over tp like to_k/to_v.
+    matched = report8["sharding_rule_matches"]
+    assert any("add_k_proj" in rule and n > 0 for rule, n in matched.items()), matched
+    flipped = str(tmp_path / "flipped.png")
+    ImageOps.mirror(Image.open(FIRST_FRAME)).save(flipped)
+    other, _ = _ours(i2v_checkpoint, flipped, ["--guidance_scale", "5"],
+                     devices=jax.devices()[:1])
+    assert np.abs(other - ref).max() > 0.1
+
+
+def test_wan22_i2v_two_experts_match_diffusers(i2v_two_expert_checkpoint):
+    """No CLIP; the high-noise expert for t >= 900, then the low-noise one, each with its
+    scale, as diffusers' two-expert image-to-video loop."""
+    ref = _reference(i2v_two_expert_checkpoint, FIRST_FRAME, guidance_scale=4.0,
+                     guidance_scale_2=2.0)
+    ours, report = _ours(i2v_two_expert_checkpoint, FIRST_FRAME,
+                         ["--guidance_scale", "4", "--guidance_scale_2", "2"],
+                         devices=jax.devices()[:1])
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    assert report["experts"]["steps_per_expert"]["transformer"] > 0
+    assert report["experts"]["steps_per_expert"]["transformer_2"] > 0
+
+
+def test_image_is_required_for_an_i2v_checkpoint(i2v_checkpoint, tmp_path, capsys):
+    code = generate_flax.cli(["--model_id", i2v_checkpoint, "--output_dir",
+                              str(tmp_path / "out")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "--image=None" in line and "image-to-video checkpoint" in line, line
+
+
+def test_staged_i2v_denoise_needs_no_image(i2v_checkpoint, tmp_path):
+    """--stage encode stores the CLIP embeddings and the condition with the prompt
+    embeddings; denoise and decode run without --image (no image encoder loads) and give
+    diffusers' frames."""
+    ref = _reference(i2v_checkpoint, FIRST_FRAME, guidance_scale=5.0)
+    stage = ["--guidance_scale", "5", "--work_dir", str(tmp_path / "work"), "--stage"]
+    one = jax.devices()[:1]
+    _ours(i2v_checkpoint, FIRST_FRAME, stage + ["encode"], devices=one)
+    _ours(i2v_checkpoint, None, stage + ["denoise"], devices=one)
+    frames, _ = _ours(i2v_checkpoint, None, stage + ["decode"], devices=one)
+    np.testing.assert_allclose(frames, ref, atol=1e-3, rtol=0)
