@@ -79,7 +79,8 @@ def check_for_model(args, family) -> ImageInfo | None:
     """``args.image`` against what ``args.model_id`` takes: ``family.image_mode(model_id)``
     is "none" (text-to-video only), "optional" (TI2V-5B: either), or "required" (an
     image-to-video checkpoint). ``--stage denoise`` / ``decode`` need no image (the encode
-    stage stored the image conditioning with the prompt embeddings).
+    stage stored the image conditioning with the prompt embeddings), nor does ``--dry_run``
+    (it compiles with abstract inputs).
 
     Raises:
         UsageError: an image for a text-to-video checkpoint, none for an image-to-video one,
@@ -88,7 +89,7 @@ def check_for_model(args, family) -> ImageInfo | None:
     path, model_id = args.image, args.model_id
     mode = family.image_mode(model_id)
     if path is None:
-        if mode == "required" and args.stage in ("all", "encode"):
+        if mode == "required" and args.stage in ("all", "encode") and not args.dry_run:
             fail("--image", None, f"--model_id={model_id!r} is an image-to-video checkpoint: "
                  "give the first frame with --image PATH (PNG, JPEG or WebP)")
         return None
