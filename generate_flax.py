@@ -280,6 +280,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                                                                   defaults)
     sources = {k: v for k, v in defaults.get("sources", {}).items()
                if getattr(args, k, None) is None} or None
+    image_info = check_for_model(args, family, values)  # may size the video from the image
     _validate_size(family, values, defaults.get("pixel_multiple", family.pixel_multiple))
     broken = family.check_flags(values)
     if broken is not None:
@@ -300,7 +301,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         _validate_output_dir(args.profile_dir, flag="--profile_dir")
     _validate_output_dir(args.output_dir)
     extras = dict(videos=videos.plan(args, values),
-                  image=check_for_model(args, family),
+                  image=image_info,
                   lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
                   lora_2=lora.validate(args.lora_2, family_key, args.model_id, args.dtype,
                                        "--lora_2"),

@@ -156,6 +156,44 @@ def _vae_rows(config, decoder, latents, capacity: int) -> list:
         return [_oom_row("VAE decode", e, time.perf_counter() - t0, capacity)]
 
 
+def _encode_rows(config, family, vae, devices, capacity: int) -> list:
+    """Image-to-video: the chunked VAE encode of the conditioning video (``engine/
+    vae_encode.py``), on its own all-device mesh as a run builds it. It runs before the
+    transformer is placed, so nothing else is resident."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    from engine import vae_encode
+    from engine.abstract import abstract_arrays
+
+    if (config.dry_run_skip_vae or family.image_mode(config.model_id) == "none"
+            or vae.config.patch_size is not None):
+        return []
+    print(f"compiling the VAE encode for {config.topology}...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        mesh = vae_encode.mesh_for(devices)
+        jv = interop.JittableModule(vae)
+        parts = {kind: abstract_arrays({k: v for k, v in getattr(jv, kind).items()
+                                        if vae_encode.is_encode_weight(k)}, mesh)
+                 for kind in ("params", "buffers")}
+        encoder = vae_encode.ChunkedEncoder(dict(module=jv, **parts), mesh, vae, abstract=True)
+        shape = (1, 3, config.frames, config.height, config.width)
+        video = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=encoder.spatial(
+            shape) or NamedSharding(mesh, P()))
+        seconds = encoder.compile(video)
+        mem = encoder.memory()
+        return [dict(program=f"VAE encode ({mem['programs']} programs, peak)",
+                     argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
+                     temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
+                     capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
+                     flops=None, compile_s=seconds)]
+    except Exception as e:
+        return [_oom_row("VAE encode", e, time.perf_counter() - t0, capacity)]
+
+
 def _leaves(tree) -> list:
     import jax
 
@@ -174,7 +212,8 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
                                                      *vae_placed["buffers"].values()])
                 + (experts - 1) * step_weights,
                 "VAE decode": experts * step_weights + _per_chip_bytes(_leaves(inputs))
-                + 2 * video_bytes}
+                + 2 * video_bytes,
+                "VAE encode": 0}  # image-to-video: before anything else is placed
     for r in rows:
         r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
         if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
@@ -237,6 +276,7 @@ def dry_run(config, family) -> tuple[int, dict]:
                           cfg["num_layers"])]
     decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.vae_tiling, abstract=True)
     rows += _vae_rows(config, decoder, latents, capacity)
+    rows += _encode_rows(config, family, vae, devices, capacity)
     video = 3 * config.frames * config.height * config.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
     n_experts = experts.count(read_model_index(config.model_id))

@@ -75,12 +75,16 @@ def check_image(path: str, flag: str = "--image") -> ImageInfo:
                      mode=mode, sha256=digest)
 
 
-def check_for_model(args, family) -> ImageInfo | None:
+def check_for_model(args, family, values: dict | None = None) -> ImageInfo | None:
     """``args.image`` against what ``args.model_id`` takes: ``family.image_mode(model_id)``
     is "none" (text-to-video only), "optional" (TI2V-5B: either), or "required" (an
     image-to-video checkpoint). ``--stage denoise`` / ``decode`` need no image (the encode
     stage stored the image conditioning with the prompt embeddings), nor does ``--dry_run``
     (it compiles with abstract inputs).
+
+    A family whose pipeline sizes the video from the image (``family.image_size``:
+    HunyuanVideo-1.5's aspect-ratio bucket) sets ``values["height"]`` / ``["width"]`` here
+    unless ``--height`` / ``--width`` were given.
 
     Raises:
         UsageError: an image for a text-to-video checkpoint, none for an image-to-video one,
@@ -97,6 +101,10 @@ def check_for_model(args, family) -> ImageInfo | None:
     if mode == "none":
         fail("--image", path, f"--model_id={model_id!r} is a text-to-video checkpoint; "
              "--image needs an image-to-video one (see README 'Image-to-video')")
+    if values is not None and family.image_size is not None:
+        height, width = family.image_size(model_id, info)
+        values["height"] = values["height"] if args.height is not None else height
+        values["width"] = values["width"] if args.width is not None else width
     return info
 
 

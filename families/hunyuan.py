@@ -39,6 +39,9 @@ VAE_SPATIAL_SCALE = 16
 # The pipeline hard-codes its text lengths in __init__, not in any config.
 QWEN_TOKENS = 1000
 BYT5_TOKENS = 256
+# SigLIP so400m-patch14-384: 27 x 27 patches (the image-to-video checkpoints' image tokens).
+SIGLIP_TOKENS = 729
+I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 
 DEFAULTS = dict(
     prompt="A cat walks on the grass, realistic style.",
@@ -123,9 +126,12 @@ def num_heads(cfg: dict) -> int:
     return cfg["num_attention_heads"]
 
 
-def text_tokens() -> int:
-    """Text tokens in the joint sequence: ByT5 then Qwen (the image tokens are left out)."""
-    return BYT5_TOKENS + QWEN_TOKENS
+def text_tokens(cfg: dict | None = None) -> int:
+    """Text-stream tokens in the joint sequence: ByT5 then Qwen, and for an image-to-video
+    transformer (``task_type`` "i2v") the SigLIP image tokens before them (in text-to-video
+    they are all padding and left out)."""
+    image = SIGLIP_TOKENS if cfg is not None and cfg.get("task_type") == "i2v" else 0
+    return image + BYT5_TOKENS + QWEN_TOKENS
 
 
 def transformer_flops(cfg: dict, config) -> float:
@@ -138,7 +144,7 @@ def transformer_flops(cfg: dict, config) -> float:
     are left out.
     """
     s = token_count(cfg, config.height, config.width, config.frames)
-    seq = s + text_tokens()
+    seq = s + text_tokens(cfg)
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     per_block = 8 * seq * d * d + 4 * seq * seq * d + 4 * cfg["mlp_ratio"] * seq * d * d
     return float(per_block * cfg["num_layers"] * config.batch)
@@ -146,7 +152,7 @@ def transformer_flops(cfg: dict, config) -> float:
 
 def self_attention_flops(cfg: dict, config) -> float:
     """The 4*L^2*D joint-attention term of ``transformer_flops``, all blocks and passes."""
-    seq = token_count(cfg, config.height, config.width, config.frames) + text_tokens()
+    seq = token_count(cfg, config.height, config.width, config.frames) + text_tokens(cfg)
     return float(4 * seq * seq * cfg["attention_head_dim"] * cfg["num_attention_heads"]
                  * cfg["num_layers"] * config.batch)
 
@@ -160,9 +166,10 @@ def empty_transformer(cfg: dict, dtype):
     """
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    if cfg.get("task_type", "t2v") != "t2v" or cfg.get("use_meanflow"):
+    if cfg.get("task_type", "t2v") not in ("t2v", "i2v") or cfg.get("use_meanflow"):
         raise UsageError(f"transformer task_type={cfg.get('task_type')!r}, use_meanflow="
-                         f"{cfg.get('use_meanflow')!r}: only text-to-video (t2v) is supported")
+                         f"{cfg.get('use_meanflow')!r}: only text- and image-to-video without "
+                         "MeanFlow (t2v, i2v) are supported")
     transformer = empty_model(HunyuanVideo15Transformer3DModel, cfg, dtype)
     install_attention_processors(transformer)
     return transformer
@@ -196,6 +203,7 @@ def load_pipeline(config, components):
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15ImageToVideoPipeline,
         HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
@@ -203,7 +211,12 @@ def load_pipeline(config, components):
     from engine.errors import first_line
 
     dtype = getattr(torch, config.dtype)
+    i2v = is_image_to_video(config.model_id)
+    if i2v and "text_encoder" in components:  # the encode stage also encodes the image
+        components = (*components, "vae")
     skip = {"transformer": None} if "transformer" not in components else {}
+    if i2v and "text_encoder" not in components:
+        skip.update(image_encoder=None, feature_extractor=None)
     if "vae" not in components:
         # The pipeline's __init__ reads vae.config (it cannot be None): meta weights, no RAM.
         skip["vae"] = empty_vae(config.model_id)
@@ -217,15 +230,16 @@ def load_pipeline(config, components):
         if "vae" in components:
             skip["vae"] = AutoencoderKLHunyuanVideo15.from_pretrained(
                 config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
-        pipe = HunyuanVideo15Pipeline.from_pretrained(config.model_id, dtype=dtype,
-                                                      use_safetensors=True, **skip)
+        cls = HunyuanVideo15ImageToVideoPipeline if i2v else HunyuanVideo15Pipeline
+        pipe = cls.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise GenerationError(
             f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
             from None
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         pipe.scheduler.config, shift=config.flow_shift)
-    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2,
+              getattr(pipe, "image_encoder", None)):
         if m is not None:
             m.eval()
     return pipe
@@ -296,7 +310,9 @@ def prepare_latents(pipe, config):
 def model_inputs(embeds: dict, config) -> dict:
     """The text inputs of the model call, batch [cond, uncond] with CFG:
     encoder_hidden_states (B, 1000, 3584) and encoder_hidden_states_2 (B, 256, 1472) in the
-    model dtype, their masks (B, 1000) and (B, 256) bool."""
+    model dtype, their masks (B, 1000) and (B, 256) bool. Image-to-video adds, the same for
+    both passes as the pipeline passes them: "image_embeds" (B, 729, 1152) and "condition"
+    (B, 33, F', h, w) = [image latents on frame 0, first-frame mask], model dtype."""
     import torch
 
     dtype = getattr(torch, config.dtype)
@@ -305,10 +321,70 @@ def model_inputs(embeds: dict, config) -> dict:
     def batch(name):
         return torch.cat([embeds[side + name] for side in sides])
 
-    return {"encoder_hidden_states": batch("prompt_embeds").to(dtype),
-            "encoder_attention_mask": batch("prompt_embeds_mask").bool(),
-            "encoder_hidden_states_2": batch("prompt_embeds_2").to(dtype),
-            "encoder_attention_mask_2": batch("prompt_embeds_mask_2").bool()}
+    out = {"encoder_hidden_states": batch("prompt_embeds").to(dtype),
+           "encoder_attention_mask": batch("prompt_embeds_mask").bool(),
+           "encoder_hidden_states_2": batch("prompt_embeds_2").to(dtype),
+           "encoder_attention_mask_2": batch("prompt_embeds_mask_2").bool()}
+    for name in IMAGE_NAMES:
+        if name in embeds:
+            x = embeds[name].to(dtype)
+            out[name] = x.repeat(len(sides), *(1,) * (x.ndim - 1))
+    return out
+
+
+IMAGE_NAMES = ("image_embeds", "condition")
+
+
+def is_image_to_video(model_id: str) -> bool:
+    """``model_index.json`` names ``HunyuanVideo15ImageToVideoPipeline``."""
+    from engine.checkpoint import read_model_index
+
+    return read_model_index(model_id).get("_class_name") == I2V_PIPELINE
+
+
+def image_mode(model_id: str) -> str:
+    return "required" if is_image_to_video(model_id) else "none"
+
+
+def image_size(model_id: str, info) -> tuple[int, int]:
+    """The (height, width) ``HunyuanVideo15ImageToVideoPipeline`` gives a video of this
+    image: the aspect-ratio bucket nearest the image's, at the transformer's
+    ``target_size`` (``HunyuanVideo15ImageProcessor.calculate_default_height_width``)."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import (
+        HunyuanVideo15ImageProcessor,
+    )
+
+    from engine.checkpoint import read_component_config
+    from engine.image import read_image
+
+    target = read_component_config(model_id, "transformer")["target_size"]
+    width, height = read_image(info).size  # after the EXIF orientation, as the pipeline
+    return HunyuanVideo15ImageProcessor(vae_scale_factor=VAE_SPATIAL_SCALE) \
+        .calculate_default_height_width(height=height, width=width, target_size=target)
+
+
+def encode_image(pipe, config, image, devices) -> dict:
+    """The image conditioning of ``HunyuanVideo15ImageToVideoPipeline``, by its own
+    functions, once per run, then frees the image encoder: the image resized and cropped to
+    the video size, its SigLIP ``last_hidden_state`` ("image_embeds", (1, 729, 1152)) and
+    its one-frame VAE encode on the host, scaled, on latent frame 0 beside a first-frame mask
+    ("condition", (1, 33, F', h, w)), both in the model dtype as the pipeline casts them. One
+    frame at 720p is about 5e12 FLOPs: seconds on a host CPU (``devices`` unused)."""
+    import torch
+
+    del devices
+    cpu, dtype = torch.device("cpu"), getattr(torch, config.dtype)
+    image = pipe.video_processor.resize(image, height=config.height, width=config.width,
+                                        resize_mode="crop")
+    s = pipe.vae_scale_factor_spatial
+    shape = (1, pipe.num_channels_latents, (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.height // s, config.width // s)
+    with torch.no_grad():
+        embeds = pipe.encode_image(image=image, batch_size=1, device=cpu, dtype=dtype)
+        cond, mask = pipe.prepare_cond_latents_and_mask(
+            torch.zeros(shape, dtype=dtype), image, 1, config.height, config.width, dtype, cpu)
+    pipe.image_encoder = None  # SigLIP so400m: 1.7 GB in float32; done with it
+    return {"image_embeds": embeds, "condition": torch.cat([cond, mask], dim=1)}
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
@@ -323,7 +399,11 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
         "encoder_hidden_states_2": jax.ShapeDtypeStruct(
             (b, BYT5_TOKENS, cfg["text_embed_2_dim"]), dtype),
         "encoder_attention_mask_2": jax.ShapeDtypeStruct((b, BYT5_TOKENS), jnp.bool_),
-    }
+    } | ({} if cfg.get("task_type") != "i2v" else {  # model_inputs' image-to-video inputs
+        "image_embeds": jax.ShapeDtypeStruct((b, SIGLIP_TOKENS, cfg["image_embed_dim"]), dtype),
+        "condition": jax.ShapeDtypeStruct(
+            (b, cfg["out_channels"] + 1, (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.height // VAE_SPATIAL_SCALE, config.width // VAE_SPATIAL_SCALE), dtype)})
 
 
 class KeyPaddingAttnProcessor:
@@ -395,7 +475,7 @@ def refine_text(refiner, text, timestep, mask):
 
 
 def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
-                encoder_hidden_states_2, encoder_attention_mask_2):
+                encoder_hidden_states_2, encoder_attention_mask_2, image_embeds=None):
     """``HunyuanVideo15Transformer3DModel.forward`` for text-to-video, traceable by ``jit``.
 
     Same modules and math as diffusers' forward; what differs is listed in the module
@@ -426,9 +506,14 @@ def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_a
     qwen = typed(refine_text(model.context_embedder, encoder_hidden_states, timestep,
                              encoder_attention_mask), 0)
     byt5 = typed(model.context_embedder_2(encoder_hidden_states_2), 1)
-    mask = torch.cat([encoder_attention_mask_2, encoder_attention_mask], dim=1)  # (B, T)
+    streams, masks = [byt5, qwen], [encoder_attention_mask_2, encoder_attention_mask]
+    if image_embeds is not None:  # image-to-video: 729 SigLIP tokens, all real, first
+        image = typed(model.image_embedder(image_embeds), 2)
+        streams.insert(0, image)
+        masks.insert(0, torch.ones_like(image[:, :, 0], dtype=torch.bool))
+    mask = torch.cat(masks, dim=1)  # (B, T)
     # diffusers zeroes padded text tokens; they only ever meet other padding here.
-    text = torch.cat([byt5, qwen], dim=1) * mask.unsqueeze(-1).to(byt5.dtype)
+    text = torch.cat(streams, dim=1) * mask.unsqueeze(-1).to(byt5.dtype)
     for block in model.transformer_blocks:
         video, text = block(video, text, temb, mask, rotary)
     out = model.proj_out(model.norm_out(video, temb))
@@ -454,11 +539,14 @@ def step_fn(jm, config):
     dtype, cfg, scale = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
 
     def step(params, buffers, latents, timestep, inputs):
+        inputs = dict(inputs)
+        condition = inputs.pop("condition", None)  # image-to-video: (B, 33, F, h, w)
         x = latents.to(dtype)
-        mask = x.new_zeros((x.shape[0], 1, *x.shape[2:]))
-        x = torch.cat([x, torch.zeros_like(x), mask], dim=1)  # (1, 65, F, h, w)
         if cfg:
             x = torch.cat([x, x])  # [cond, uncond]
+        if condition is None:  # text-to-video: zero condition latents and mask
+            condition = x.new_zeros((x.shape[0], x.shape[1] + 1, *x.shape[2:]))
+        x = torch.cat([x, condition], dim=1)  # (B, 65, F, h, w)
         t = timestep.expand(x.shape[0]).to(dtype)
         out = jm.functional_call(forward_t2v, params, buffers, x, t, **inputs)
         if cfg:
@@ -517,7 +605,7 @@ def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool
 
 FAMILY = ModelFamily(
     name="HunyuanVideo-1.5",
-    pipeline_classes=("HunyuanVideo15Pipeline",),
+    pipeline_classes=("HunyuanVideo15Pipeline", I2V_PIPELINE),
     defaults=DEFAULTS,
     shipped_configs=("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
                      "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"),
@@ -525,7 +613,7 @@ FAMILY = ModelFamily(
     required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
     components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
                 "denoise": ("transformer",), "decode": ("vae",)},
-    weight_folders={"text_encoder": ("text_encoder", "text_encoder_2"),
+    weight_folders={"text_encoder": ("text_encoder", "text_encoder_2", "image_encoder"),
                     "transformer": ("transformer",), "vae": ("vae",)},
     frame_step=VAE_TEMPORAL_SCALE,
     pixel_multiple=VAE_SPATIAL_SCALE,
@@ -553,4 +641,9 @@ FAMILY = ModelFamily(
     check_flags=check_flags,
     scheduler_sigmas=scheduler_sigmas,
     timestep_dtype="float32",
+    optional_folders=("image_encoder",),
+    image_mode=image_mode,
+    encode_image=encode_image,
+    image_names=IMAGE_NAMES,
+    image_size=image_size,
 )

@@ -168,3 +168,29 @@ def test_dry_run_compiles_the_chunked_vae_decode(tmp_path):
     video = 3 * 9 * 64 * 256 * 4 // 4
     assert abs(vae["resident_bytes"] - (step["argument_bytes"] + 2 * video)) < 2**20
     assert vae["total_bytes"] >= vae["argument_bytes"] + vae["temp_bytes"] + vae["resident_bytes"]
+
+
+def test_i2v_dry_run_compiles_the_vae_encode(tmp_path):
+    """Wan 2.1 I2V-14B (one block): the step takes the 20-channel condition and the 257 CLIP
+    tokens, and the chunked VAE encode (first frame, first chunk, later chunks) compiles for
+    the topology with the encoder's weights as its arguments; no --image is needed."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "generate_flax.py"),
+         "--model_id", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "--dry_run", "--topology",
+         "v5e:2x2", "--dry_run_layers", "1", "--height", "64", "--width", "256", "--frames",
+         "9", "--output_dir", str(tmp_path), "--no_plots"],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "*_dry_run.json"))
+    report = json.loads(open(path).read())
+    step, decode, encode = report["per_chip"]
+    assert encode["program"] == "VAE encode (3 programs, peak)" and encode["fits"]
+    assert encode["resident_bytes"] == 0  # it runs before the transformer is placed
+    encoder = vae_bytes(("encoder.", "quant_conv."))
+    assert encoder < encode["argument_bytes"] < vae_bytes()
+    # The image cross-attention's K/V weights (5120 x 5120 each, one block) matched their
+    # tp rule (rule_counts count parameters).
+    (n,) = [n for rule, n in report["sharding_rule_matches"].items()
+            if "add_k_proj" in rule and "weight" in rule]
+    assert n == 2 * 5120 * 5120

@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shift", type=float, default=9.0, help="flow-matching sigma shift")
     p.add_argument("--guidance_scale", type=float, default=6.0, help="CFG guidance scale")
     p.add_argument("--seed", type=int, default=0, help="torch seed for the random init")
+    p.add_argument("--i2v", action="store_true",
+                   help="image-to-video layout (HunyuanVideo15ImageToVideoPipeline): "
+                        "task_type i2v and a tiny SigLIP vision encoder with its processor")
     p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
     args = p.parse_args(argv)
     if args.rope_axes is None:
@@ -250,7 +253,7 @@ def build_pipeline(args: argparse.Namespace):
         image_embed_dim=args.image_embed_dim,
         rope_axes_dim=tuple(args.rope_axes),
         target_size=args.target_size,
-        task_type="t2v",
+        task_type="i2v" if args.i2v else "t2v",
     ).eval()
 
     vae = AutoencoderKLHunyuanVideo15(
@@ -265,6 +268,20 @@ def build_pipeline(args: argparse.Namespace):
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
     guider = ClassifierFreeGuidance(guidance_scale=args.guidance_scale)
+    if args.i2v:
+        # SigLIP (so400m-patch14-384 in the real checkpoint: 729 tokens x 1152) shrunk to
+        # 32 px / 8 px patches: 16 tokens of image_embed_dim.
+        from diffusers import HunyuanVideo15ImageToVideoPipeline
+        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+        image_encoder = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=args.image_embed_dim, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, image_size=32, patch_size=8)).eval()
+        return HunyuanVideo15ImageToVideoPipeline(
+            text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+            scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+            guider=guider, image_encoder=image_encoder,
+            feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}))
     return HunyuanVideo15Pipeline(
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -295,7 +312,8 @@ def main(argv=None) -> int:
         f"{name}: {sum(p.numel() for p in getattr(pipe, name).parameters()):,}"
         for name in ("transformer", "vae", "text_encoder", "text_encoder_2")
     )
-    print(f"wrote tiny HunyuanVideo-1.5 T2V checkpoint to {out} ({sizes} parameters)")
+    kind = "I2V" if args.i2v else "T2V"
+    print(f"wrote tiny HunyuanVideo-1.5 {kind} checkpoint to {out} ({sizes} parameters)")
     return 0
 
 
