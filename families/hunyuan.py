@@ -126,11 +126,12 @@ def num_heads(cfg: dict) -> int:
     return cfg["num_attention_heads"]
 
 
-def text_tokens(cfg: dict | None = None) -> int:
+def text_tokens(model_id: str | None = None) -> int:
     """Text-stream tokens in the joint sequence: ByT5 then Qwen, and for an image-to-video
-    transformer (``task_type`` "i2v") the SigLIP image tokens before them (in text-to-video
-    they are all padding and left out)."""
-    image = SIGLIP_TOKENS if cfg is not None and cfg.get("task_type") == "i2v" else 0
+    checkpoint the SigLIP image tokens before them (in text-to-video they are all padding
+    and left out). Told apart by the pipeline class, not the transformer's ``task_type``:
+    the public 480p T2V transformer says "i2v" (a slip of the conversion script)."""
+    image = SIGLIP_TOKENS if model_id is not None and is_image_to_video(model_id) else 0
     return image + BYT5_TOKENS + QWEN_TOKENS
 
 
@@ -144,7 +145,7 @@ def transformer_flops(cfg: dict, config) -> float:
     are left out.
     """
     s = token_count(cfg, config.height, config.width, config.frames)
-    seq = s + text_tokens(cfg)
+    seq = s + text_tokens(config.model_id)
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     per_block = 8 * seq * d * d + 4 * seq * seq * d + 4 * cfg["mlp_ratio"] * seq * d * d
     return float(per_block * cfg["num_layers"] * config.batch)
@@ -152,7 +153,8 @@ def transformer_flops(cfg: dict, config) -> float:
 
 def self_attention_flops(cfg: dict, config) -> float:
     """The 4*L^2*D joint-attention term of ``transformer_flops``, all blocks and passes."""
-    seq = token_count(cfg, config.height, config.width, config.frames) + text_tokens(cfg)
+    seq = token_count(cfg, config.height, config.width, config.frames) + text_tokens(
+        config.model_id)
     return float(4 * seq * seq * cfg["attention_head_dim"] * cfg["num_attention_heads"]
                  * cfg["num_layers"] * config.batch)
 
@@ -399,7 +401,7 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
         "encoder_hidden_states_2": jax.ShapeDtypeStruct(
             (b, BYT5_TOKENS, cfg["text_embed_2_dim"]), dtype),
         "encoder_attention_mask_2": jax.ShapeDtypeStruct((b, BYT5_TOKENS), jnp.bool_),
-    } | ({} if cfg.get("task_type") != "i2v" else {  # model_inputs' image-to-video inputs
+    } | ({} if not is_image_to_video(config.model_id) else {  # model_inputs' image inputs
         "image_embeds": jax.ShapeDtypeStruct((b, SIGLIP_TOKENS, cfg["image_embed_dim"]), dtype),
         "condition": jax.ShapeDtypeStruct(
             (b, cfg["out_channels"] + 1, (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
@@ -608,7 +610,8 @@ FAMILY = ModelFamily(
     pipeline_classes=("HunyuanVideo15Pipeline", I2V_PIPELINE),
     defaults=DEFAULTS,
     shipped_configs=("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
-                     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"),
+                     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+                     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v"),
     download_hint=DOWNLOAD_HINT,
     required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
     components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
