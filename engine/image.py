@@ -101,10 +101,10 @@ def check_for_model(args, family, values: dict | None = None) -> ImageInfo | Non
     if mode == "none":
         fail("--image", path, f"--model_id={model_id!r} is a text-to-video checkpoint; "
              "--image needs an image-to-video one (see README 'Image-to-video')")
-    if values is not None and family.image_size is not None:
-        height, width = family.image_size(model_id, info)
-        values["height"] = values["height"] if args.height is not None else height
-        values["width"] = values["width"] if args.width is not None else width
+    size = family.image_size(model_id, info) if values is not None else None
+    if size is not None:
+        values["height"] = values["height"] if args.height is not None else size[0]
+        values["width"] = values["width"] if args.width is not None else size[1]
     return info
 
 

@@ -87,8 +87,8 @@ class ModelFamily:
             every video's embeddings: ``model_inputs`` gets them and the encode stage stores
             them, so a staged denoise needs no image encoder.
         image_names: the names ``encode_image`` returns.
-        image_size: optional ``f(model_id, engine.image.ImageInfo) -> (height, width)``: the
-            size the pipeline gives a video of this image when no --height/--width is given.
+        image_size(model_id, engine.image.ImageInfo) -> (height, width) the pipeline gives a
+            video of this image when no --height/--width is given, or None (the flags' size).
     """
 
     name: str
@@ -129,7 +129,7 @@ class ModelFamily:
     image_mode: Callable = lambda model_id: "none"
     encode_image: Callable | None = None
     image_names: tuple[str, ...] = ()
-    image_size: Callable | None = None
+    image_size: Callable = lambda model_id, info: None
 
 
 def empty_model(cls, cfg: dict, dtype):

@@ -205,7 +205,6 @@ def load_pipeline(config, components):
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15ImageToVideoPipeline,
         HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
@@ -232,7 +231,10 @@ def load_pipeline(config, components):
         if "vae" in components:
             skip["vae"] = AutoencoderKLHunyuanVideo15.from_pretrained(
                 config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
-        cls = HunyuanVideo15ImageToVideoPipeline if i2v else HunyuanVideo15Pipeline
+        if i2v:  # imported only then: it pulls in transformers' SigLIP processor
+            from diffusers import HunyuanVideo15ImageToVideoPipeline as cls
+        else:
+            cls = HunyuanVideo15Pipeline
         pipe = cls.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise GenerationError(

@@ -251,12 +251,7 @@ def load_pipeline(config, components):
         GenerationError: the weights could not be found or read.
     """
     import torch
-    from diffusers import (
-        AutoencoderKLWan,
-        WanImageToVideoPipeline,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     from engine.checkpoint import read_model_index
     from engine.errors import first_line
@@ -284,7 +279,10 @@ def load_pipeline(config, components):
         if "vae" in components:
             skip["vae"] = AutoencoderKLWan.from_pretrained(
                 config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
-        cls = WanImageToVideoPipeline if i2v else WanPipeline
+        if i2v:  # imported only then: it pulls in transformers' CLIP processor (a warning)
+            from diffusers import WanImageToVideoPipeline as cls
+        else:
+            cls = WanPipeline
         pipe = cls.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise GenerationError(
@@ -696,6 +694,7 @@ FAMILY = ModelFamily(
     scheduler_sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
     timestep_dtype="int32",
     optional_folders=("transformer_2", "image_encoder"),
+    image_size=lambda model_id, info: None,  # the flags' (or family default) size
     image_mode=image_mode,
     encode_image=encode_image,
     image_names=IMAGE_NAMES,

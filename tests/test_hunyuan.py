@@ -127,7 +127,7 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     (["--height", "40"], "--height=40"),
     (["--megatron_sp"], "--megatron_sp=True: not supported for HunyuanVideo-1.5"),
     (["--scheduler", "unipc"], "--scheduler='unipc': HunyuanVideo-1.5 runs its own"),
-    (["--lora", "x.safetensors"], "--lora='x.safetensors': LoRAs are supported for Wan 2.1"),
+    (["--lora", "x.safetensors"], "--lora='x.safetensors': LoRAs are supported for Wan only"),
 ])
 def test_bad_flags_are_one_line_errors(hunyuan_checkpoint, argv, needle):
     from engine.errors import UsageError

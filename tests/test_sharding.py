@@ -111,6 +111,8 @@ def test_every_rule_matches_and_weights_are_really_sharded(tiny_checkpoint_8h):
     placed = sharding.place_module(_tiny_transformer(tiny_checkpoint_8h), mesh,
                              wan.transformer_sharding_rules())
     for rx, n in placed["rule_counts"].items():
+        if "add_" in rx or "norm_added" in rx:  # Wan 2.1 I2V's image cross-attention only
+            continue                             # (tests/test_wan_i2v.py, test_dry_run.py)
         assert n > 0, f"rule {rx} matched nothing"
     q = placed["params"]["blocks.0.attn1.to_q.weight"]  # (out=96, in=96), column-parallel
     assert q.sharding.spec == P("tp", None)
