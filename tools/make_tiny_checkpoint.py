@@ -26,6 +26,10 @@ Image-to-video layouts (``WanImageToVideoPipeline``):
                                      with its ``CLIPImageProcessor``.
     --i2v --experts 2                Wan 2.2 I2V-A14B style: two experts, no CLIP.
 
+The Wan 2.1 I2V transformer file also carries ``attn2.norm_added_q`` tensors the model does
+not have (some published Wan I2V checkpoints do; diffusers skips them through
+``_keys_to_ignore_on_load_unexpected``), so the loaders are tested on skipping them.
+
 Usage:
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan22-a14b --experts 2 \
@@ -108,6 +112,22 @@ def _unigram_vocab(tok) -> list[tuple[str, float]]:
 
     model = json.loads(tok.to_str())["model"]
     return [(piece, float(score)) for piece, score in model["vocab"]]
+
+
+def add_ignored_keys(folder: str) -> None:
+    """Add an ``attn2.norm_added_q.weight`` per block to the transformer's safetensors, as
+    some published Wan I2V checkpoints carry (``WanTransformer3DModel`` has no such module;
+    its ``_keys_to_ignore_on_load_unexpected`` makes ``from_pretrained`` skip them)."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    (path,) = glob.glob(os.path.join(folder, "transformer", "*.safetensors"))
+    tensors = load_file(path)
+    for name in [k for k in tensors if k.endswith("attn2.norm_added_k.weight")]:
+        tensors[name.replace("norm_added_k", "norm_added_q")] = tensors[name].clone() + 1
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def build_pipeline(args: argparse.Namespace):
@@ -234,6 +254,8 @@ def main(argv=None) -> int:
                                prefix=".tiny-wan-")
     if pipe is None:
         return 0
+    if args.i2v and args.experts == 1:
+        add_ignored_keys(out)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     kind = ("Wan 2.2 two-expert" if args.experts == 2 else "Wan 2.2 TI2V-style" if args.ti2v
             else "Wan 2.1") + (" image-to-video" if args.i2v else "")
