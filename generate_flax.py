@@ -282,7 +282,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                if getattr(args, k, None) is None} or None
     image_info = check_for_model(args, family, values)  # may size the video from the image
     _validate_size(family, values, defaults.get("pixel_multiple", family.pixel_multiple))
-    broken = family.check_flags(values)
+    broken = family.check_flags({**values, "model_id": args.model_id})
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
     if args.megatron_sp and not family.block_stack.sublayers:
@@ -593,7 +593,7 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
             step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
                                               inputs, timings, second)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
-                     sigmas=family.scheduler_sigmas, cache=cache)
+                     sigmas=family.scheduler_sigmas, cache=cache, finish=family.finish_latents)
     else:
         latents0 = placement.place_array(placement.host_array(staged), replicated)
     if config.stage in ("all", "decode"):

@@ -36,6 +36,9 @@ class Programs:
     vae_decode: latents -> (1, 3, F, H, W) float32 video in [-1, 1] (a ``ChunkedDecoder``).
     cache: ``engine.step_cache.StepCache`` (full and cached programs, schedule) with step
         caching on; ``step`` is then its full program's noise prediction.
+    finish: ``(final latents, embeds) -> latents`` after the loop, before the decode and
+        before a staged denoise saves them (the family's ``finish_latents``: TI2V-5B
+        image-to-video puts the image's latents back on frame 0).
     """
 
     step: Callable | None = None
@@ -45,6 +48,7 @@ class Programs:
     timesteps_sharding: Any = None
     vae_decode: Callable | None = None
     cache: Any = None
+    finish: Callable | None = None
 
 
 def timestep_array(t):
@@ -161,6 +165,8 @@ def _denoise_now(programs: Programs, loop, latents0, *, desc: str, call=None,
     scheduler, timesteps = loop
     latents = denoise(call or programs.step, scheduler, latents0, timesteps, programs.embeds,
                       desc=desc, step_times=step_times)
+    if programs.finish is not None:
+        latents = programs.finish(latents, programs.embeds)
     latents.block_until_ready()
     return latents
 

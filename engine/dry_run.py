@@ -168,8 +168,8 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
     from engine import vae_encode
     from engine.abstract import abstract_arrays
 
-    if (config.dry_run_skip_vae or family.image_mode(config.model_id) == "none"
-            or vae.config.patch_size is not None):
+    mode = family.image_mode(config.model_id)
+    if config.dry_run_skip_vae or mode == "none" or (mode == "optional" and not config.image):
         return []
     print(f"compiling the VAE encode for {config.topology}...", flush=True)
     t0 = time.perf_counter()
@@ -180,7 +180,9 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
                                         if vae_encode.is_encode_weight(k)}, mesh)
                  for kind in ("params", "buffers")}
         encoder = vae_encode.ChunkedEncoder(dict(module=jv, **parts), mesh, vae, abstract=True)
-        shape = (1, 3, config.frames, config.height, config.width)
+        # An "optional" checkpoint (TI2V-5B) encodes the image alone, one frame.
+        frames = 1 if mode == "optional" else config.frames
+        shape = (1, 3, frames, config.height, config.width)
         video = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=encoder.spatial(
             shape) or NamedSharding(mesh, P()))
         seconds = encoder.compile(video)

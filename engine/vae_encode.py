@@ -12,6 +12,10 @@ encodes 1/n of the width (GSPMD partitions the convs spatially and exchanges hal
 
 The zero frames cannot be skipped: the caches carry frame-1 features into them
 (``autoencoder_kl_wan.py`` ``_encode``; see ../shared/notes/wan-2.2-and-i2v.md).
+
+Wan 2.2 TI2V-5B encodes the image alone (one frame, one program) with the Wan 2.2 VAE. It
+runs here too: on this project's 2-core CPU host a 704x1280 frame took 33.9 s in float32
+(``AutoencoderKLWan.encode`` with the TI2V-5B VAE config, random weights), not seconds.
 """
 
 from __future__ import annotations
@@ -35,13 +39,18 @@ def chunks(frames: int) -> list[tuple[int, int]]:
                        for i in range((frames - 1) // TEMPORAL_CHUNK)]
 
 
-def _encode_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
+def _encode_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
+                     patch_size: int | None = None):
     """Torch function encoding one chunk with the causal-conv cache as explicit state:
     (params, buffers, x (1, 3, 1 or 4, H, W) float32 in [-1, 1], mean, inv_std, cache list)
-    -> (posterior mode (1, z_dim, 1, H/8, W/8) float32, new cache list). ``quant_conv`` is a
-    1x1x1 conv, so applying it per chunk equals applying it to the concatenated output;
-    the mode is the mean half of its channels (``DiagonalGaussianDistribution``)."""
+    -> (posterior mode (1, z_dim, 1, H/s, W/s) float32, new cache list), s the VAE's spatial
+    scale (8; 16 for Wan 2.2's). ``quant_conv`` is a 1x1x1 conv, so applying it per chunk
+    equals applying it to the concatenated output; the mode is the mean half of its channels
+    (``DiagonalGaussianDistribution``). The Wan 2.2 VAE (``patch_size`` 2) ``patchify``s the
+    whole video first (``AutoencoderKLWan._encode``); it moves each frame's 2x2 pixel blocks
+    into channels, so patchifying each chunk is the same."""
     import jax
+    from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
     from torchax import interop
 
     def run(model, x, feat):
@@ -54,6 +63,8 @@ def _encode_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
         del mean, inv_std  # the encode returns the raw posterior mode, as diffusers' encode
         if spatial is not None:
             x = constrain(x)
+        if patch_size is not None:
+            x = patchify(x, patch_size=patch_size)
         tensors = iter(cache)
         feat = [None if k == "none" else "Rep" if k == "rep" else next(tensors) for k in kinds]
         out = jm.functional_call(run, params, buffers, x, feat)
@@ -69,29 +80,26 @@ def _encode_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
 
 
 class ChunkedEncoder(ChunkedDecoder):
-    """Video (1, 3, F, H, W) float32 in [-1, 1] -> posterior mode (1, z_dim, (F-1)/4+1, H/8,
-    W/8) float32, on device: ``AutoencoderKLWan.encode(x).latent_dist.mode()``.
+    """Video (1, 3, F, H, W) float32 in [-1, 1] -> posterior mode (1, z_dim, (F-1)/4+1, H/s,
+    W/s) float32 (s = 8, or 16 for the Wan 2.2 VAE), on device:
+    ``AutoencoderKLWan.encode(x).latent_dist.mode()``.
 
     Args:
         placed: the VAE's encoder weights (``sharding.place_module`` with
             ``include=is_encode_weight``; replicated: a conv net's weights are small).
         mesh: any mesh; the width splits over all its devices when it divides.
-        vae: the diffusers ``AutoencoderKLWan`` (Wan 2.1's: no patchify).
+        vae: the diffusers ``AutoencoderKLWan`` (Wan 2.1's, or Wan 2.2's with patchify).
         abstract: deviceless AOT compile (dry run): shapes only.
 
     ``compile(video)`` (array or ShapeDtypeStruct) AOT-compiles every program and returns
     seconds; ``memory()`` gives the per-device HBM of the largest; call to encode.
-
-    Raises:
-        ValueError: a VAE with ``patch_size`` (Wan 2.2's: its one-frame encodes run on the
-            host).
     """
 
     def __init__(self, placed: dict, mesh, vae, *, abstract: bool = False):
-        if vae.config.patch_size is not None:
-            raise ValueError("ChunkedEncoder runs Wan 2.1's VAE (no patchify), got "
-                             f"patch_size {vae.config.patch_size}")
-        super().__init__(placed, mesh, chunk_fn=_encode_chunk_fn,
+        import functools
+
+        super().__init__(placed, mesh, chunk_fn=functools.partial(
+                             _encode_chunk_fn, patch_size=vae.config.patch_size),
                          initial_kinds=("none",) * vae._cached_conv_counts["encoder"],
                          latents_mean=vae.config.latents_mean,
                          latents_std=vae.config.latents_std, abstract=abstract)

@@ -71,7 +71,8 @@ class ModelFamily:
         checkpoint_defaults(model_id) -> {flag: value} the checkpoint's own configs set
             (e.g. its guider's guidance_scale, its scheduler's shift as "flow_shift"); they
             win over ``defaults``. May raise ``UsageError``.
-        check_flags(values) -> (flag, rule) a resolved flag value breaks, or None.
+        check_flags(values) -> (flag, rule) a resolved flag value breaks, or None; values
+            are the resolved family flags and "model_id".
         scheduler_sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for
             the scheduler's own spacing.
         timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
@@ -89,6 +90,9 @@ class ModelFamily:
         image_names: the names ``encode_image`` returns.
         image_size(model_id, engine.image.ImageInfo) -> (height, width) the pipeline gives a
             video of this image when no --height/--width is given, or None (the flags' size).
+        finish_latents(latents, inputs) -> latents: applied to the final latents (a
+            ``jax.Array``, with the placed model inputs) before the decode; the identity
+            unless the pipeline edits them after its loop (TI2V-5B image-to-video).
     """
 
     name: str
@@ -130,6 +134,7 @@ class ModelFamily:
     encode_image: Callable | None = None
     image_names: tuple[str, ...] = ()
     image_size: Callable = lambda model_id, info: None
+    finish_latents: Callable = lambda latents, inputs: latents
 
 
 def empty_model(cls, cfg: dict, dtype):

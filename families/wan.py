@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from engine.errors import GenerationError
 from engine.scan_layers import WAN_BLOCKS
-from families import ModelFamily, empty_model
+from families import ModelFamily, empty_model, wan_ti2v
 
 # Wan's VAEs compress 4x in time; the transformer patchifies 2x2. The spatial factor is the
 # VAE's: 8 for Wan 2.1's (z_dim 16), 16 for Wan 2.2's (z_dim 48: 8x from its blocks, 2x from
@@ -151,10 +151,20 @@ def is_image_to_video(model_id: str) -> bool:
     return read_model_index(model_id).get("_class_name") == I2V_PIPELINE
 
 
+def is_ti2v(model_id: str) -> bool:
+    """TI2V-5B: ``model_index.json``'s ``expand_timesteps`` (text- or image-to-video)."""
+    from engine.checkpoint import read_model_index
+
+    return bool(read_model_index(model_id).get("expand_timesteps"))
+
+
 def image_mode(model_id: str) -> str:
-    """"required" for an image-to-video checkpoint, else "none" (TI2V-5B image-to-video is
-    not supported yet)."""
-    return "required" if is_image_to_video(model_id) else "none"
+    """"required" for an image-to-video checkpoint, "optional" for TI2V-5B (its index names
+    ``WanPipeline``; with ``--image`` it runs as diffusers' ``WanImageToVideoPipeline``
+    with ``expand_timesteps``), else "none"."""
+    if is_image_to_video(model_id):
+        return "required"
+    return "optional" if is_ti2v(model_id) else "none"
 
 
 def checkpoint_defaults(model_id: str) -> dict:
@@ -169,6 +179,22 @@ def checkpoint_defaults(model_id: str) -> dict:
     if index.get("expand_timesteps"):
         return dict(WAN22_TI2V_DEFAULTS)
     return {}
+
+
+def check_flags(values: dict) -> tuple[str, str] | None:
+    """(flag, rule) a value breaks, or None. Wan 2.1 I2V's image cross-attention splits the
+    257 CLIP keys off the text at ``encoder_hidden_states.shape[1] - 512`` (diffusers 0.42.1
+    ``transformer_wan.py:89``, "hardcoded for now"): any other text length silently mixes
+    text and image keys."""
+    from engine.checkpoint import read_component_config
+
+    text = values["max_sequence_length"]
+    cfg = read_component_config(values["model_id"], "transformer") or {}
+    if text != 512 and cfg.get("image_dim"):
+        return ("--max_sequence_length", "must be 512 for a checkpoint with CLIP image "
+                "embeddings (Wan 2.1 I2V: diffusers splits the image keys off at 512 text "
+                "tokens)")
+    return None
 
 
 def default_flow_shift(height: int, width: int) -> float:
@@ -257,7 +283,9 @@ def load_pipeline(config, components):
     from engine.errors import first_line
 
     dtype = getattr(torch, config.dtype)
-    i2v = is_image_to_video(config.model_id)
+    # TI2V-5B with --image runs as diffusers does it: WanImageToVideoPipeline on its folder.
+    i2v = is_image_to_video(config.model_id) or (config.image is not None
+                                                 and is_ti2v(config.model_id))
     # Image-to-video: the encode stage also runs the image encoder and the VAE encode.
     if i2v and "text_encoder" in components:
         components = (*components, "vae")
@@ -358,28 +386,29 @@ def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | No
 
 
 def prepare_latents(pipe, config):
-    """Initial noise exactly as ``WanPipeline.prepare_latents`` draws it: a CPU
-    ``torch.Generator`` seeded with ``config.seed``. Returns a float32 CPU tensor
-    (1, 16, (frames-1)/4+1, height/8, width/8)."""
+    """Initial noise exactly as ``WanPipeline.prepare_latents`` and
+    ``WanImageToVideoPipeline.prepare_latents`` draw it: ``randn_tensor`` of the latent shape
+    with a CPU ``torch.Generator`` seeded with ``config.seed``, before anything else. Returns
+    a float32 CPU tensor (1, z_dim, (frames-1)/4+1, height/s, width/s), s = 8 (16 for the
+    Wan 2.2 VAE).
+
+    The shape comes from the transformer's config: z_dim is its ``out_channels`` (its
+    ``in_channels``, 36 for Wan I2V, also count the mask and condition), and the pipelines'
+    own ``vae_scale_factor_spatial`` is 8 whenever no VAE is loaded, as in a staged denoise.
+    """
     import torch
     from diffusers.utils.torch_utils import randn_tensor
 
     generator = torch.Generator("cpu").manual_seed(config.seed)
-    if is_image_to_video(config.model_id):
-        # WanImageToVideoPipeline draws the noise first, with the VAE's z_dim channels (the
-        # transformer's in_channels, 36, also count the mask and condition).
-        s = pipe.vae_scale_factor_spatial
-        shape = (1, pipe.transformer.config.out_channels,
-                 (config.frames - 1) // VAE_TEMPORAL_SCALE + 1, config.height // s,
-                 config.width // s)
-        return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
-                            dtype=torch.float32)
-    return pipe.prepare_latents(1, pipe.transformer.config.in_channels, config.height,
-                                config.width, config.frames, torch.float32,
-                                torch.device("cpu"), generator)
+    cfg = dict(pipe.transformer.config)
+    s = spatial_scale_for(cfg)
+    shape = (1, cfg["out_channels"], (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.height // s, config.width // s)
+    return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
+                        dtype=torch.float32)
 
 
-IMAGE_NAMES = ("image_embeds", "condition")
+IMAGE_NAMES = ("image_embeds", "condition", wan_ti2v.NAME)
 
 
 def encode_image(pipe, config, image, devices) -> dict:
@@ -392,9 +421,12 @@ def encode_image(pipe, config, image, devices) -> dict:
             video at output size (``prepare_latents``).
         "image_embeds" (Wan 2.1 I2V only, ``image_encoder`` present): (1, 257, 1280) CLIP
             penultimate hidden states in the model dtype (``encode_image``).
-    The VAE encode of the whole conditioning video runs on ``devices``
-    (``engine.vae_encode``: chunked, width-sharded; about 3.8e14 FLOPs at 720p x 81, minutes
-    on a CPU), standing in for ``vae.encode`` inside diffusers' own ``prepare_latents``.
+        "first_frame" (TI2V-5B only, in place of "condition"): (1, 48, 1, h, w) float32, the
+            normalised posterior mode of the image alone (``families.wan_ti2v``).
+    The VAE encode of the whole conditioning video (TI2V-5B: of the image) runs on
+    ``devices`` (``engine.vae_encode``: chunked, width-sharded; about 3.8e14 FLOPs at 720p x
+    81, minutes on a CPU; 34 s for TI2V-5B's one 704x1280 frame on a 2-core host), standing
+    in for ``vae.encode`` inside diffusers' own ``prepare_latents``.
     """
     import torch
 
@@ -410,11 +442,14 @@ def encode_image(pipe, config, image, devices) -> dict:
                                                 width=config.width).to(cpu, torch.float32)
         # prepare_latents also draws noise; its generator only feeds that (the encode takes
         # the posterior mode), so any seed gives the same condition.
+        args = (video, 1, pipe.vae.config.z_dim, config.height, config.width, config.frames,
+                torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
         pipe.vae.encode = DeviceEncode(pipe.vae, devices)
         try:
-            _, out["condition"] = pipe.prepare_latents(
-                video, 1, pipe.vae.config.z_dim, config.height, config.width, config.frames,
-                torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
+            if pipe.config.expand_timesteps:  # TI2V-5B: the image alone (one frame)
+                out[wan_ti2v.NAME] = pipe.prepare_latents(*args)[1]
+            else:
+                _, out["condition"] = pipe.prepare_latents(*args)
         finally:
             del pipe.vae.encode  # the class's own method again
     return out
@@ -441,6 +476,8 @@ def model_inputs(embeds: dict, config) -> dict:
     if "image_embeds" in embeds:  # (B, 257, image_dim)
         out["encoder_hidden_states_image"] = embeds["image_embeds"].to(dtype).repeat(
             x.shape[0], 1, 1)
+    if wan_ti2v.NAME in embeds:  # TI2V-5B: (B, z_dim, 1, h, w) float32, mixed in float32
+        out[wan_ti2v.NAME] = embeds[wan_ti2v.NAME].float().repeat(x.shape[0], 1, 1, 1, 1)
     return out
 
 
@@ -465,6 +502,11 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
     if cfg.get("image_dim"):
         out["encoder_hidden_states_image"] = jax.ShapeDtypeStruct(
             (config.batch, CLIP_TOKENS, cfg["image_dim"]), dtype)
+    if not extra and config.image is not None:  # TI2V-5B with --image
+        s = spatial_scale_for(cfg)
+        out[wan_ti2v.NAME] = jax.ShapeDtypeStruct(
+            (config.batch, cfg["out_channels"], 1, config.height // s, config.width // s),
+            jnp.float32)
     return out
 
 
@@ -484,6 +526,8 @@ def step_fn(jm, config):
     broadcasts (the time embedding is row-wise; the modulation is an elementwise add). The
     scalar path skips a (B, S, 6, D) float32 modulation tensor per block (4.0 GB for the CFG
     pair at 704x1280x121). tests/test_wan22.py checks it against diffusers' per-token path.
+    TI2V-5B image-to-video (a "first_frame" input) has two values of t per step, t and 0:
+    ``families.wan_ti2v`` selects between their modulations per token inside the blocks.
     """
     import torch
 
@@ -496,14 +540,20 @@ def step_fn(jm, config):
         # model dtype, as diffusers' Python-float scale keeps it.
         scale = constant if scale is None else scale[0]
         condition = inputs.pop("condition", None)
-        x = latents.to(dtype)  # diffusers: latent_model_input = latents.to(transformer_dtype)
-        if cfg:
-            x = torch.cat([x, x])  # (2, C, F, H, W): [cond, uncond]
+        first_frame = inputs.pop(wan_ti2v.NAME, None)
+        if first_frame is not None:  # TI2V-5B image-to-video: frame 0 is the image's
+            x = wan_ti2v.model_input(latents, first_frame).to(dtype)  # (B, C, F, H, W)
+        else:
+            x = latents.to(dtype)  # diffusers: latent_model_input = latents.to(dtype)
+            if cfg:
+                x = torch.cat([x, x])  # (2, C, F, H, W): [cond, uncond]
         if condition is not None:  # image-to-video: (B, C + 4 + C, F, H, W)
             x = torch.cat([x, condition], dim=1)
         t = timestep.expand(x.shape[0])
-        out = jm.functional_call("forward", params, buffers, hidden_states=x, timestep=t,
-                                 return_dict=False, **inputs)[0]
+        # TI2V-5B image-to-video: t = 0 on frame 0's tokens, without a (B, S) timestep.
+        with wan_ti2v.timesteps_scope(jm._model, latents, first_frame):
+            out = jm.functional_call("forward", params, buffers, hidden_states=x, timestep=t,
+                                     return_dict=False, **inputs)[0]
         if not cfg:
             return out
         cond, uncond = out.chunk(2)
@@ -690,7 +740,7 @@ FAMILY = ModelFamily(
     vae_decoder=vae_decoder,
     block_stack=WAN_BLOCKS,
     checkpoint_defaults=checkpoint_defaults,
-    check_flags=lambda values: None,
+    check_flags=check_flags,
     scheduler_sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
     timestep_dtype="int32",
     optional_folders=("transformer_2", "image_encoder"),
@@ -698,4 +748,5 @@ FAMILY = ModelFamily(
     image_mode=image_mode,
     encode_image=encode_image,
     image_names=IMAGE_NAMES,
+    finish_latents=wan_ti2v.finish,
 )

@@ -43,3 +43,10 @@ def tiny_checkpoint_8h(tmp_path_factory):
 def hunyuan_checkpoint(tmp_path_factory):
     """Path of a freshly built tiny random HunyuanVideo-1.5 T2V checkpoint."""
     return _build(tmp_path_factory, "make_tiny_hunyuan_checkpoint.py", "tiny-hunyuan15")
+
+
+@pytest.fixture(scope="session")
+def ti2v_checkpoint(tmp_path_factory):
+    """A tiny random Wan 2.2 TI2V-5B-style checkpoint (48 channels, the Wan 2.2 VAE,
+    ``expand_timesteps``): text-to-video, and image-to-video with --image."""
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-ti2v", "--ti2v")

@@ -1,5 +1,6 @@
 """The chunked, width-sharded Wan VAE encode (engine/vae_encode.py) against diffusers'
-``AutoencoderKLWan.encode(x).latent_dist.mode()``, on 1 and 8 devices."""
+``AutoencoderKLWan.encode(x).latent_dist.mode()``, on 1 and 8 devices: Wan 2.1's VAE and
+Wan 2.2's (patchify, residual down blocks; TI2V-5B's one-frame image encode)."""
 
 import jax
 import numpy as np
@@ -10,8 +11,7 @@ from engine import vae_encode
 from engine.sharding import place_module
 
 
-@pytest.fixture
-def vae():
+def wan21_vae():
     """A small random Wan 2.1-style VAE; a fresh one per test, since placing its weights
     frees the module's own tensors."""
     from diffusers import AutoencoderKLWan
@@ -21,18 +21,44 @@ def vae():
                             temperal_downsample=[False, True, True]).eval()
 
 
+def wan22_vae():
+    """A small random Wan 2.2-style VAE: z_dim 48, 2x2 patchify, residual blocks, 16x."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=12, z_dim=48, dim_mult=[1, 1, 1, 1],
+                            num_res_blocks=1, temperal_downsample=[False, True, True],
+                            is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                            scale_factor_spatial=16).eval()
+
+
+@pytest.fixture
+def vae():
+    return wan21_vae()
+
+
+# (VAE, input (1, 3, F, H, W), expected mode shape, programs). Wan 2.1: 9 frames = frame 0
+# and two 4-frame chunks at 64 x 128 (width 128 splits over 8). Wan 2.2: TI2V-5B's image
+# encode, one 64 x 256 frame patchified inside its one program (latent width 16 over 8).
+CASES = {"wan21": (wan21_vae, (1, 3, 9, 64, 128), (1, 16, 3, 8, 16), 3),
+         "wan22_one_frame": (wan22_vae, (1, 3, 1, 64, 256), (1, 48, 1, 4, 16), 1)}
+
+
 @pytest.mark.parametrize("n_devices", [1, 8])
-def test_chunked_encode_equals_diffusers(vae, n_devices):
-    """9 frames (frame 0 and two 4-frame chunks) at 64 x 128: width 128 splits over 8."""
-    x = torch.rand(1, 3, 9, 64, 128, generator=torch.Generator().manual_seed(1)) * 2 - 1
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_encode_equals_diffusers(case, n_devices):
+    make, shape, expected, programs = CASES[case]
+    vae = make()
+    x = torch.rand(*shape, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         want = vae.encode(x).latent_dist.mode().numpy()
     encode = vae_encode.DeviceEncode(vae, jax.devices()[:n_devices])
     got = encode(x).latent_dist.mode().numpy()
-    assert got.shape == want.shape == (1, 16, 3, 8, 16)
+    assert got.shape == want.shape == expected
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert np.abs(want).max() > 0.05  # a real encode, not zeros
-    assert len(encode.encoder.programs) == 3  # first frame, first chunk, later chunks
+    # Wan 2.1: first frame, first chunk, later chunks
+    assert len(encode.encoder.programs) == programs
 
 
 def test_encode_shards_the_width_on_every_device(vae):

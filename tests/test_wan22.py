@@ -31,13 +31,6 @@ def two_expert_checkpoint(tmp_path_factory):
                   "--experts", "2", "--boundary_ratio", str(BOUNDARY))
 
 
-@pytest.fixture(scope="session")
-def ti2v_checkpoint(tmp_path_factory):
-    from conftest import _build
-
-    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-ti2v", "--ti2v")
-
-
 def _reference(checkpoint, seed, frames=SHAPE["frames"], **kw):
     """diffusers' WanPipeline.__call__, eager float32 PyTorch on CPU."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline

@@ -106,6 +106,15 @@ def test_image_is_required_for_an_i2v_checkpoint(i2v_checkpoint, tmp_path, capsy
                               str(tmp_path / "out")])
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "--image=None" in line and "image-to-video checkpoint" in line, line
+    code = generate_flax.cli(["--model_id", i2v_checkpoint, "--image", FIRST_FRAME,
+                              "--max_sequence_length", "256", "--output_dir",
+                              str(tmp_path / "out")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and line.endswith("--max_sequence_length=256: must be 512 for a "
+                                       "checkpoint with CLIP image embeddings (Wan 2.1 I2V: "
+                                       "diffusers splits the image keys off at 512 text "
+                                       "tokens)"), line
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
 def test_staged_i2v_denoise_needs_no_image(i2v_checkpoint, tmp_path):
@@ -156,3 +165,77 @@ def test_image_cross_attention_is_tp_split(i2v_checkpoint):
     assert {s.data.shape for s in w.addressable_shards} == {(12, 24)}
     for name, arr in image.items():
         np.testing.assert_array_equal(np.asarray(arr), expected[name].numpy(), err_msg=name)
+
+
+def test_ti2v_i2v_matches_diffusers(ti2v_checkpoint, tmp_path):
+    """TI2V-5B image-to-video (``WanImageToVideoPipeline`` with ``expand_timesteps``): the
+    image's latents on frame 0 at t = 0 through the two-valued modulation select, frame 0
+    put back after the loop, the one-frame Wan 2.2 VAE encode on device. 1 device and dp2 x
+    tp2 x sp2 equal diffusers' eager pipeline (whose transformer runs the (B, S) timestep
+    path); another image moves the video by far more than the tolerance."""
+    flags = ["--guidance_scale", "5"]
+    ref = _reference(ti2v_checkpoint, FIRST_FRAME, guidance_scale=5.0)
+    one, report = _ours(ti2v_checkpoint, FIRST_FRAME, flags, devices=jax.devices()[:1])
+    assert ref.std() > 0.01
+    np.testing.assert_allclose(one, ref, atol=1e-3, rtol=0)
+    assert report["settings"]["image"]["sha256"]
+    mesh8, report8 = _ours(ti2v_checkpoint, FIRST_FRAME, flags + ["--dp", "2", "--tp", "2",
+                                                                  "--sp", "2"])
+    np.testing.assert_allclose(mesh8, ref, atol=1e-3, rtol=0)
+    assert report8["mesh"] == {"dp": 2, "tp": 2, "sp": 2} and report8["fallbacks"] == []
+    flipped = str(tmp_path / "flipped.png")
+    ImageOps.mirror(Image.open(FIRST_FRAME)).save(flipped)
+    other, _ = _ours(ti2v_checkpoint, flipped, flags, devices=jax.devices()[:1])
+    # 0.079 here: the tiny random Wan 2.2 VAE passes less of the picture than Wan 2.1's.
+    assert np.abs(other - ref).max() > 0.02
+
+
+def test_staged_ti2v_saves_latents_after_the_first_frame_is_put_back(ti2v_checkpoint,
+                                                                     tmp_path):
+    """--stage encode stores the image's latents; denoise (no --image) saves latents whose
+    frame 0 is the image's (the pipeline's post-loop replacement), decode gives diffusers'
+    frames."""
+    from safetensors.torch import load_file
+
+    ref = _reference(ti2v_checkpoint, FIRST_FRAME, guidance_scale=5.0)
+    work = tmp_path / "work"
+    stage = ["--guidance_scale", "5", "--work_dir", str(work), "--stage"]
+    one = jax.devices()[:1]
+    _ours(ti2v_checkpoint, FIRST_FRAME, stage + ["encode"], devices=one)
+    _ours(ti2v_checkpoint, None, stage + ["denoise"], devices=one)
+    embeds = load_file(str(work / "embeddings.safetensors"))
+    latents = next(iter(load_file(str(work / "latents.safetensors")).values()))
+    assert embeds["first_frame"].shape == (1, 48, 1, 4, 8)
+    np.testing.assert_array_equal(latents[:, :, :1].numpy(), embeds["first_frame"].numpy())
+    frames, _ = _ours(ti2v_checkpoint, None, stage + ["decode"], devices=one)
+    np.testing.assert_allclose(frames, ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_first_frame_timesteps_equal_the_per_token_path(ti2v_checkpoint, scan):
+    """Eager PyTorch, one model call: the (B,) timestep with ``FirstFrameTimesteps`` equals
+    diffusers' own (B, S) path with t = 0 on frame 0's tokens (what the pipeline passes), for
+    the unrolled blocks and the scanned stack; the plain (B,) call (t everywhere) does not."""
+    from diffusers import WanTransformer3DModel
+
+    from engine.scan_layers import scan_blocks
+    from families import wan_ti2v
+
+    model = WanTransformer3DModel.from_pretrained(ti2v_checkpoint, subfolder="transformer")
+    model.eval()
+    if scan:
+        scan_blocks(model)
+    g = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, 48, 3, 4, 8, generator=g)  # 3 latent frames of 2 x 4 tokens
+    first = torch.randn(2, 48, 1, 4, 8, generator=g)
+    text = torch.randn(2, 16, 32, generator=g)
+    x = wan_ti2v.model_input(latents, first)
+    t = torch.tensor([937, 937])
+    per_token = (torch.arange(24) >= 8).long() * 937  # frame 0: 8 tokens at t = 0
+    with torch.no_grad():
+        want = model(x, per_token.expand(2, -1), text, return_dict=False)[0]
+        plain = model(x, t, text, return_dict=False)[0]
+        with wan_ti2v.timesteps_scope(model, latents, first):
+            got = model(x, t, text, return_dict=False)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (plain - want).abs().max() > 100 * (got - want).abs().max() + 1e-4
