@@ -27,7 +27,8 @@ Every other row is the scalar path's, which per row is the per-token path's arit
 the model call equals diffusers' (B, S) call (tests/test_wan_i2v.py). What a step holds
 extra is a few (B, n0, D) rows (1/31 of the tokens at 121 frames), not a (B, S, 6, D) tensor:
 a first version that handed the blocks a per-token select let XLA materialise that tensor,
-1.87 GiB per v6e chip at dp2 (deviceless compile of the TI2V-5B step).
+1.87 GiB more temp per v6e chip at dp2 x tp4; this one costs 0.31 GiB more than
+text-to-video (deviceless compiles of the TI2V-5B step, 704x1280x121, README).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _with_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x with x[:, :len(rows)] replaced by ``rows`` (same dtype)."""
+    """x with its first rows.shape[1] tokens replaced by ``rows`` (same dtype)."""
     if type(x).__module__.startswith("torchax"):
         from torchax import interop
 
