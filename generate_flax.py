@@ -133,8 +133,8 @@ def _add_generation_flags(g) -> None:
                         "card says: 5.0 when the shorter side is >= 720 px, else 3.0; "
                         "HunyuanVideo: the checkpoint scheduler's shift")
     g.add_argument("--image", default=None, metavar="PATH",
-                   help="first frame of an image-to-video checkpoint (PNG, JPEG or WebP); "
-                        "see README 'Image-to-video'")
+                   help="first frame for an image-to-video checkpoint or Wan 2.2 TI2V-5B "
+                        "(PNG, JPEG or WebP); see README 'Image-to-video'")
     g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                    help="a LoRA .safetensors (diffusers/PEFT or original/lightx2v keys), "
                         "fused into the weights as they are placed; repeatable; SCALE 1.0 "
