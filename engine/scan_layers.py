@@ -336,11 +336,16 @@ def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
 # Step caching (engine/step_cache.py): the block list run in "full" or "cached" mode.
 
 
-def _slice_tokens(x, n: int):
-    """x[:, :n] in JAX (a torchax slice is a lazy view that diffusers' type_as rejects)."""
+def slice_tokens(x, n: int):
+    """x[:, :n]; for a torchax tensor sliced in JAX (a torchax slice is a lazy view that
+    diffusers' type_as rejects)."""
+    if x.shape[1] == n:
+        return x
+    if not type(x).__module__.startswith("torchax"):
+        return x[:, :n]
     from torchax import interop
 
-    return x if x.shape[1] == n else interop.call_jax(lambda a: a[:, :n], x)
+    return interop.call_jax(lambda a: a[:, :n], x)
 
 
 class CachedBlocks(torch.nn.Module):
@@ -419,7 +424,7 @@ class CachedBlocks(torch.nn.Module):
             if self.mode == "full":
                 # Sequence parallelism pads the tokens until after the last block; the
                 # recorded input is the unpadded one, so a cached step pads it afresh.
-                self.record = (_slice_tokens(mid[0], carry[0].shape[1]), *mid[1:])
+                self.record = (slice_tokens(mid[0], carry[0].shape[1]), *mid[1:])
         else:
             out = self._run(0, layers, carry, rest)
             if self.mode == "full":

@@ -527,7 +527,7 @@ def step_fn(jm, config):
     scalar path skips a (B, S, 6, D) float32 modulation tensor per block (4.0 GB for the CFG
     pair at 704x1280x121). tests/test_wan22.py checks it against diffusers' per-token path.
     TI2V-5B image-to-video (a "first_frame" input) has two values of t per step, t and 0:
-    ``families.wan_ti2v`` selects between their modulations per token inside the blocks.
+    the scalar path runs at t and ``families.wan_ti2v`` recomputes frame 0's rows at t = 0.
     """
     import torch
 

@@ -39,6 +39,8 @@ import functools
 
 import torch
 
+from engine.scan_layers import slice_tokens
+
 NAME = "first_frame"  # the model input and staged tensor: (B, z_dim, 1, h, w) float32
 
 
@@ -56,15 +58,6 @@ def model_input(latents: torch.Tensor, first_frame: torch.Tensor) -> torch.Tenso
     (B, C, F', h, w)."""
     m = frame_mask(latents)
     return (1 - m) * first_frame + m * latents
-
-
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, :n] (a torchax slice is a lazy view that diffusers' ``type_as`` rejects)."""
-    if type(x).__module__.startswith("torchax"):
-        from torchax import interop
-
-        return interop.call_jax(lambda a: a[:, :n], x)
-    return x[:, :n]
 
 
 def _with_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -144,7 +137,7 @@ class FirstFrameTimesteps:
     def _block_input(self, block, args):
         if self.call is not None:
             self.call.dtype = args[0].dtype  # the residual stream's (the model dtype)
-            r = self.call.rows = {"x": _rows(args[0], self.call.first)}  # (B, n0, D)
+            r = self.call.rows = {"x": slice_tokens(args[0], self.call.first)}  # (B, n0, D)
             r["mod"] = (block.scale_shift_table + self.call.proj.float()).chunk(6, dim=1)
 
     def _attn1_input(self, attn, args):
@@ -159,7 +152,8 @@ class FirstFrameTimesteps:
         if self.call is not None:
             r = self.call.rows
             gate = r["mod"][2]
-            r["x"] = (r["x"].float() + _rows(output, self.call.first) * gate).type_as(r["x"])
+            attn = slice_tokens(output, self.call.first)
+            r["x"] = (r["x"].float() + attn * gate).type_as(r["x"])
 
     def _attn2_input(self, attn, args):
         if self.call is not None:
@@ -170,7 +164,7 @@ class FirstFrameTimesteps:
     def _attn2_output(self, attn, args, output):
         if self.call is not None:
             r = self.call.rows
-            r["x"] = r["x"] + _rows(output, self.call.first)
+            r["x"] = r["x"] + slice_tokens(output, self.call.first)
 
     def _ffn_input(self, ffn, args):
         if self.call is not None:
@@ -183,8 +177,8 @@ class FirstFrameTimesteps:
         if self.call is not None:
             r = self.call.rows
             gate = r["mod"][5]
-            r["x"] = (r["x"].float() + _rows(output, self.call.first).float() * gate).type_as(
-                r["x"])
+            ff = slice_tokens(output, self.call.first).float()
+            r["x"] = (r["x"].float() + ff * gate).type_as(r["x"])
 
     def _block_output(self, block, args, output):
         if self.call is not None:
@@ -198,7 +192,7 @@ class FirstFrameTimesteps:
             # dtype (exact) the slice reads the blocks' output, where slicing the float32
             # copy made XLA keep that copy for all tokens (320 MiB per v6e chip at dp2).
             x = args[0].to(self.call.dtype)
-            self.call.rows = {"x": _rows(x, self.call.first).float()}  # (B, n0, D) float32
+            self.call.rows = {"x": slice_tokens(x, self.call.first).float()}  # (B, n0, D)
 
     def _proj_out_input(self, proj, args):
         if self.call is not None:
