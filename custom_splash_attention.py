@@ -82,7 +82,7 @@ Design
   per-sub-tile MXU fill/drain; 1536 overflows VMEM. On the 720p grid (23 q blocks x 25
   kv steps per head) ``BlockSizes(3328, 3072, 1024)`` comes to 17,363 cycles per grid step
   on v6e, 57.5% MXU use (the lazy shift alone at 256 keys: 45%; the textbook kernel: 33%),
-  by libtpu's static profile through ``engine.estimate.kernel_cost`` (an estimate, not a
+  by libtpu's static profile through ``engine.dry_run.estimate.kernel_cost`` (an estimate, not a
   TPU measurement). The remaining v6e limit is the MXU result pops (one per bundle: S^T in
   f32 plus four passes of V^T P^T cap MXU use near 67% at head_dim 128) and the VMEM spill
   traffic of the f32 score tile between the pops and the exp2. Splitting the q block into
@@ -195,6 +195,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 ATTENTION_BACKENDS = ("xla", "splash", "stock_splash")
+# The Pallas call's name: what profiles and HLO dumps show (engine.dry_run.estimate finds the
+# kernel's cycles by it). Family-neutral: the kernel serves every model family.
+KERNEL_NAME = "exp2_splash_attention"
 # Kernels the Splash wrapper can run: ours, and JAX's own splash kernel as the trusted fallback.
 SPLASH_KERNELS = ("splash", "stock_splash")
 
@@ -281,7 +284,7 @@ class BlockSizesError(ValueError):
         self.field, self.expected, self.value = field, expected, value
 
 
-# Default blocks per TPU generation (libtpu's topology prefix, as ``engine.chips`` names
+# Default blocks per TPU generation (libtpu's topology prefix, as ``engine.run.chips`` names
 # it), for head_dim 128. Chosen by ``benchmarks/kernel_cycles.py --sweep``: the fewest
 # estimated cycles (libtpu 0.0.42.1's static profile, deviceless; not measured on a TPU) for
 # Wan's 720p and 480p self-attention, with cross-attention at 512 keys as a check
@@ -300,6 +303,80 @@ def default_block_sizes(chip: str | None = None) -> BlockSizes:
     """The default ``BlockSizes`` of a chip generation ("v5e", "v6e", "tpu7x", ...; None or
     an unlisted name: ``BlockSizes()``)."""
     return DEFAULT_BLOCK_SIZES.get(chip, BlockSizes())
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalMask:
+    """Local self-attention: query position ``i`` attends key position ``j`` iff
+    ``|i - j| <= window_size`` (symmetric; positions in the unpadded q and kv sequences).
+
+    The kernel shrinks its kv grid axis to the blocks a q block's window can reach (a
+    scalar-prefetched index map), so skipped blocks are absent from the grid. As in JAX's
+    splash kernel (``LocalMask``), a mask is a value, the same for every head.
+
+    Raises:
+        ValueError: ``window_size`` is not an int >= 0.
+    """
+
+    window_size: int
+
+    def __post_init__(self):
+        w = self.window_size
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
+            raise ValueError(f"window_size: expected None or an int >= 0, got {w!r}")
+        object.__setattr__(self, "window_size", int(w))
+
+    def dense(self, q_len: int, kv_len: int) -> jax.Array:
+        """(q_len, kv_len) bool: True where the mask lets query i attend key j (the XLA and
+        reference paths)."""
+        return _band_mask(q_len, kv_len, self.window_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """How our kernel runs a model's attention: one frozen value, built once from the run's
+    flags and passed down whole (the SDPA override, the sharded wrapper, the kernel).
+
+    Attributes:
+        block_sizes: the kernel's tiles (``BlockSizes``).
+        k_smoothing: subtract K's mean over real keys first (exact for softmax; see the
+            module docstring).
+        mask: None (every key) or a mask value (``LocalMask``): applied to self-attention
+            (q_len == kv_len) only; cross-attention always sees every key.
+    """
+
+    block_sizes: BlockSizes = BlockSizes()
+    k_smoothing: bool = False
+    mask: LocalMask | None = None
+
+    @property
+    def window_size(self) -> int | None:
+        """The local window's half-width, or None without a ``LocalMask``."""
+        return self.mask.window_size if isinstance(self.mask, LocalMask) else None
+
+    @property
+    def is_plain(self) -> bool:
+        """No option beyond the blocks: what JAX's stock kernel can run."""
+        return not self.k_smoothing and self.mask is None
+
+
+def attention_options(options: AttentionOptions | None = None, *,
+                      block_sizes: BlockSizes | None = None, window_size: int | None = None,
+                      k_smoothing: bool = False) -> AttentionOptions:
+    """``options``, or the value the shorthand keywords describe (``window_size`` becomes a
+    ``LocalMask``). The public entries accept either, never both.
+
+    Raises:
+        ValueError: both ``options`` and a shorthand; a bad ``window_size``.
+    """
+    shorthand = block_sizes is not None or window_size is not None or k_smoothing
+    if options is not None:
+        if shorthand:
+            raise ValueError("options: expected either options or block_sizes/window_size/"
+                             "k_smoothing, got both")
+        return options
+    return AttentionOptions(block_sizes=block_sizes or BlockSizes(), k_smoothing=k_smoothing,
+                            mask=None if window_size is None else LocalMask(window_size))
 
 
 class SegmentIds(NamedTuple):
@@ -335,7 +412,7 @@ def _fit_block_sizes(block_sizes: BlockSizes, q_len: int, kv_len: int) -> BlockS
 def _vmem_limit_bytes(bs: BlockSizes, head_dim: int, itemsize: int,
                       capacity: int | None = None, *, margin: int = 2) -> int:
     """Scoped VMEM to request from Mosaic: ``_vmem_need_bytes`` x ``margin`` (2 for runs;
-    ``engine.estimate`` profiles take 1, leaving room for the profile flag's buffers).
+    ``engine.dry_run.estimate`` profiles take 1, leaving room for the profile flag's buffers).
 
     Mosaic's actual need, bisected with deviceless v6e compiles at head_dim 128 and bf16,
     is 8.9 MiB at the default blocks (3328, 2816, 256), 15.3 MiB at (3328, 3072, 512) and
@@ -721,20 +798,22 @@ def splash_attention(
     k,
     v,
     *,
+    options: AttentionOptions | None = None,
     scale=None,
-    block_sizes: BlockSizes | None = None,
-    window_size: int | None = None,
-    k_smoothing: bool = False,
     segment_ids=None,
     interpret: bool = False,
     vmem_limit_bytes: int | None = None,
     real_keys_before: int = 0,
+    **shorthand,
 ) -> jax.Array:
     """Softmax attention with the Pallas TPU flash kernel (forward only).
 
     Args:
         q: (batch, heads, q_len, head_dim), float32 or bfloat16.
         k, v: (batch, heads, kv_len, head_dim), same dtype as q.
+        options: ``AttentionOptions`` (blocks, K smoothing, mask); or give its parts as the
+            shorthand keywords ``block_sizes``, ``window_size``, ``k_smoothing`` below
+            (``attention_options``), never both.
         scale: softmax scale; ``None`` means 1/sqrt(head_dim), as torch SDPA.
         block_sizes: tile sizes (``BlockSizes``); ``None`` means ``BlockSizes()``. Each
             size is an upper bound: the kernel keeps ``ceil(len / block)`` blocks and
@@ -752,7 +831,7 @@ def splash_attention(
         interpret: run the kernel in Pallas interpret mode (CPU tests).
         vmem_limit_bytes: scoped VMEM to request from Mosaic, bytes; ``None`` sizes it from
             the blocks and the chip (``_vmem_limit_bytes``). libtpu's static-profile flag
-            adds VMEM buffers of its own, so ``engine.estimate`` profiles ask for less.
+            adds VMEM buffers of its own, so ``engine.dry_run.estimate`` profiles ask for less.
         real_keys_before: static block classification for ``segment_ids``: the caller
             promises that every key at a position < ``real_keys_before`` has segment id
             ``REAL_SEGMENT_ID`` (1), in every batch row (as the SDPA override's ids from a
@@ -769,30 +848,20 @@ def splash_attention(
         ValueError: shapes disagree, ``window_size`` is negative, or ``segment_ids`` has
             the wrong form or shape.
     """
-    return _splash_attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        block_sizes=block_sizes,
-        window_size=window_size,
-        k_smoothing=k_smoothing,
-        segment_ids=segment_ids,
-        interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes,
-        real_keys_before=real_keys_before,
-    )
+    options = attention_options(options, **shorthand)
+    _check_shapes(q, k, v)
+    return _splash_attention(q, k, v, options, scale=scale, segment_ids=segment_ids,
+                             interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
+                             real_keys_before=real_keys_before)
 
 
 def _splash_attention(
     q,
     k,
     v,
+    options: AttentionOptions,
     *,
     scale=None,
-    block_sizes: BlockSizes | None = None,
-    window_size: int | None = None,
-    k_smoothing: bool = False,
     segment_ids=None,
     interpret: bool = False,
     q_offset=None,
@@ -809,8 +878,7 @@ def _splash_attention(
     kv_len = k.shape[2]
     if k.dtype != q.dtype or v.dtype != q.dtype:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    if window_size is not None and (int(window_size) != window_size or window_size < 0):
-        raise ValueError(f"window_size: expected None or an int >= 0, got {window_size!r}")
+    window_size = options.window_size
     segment_ids = _as_segment_ids(segment_ids)
     if segment_ids is not None and (
         segment_ids.q.shape != (batch, q_len) or segment_ids.kv.shape != (batch, kv_len)
@@ -821,13 +889,12 @@ def _splash_attention(
             f"{segment_ids.kv.shape}"
         )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    bs = _fit_block_sizes(block_sizes or BlockSizes(), q_len, kv_len)
+    bs = _fit_block_sizes(options.block_sizes, q_len, kv_len)
     bq, bkv = bs.block_q, bs.block_kv
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
     num_q_blocks, num_kv_blocks = q_pad // bq, kv_pad // bkv
     num_kv_steps = num_kv_blocks
     if window_size is not None:
-        window_size = int(window_size)
         num_kv_steps = min(num_kv_blocks, -(-(bq + 2 * window_size) // bkv) + 1)
     if int(real_keys_before) != real_keys_before or real_keys_before < 0:
         raise ValueError(f"real_keys_before: expected an int >= 0, got {real_keys_before!r}")
@@ -836,7 +903,7 @@ def _splash_attention(
         real_kv_blocks = (num_kv_blocks if real_keys_before >= kv_len
                           else int(real_keys_before) // bkv)
 
-    if k_smoothing:
+    if options.k_smoothing:
         k = _smooth_keys(k, segment_ids)
     # Fold scale*log2(e) into q once: the kernel's scores are base-2 logits. Under jit
     # this multiply fuses into q's producer. No padding: partial last blocks are read
@@ -933,7 +1000,7 @@ def _splash_attention(
         ),
         cost_estimate=cost,
         interpret=interpret,
-        name="wan_splash_attention",
+        name=KERNEL_NAME,
     )(q_offset, qs, k, vt, q_ids, kv_ids)
     return out
 
@@ -949,14 +1016,13 @@ def sharded_splash_attention(
     v,
     *,
     mesh,
+    options: AttentionOptions | None = None,
     scale=None,
-    block_sizes: BlockSizes | None = None,
-    window_size: int | None = None,
-    k_smoothing: bool = False,
     segment_ids=None,
     interpret: bool = False,
     kernel: str = "splash",
     real_keys_before: int = 0,
+    **shorthand,
 ) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
 
@@ -979,8 +1045,8 @@ def sharded_splash_attention(
     Axes of size 1 are fine.
 
     Args:
-        q, k, v, scale, block_sizes, window_size, k_smoothing, segment_ids, interpret:
-            as ``splash_attention``, for the global arrays.
+        q, k, v, options (or its shorthands), scale, segment_ids, interpret: as
+            ``splash_attention``, for the global arrays.
         mesh: ``jax.sharding.Mesh`` with axis names "dp", "tp" and "sp".
         kernel: "splash" (ours) or "stock_splash" (``stock_splash_attention``, JAX's kernel;
             no ``window_size`` or ``k_smoothing``).
@@ -996,10 +1062,11 @@ def sharded_splash_attention(
         ValueError: the mesh lacks an axis, or batch % dp or heads % tp is not 0, or neither
             heads % (tp*sp) nor q_len % sp is 0.
     """
+    options = attention_options(options, **shorthand)
     _check_shapes(q, k, v)
     if kernel not in SPLASH_KERNELS:
         raise ValueError(f"kernel: expected one of {SPLASH_KERNELS}, got {kernel!r}")
-    if kernel == "stock_splash" and (window_size is not None or k_smoothing):
+    if kernel == "stock_splash" and not options.is_plain:
         raise ValueError("kernel='stock_splash': window_size and k_smoothing are ours only")
     missing = [a for a in ("dp", "tp", "sp") if a not in mesh.shape]
     if missing:
@@ -1047,23 +1114,13 @@ def sharded_splash_attention(
             )
         if kernel == "stock_splash":
             out = stock_splash_attention(
-                q, k, v, scale=scale, block_sizes=block_sizes, segment_ids=seg,
+                q, k, v, scale=scale, block_sizes=options.block_sizes, segment_ids=seg,
                 interpret=interpret,
             )
         else:
-            out = _splash_attention(
-                q,
-                k,
-                v,
-                scale=scale,
-                block_sizes=block_sizes,
-                window_size=window_size,
-                k_smoothing=k_smoothing,
-                segment_ids=seg,
-                interpret=interpret,
-                q_offset=offset,
-                real_keys_before=real_keys_before,
-            )
+            out = _splash_attention(q, k, v, options, scale=scale, segment_ids=seg,
+                                    interpret=interpret, q_offset=offset,
+                                    real_keys_before=real_keys_before)
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
             out = lax.all_to_all(out, "sp", split_axis=2, concat_axis=1, tiled=True)
         return out
@@ -1256,7 +1313,7 @@ def reference_attention(q, k, v, *, scale=None, mask=None, is_causal=False):
     return o.astype(q.dtype)
 
 
-def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None, window_size=None):
+def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None, static_mask=None):
     """Softmax attention through ``jax.nn.dot_product_attention`` (XLA).
 
     Under ``jax.jit`` with sharded inputs XLA partitions it by itself, so it needs no
@@ -1270,8 +1327,8 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None, windo
         key_mask: optional (batch, kv_len) bool, True = a real key; every query attends only
             those (broadcast as (batch, 1, 1, kv_len): no dense mask). Not with
             ``segment_ids``.
-        window_size: ``None``, or ``w``: the kernel's band, query ``i`` attends key ``j`` iff
-            ``|i - j| <= w`` (a dense (q_len, kv_len) bool mask: for small or reference runs).
+        static_mask: ``None``, or a mask value (``LocalMask``): the kernel's mask, applied
+            as its dense (q_len, kv_len) bool form (for small or reference runs).
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
@@ -1282,8 +1339,8 @@ def xla_attention(q, k, v, *, scale=None, segment_ids=None, key_mask=None, windo
         mask = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
     elif key_mask is not None:
         mask = key_mask[:, None, None, :]
-    if window_size is not None:
-        band = _band_mask(q.shape[2], k.shape[2], window_size)[None, None]
+    if static_mask is not None:
+        band = static_mask.dense(q.shape[2], k.shape[2])[None, None]
         mask = band if mask is None else mask & band
     # jax.nn.dot_product_attention takes (batch, len, heads, head_dim).
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
@@ -1467,7 +1524,8 @@ def _sdpa(
     *,
     env,
     attention,
-    options,
+    options: AttentionOptions,
+    routing: dict,
 ):
     """torch SDPA signature; runs on the JAX arrays behind torchax tensors."""
     if dropout_p != 0.0:
@@ -1482,48 +1540,49 @@ def _sdpa(
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
     real, mask, before = _real_keys(q, k, mask)
     segment_ids = None if real is None else _key_segment_ids(q, k, real)
-    # --window_size and --k_smoothing are the model's self-attention options: not for the
-    # forced (VAE) scopes, and the window not for cross-attention (q_len != kv_len).
-    window = options["window_size"] if forced is None and q.shape[2] == k.shape[2] else None
-    smooth = options["k_smoothing"] and forced is None
+    # The mask and K smoothing are the model's self-attention options: not for the forced
+    # (VAE) scopes, and the mask not for cross-attention (q_len != kv_len).
+    options = dataclasses.replace(
+        options, k_smoothing=options.k_smoothing and forced is None,
+        mask=options.mask if forced is None and q.shape[2] == k.shape[2] else None)
     if mask is not None or is_causal:
         # Masks the kernels were not built for take the exact reference path.
         if real is not None:
             mask = mask & real[:, None, None, :]
-        if window is not None:
-            mask = mask & _band_mask(q.shape[2], k.shape[2], window)
+        if options.mask is not None:
+            mask = mask & options.mask.dense(q.shape[2], k.shape[2])
         out = reference_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
     elif attention == "xla":
-        if smooth:  # exact for softmax; here only so that the flag means the same everywhere
+        if options.k_smoothing:  # exact for softmax; so that the flag means the same everywhere
             k = _smooth_keys(k, segment_ids)
-        out = xla_attention(q, k, v, scale=scale, key_mask=real, window_size=window)
+        out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
     elif attention in SPLASH_KERNELS:
-        mesh = options["mesh"]
+        mesh = routing["mesh"]
         if mesh is None:
-            kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
-                          segment_ids=segment_ids, interpret=options["interpret"])
             if attention == "stock_splash":
-                out = stock_splash_attention(q, k, v, **kwargs)
+                out = stock_splash_attention(q, k, v, scale=scale,
+                                             block_sizes=options.block_sizes,
+                                             segment_ids=segment_ids,
+                                             interpret=routing["interpret"])
             else:
-                out = splash_attention(q, k, v, k_smoothing=smooth, window_size=window,
-                                       real_keys_before=before, **kwargs)
+                out = splash_attention(q, k, v, options=options, scale=scale,
+                                       segment_ids=segment_ids, interpret=routing["interpret"],
+                                       real_keys_before=before)
         elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
             # The wrapper cannot split this call: XLA, which GSPMD partitions as it likes,
             # instead of failing; reported, never silent.
-            if options["on_fallback"] is not None:
-                options["on_fallback"](
+            if routing["on_fallback"] is not None:
+                routing["on_fallback"](
                     "attention_to_xla",
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
-            out = xla_attention(q, k, v, scale=scale, key_mask=real, window_size=window)
+            out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
         else:
-            kwargs = dict(scale=scale, block_sizes=options["block_sizes"],
-                          segment_ids=segment_ids, interpret=options["interpret"],
-                          kernel=attention)
-            if attention == "splash":
-                kwargs.update(k_smoothing=smooth, window_size=window, real_keys_before=before)
-            out = sharded_splash_attention(q, k, v, mesh=mesh, **kwargs)
+            out = sharded_splash_attention(
+                q, k, v, mesh=mesh, options=options, scale=scale, segment_ids=segment_ids,
+                interpret=routing["interpret"], kernel=attention,
+                real_keys_before=before if attention == "splash" else 0)
     else:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
     return env.j2t_iso(out)
@@ -1534,11 +1593,10 @@ def install_sdpa_override(
     *,
     attention: str,
     mesh=None,
-    block_sizes=None,
+    options: AttentionOptions | None = None,
     interpret: bool = False,
-    k_smoothing: bool = False,
     on_fallback=None,
-    window_size: int | None = None,
+    **shorthand,
 ) -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` in ``env`` to JAX.
 
@@ -1556,15 +1614,15 @@ def install_sdpa_override(
             with ``stock_splash_attention``, JAX's kernel).
         mesh: optional ``jax.sharding.Mesh`` with axes ("dp", "tp", "sp") for the sharded
             kernel wrapper.
-        block_sizes: optional kernel ``BlockSizes``.
-        interpret: run the Pallas kernel in interpret mode (CPU).
-        k_smoothing: subtract the mean of K before the kernel (see ``splash_attention``);
-            exact for softmax, so XLA applies it too. Not with "stock_splash".
-        window_size: ``None`` or ``w >= 0``: local attention in every self-attention call
-            (q_len == kv_len; not in ``forced_attention`` scopes), query position ``i``
-            attends key ``j`` iff ``|i - j| <= w`` (positions in the flattened token order),
-            through the kernel's window or, for "xla", the same dense band mask. Not with
+        options: ``AttentionOptions``, or its shorthands ``block_sizes``, ``window_size``,
+            ``k_smoothing`` (``attention_options``). K smoothing subtracts the mean of K
+            before the kernel (see ``splash_attention``); exact for softmax, so XLA applies
+            it too. The mask (``LocalMask``: query ``i`` attends key ``j`` iff
+            ``|i - j| <= w``, positions in the flattened token order) applies to every
+            self-attention call (q_len == kv_len; not in ``forced_attention`` scopes),
+            through the kernel's grid or, for "xla", its dense form. Neither with
             "stock_splash".
+        interpret: run the Pallas kernel in interpret mode (CPU).
         on_fallback: optional ``f(kind, detail)`` told when a call the wrapper cannot split
             goes to XLA instead.
 
@@ -1575,11 +1633,12 @@ def install_sdpa_override(
 
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
-    if attention == "stock_splash" and (window_size is not None or k_smoothing):
+    options = attention_options(options, **shorthand)
+    if attention == "stock_splash" and not options.is_plain:
         raise ValueError("attention='stock_splash': window_size and k_smoothing are ours only")
-    options = dict(mesh=mesh, block_sizes=block_sizes, interpret=interpret,
-                   k_smoothing=k_smoothing, on_fallback=on_fallback, window_size=window_size)
+    routing = dict(mesh=mesh, interpret=interpret, on_fallback=on_fallback)
     env.override_op_definition(
         torch.nn.functional.scaled_dot_product_attention,
-        functools.partial(_sdpa, env=env, attention=attention, options=options),
+        functools.partial(_sdpa, env=env, attention=attention, options=options,
+                          routing=routing),
     )

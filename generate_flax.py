@@ -2,18 +2,17 @@
 Splash attention kernel. The one script users run.
 
 It reads as one generation, top to bottom:
-
     1. flags and validation      parse_args -> validate_args (a frozen RunConfig)
     2. detect the family         families.detect_family (model_index.json's _class_name)
     3. load                      family.load_pipeline (transformer with meta weights)
     4. encode on CPU             encode (text encoders, then freed)
-    5. mesh                      resolve_mesh -> engine.mesh.make_mesh
+    5. mesh                      resolve_mesh -> engine.run.mesh.make_mesh
     6. place                     place_transformer, place_model_inputs, prepare_decode
-    7. compile                   engine.step.compile_step, ChunkedDecoder.compile (AOT)
-    8. warmup and timed runs     engine.benchmark.warmup / run_benchmark
+    7. compile                   engine.programs.step.compile_step, ChunkedDecoder.compile (AOT)
+    8. warmup and timed runs     engine.programs.denoise.warmup / run_benchmark
     9. decode                    inside each timed run (the VAE decode program)
     10. save                     save_outputs (mp4 + JSON, atomically)
-    11. summary                  engine.report.print_summary
+    11. summary                  engine.files.report.print_summary
 
 Family-specific code (pipeline, encoders, transformer call, sharding rules, VAE decode) is in
 ``families/``; the engine (mesh, placement, kernel routing, compile, benchmark protocol,
@@ -35,23 +34,44 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
-import re
 import sys
-import tempfile
 import time
 
-from engine import benchmark, chips, experts, integrity, lora, runtime, staging, step_cache, videos
-from engine.checkpoint import (
-    component_folder,
+from custom_splash_attention import default_attention_backend, install_sdpa_override
+from engine.dry_run.fit import run_dry
+from engine.files import integrity, staging, videos
+from engine.files import report as reporting
+from engine.files.checkpoint import (
     looks_local,
     model_config_dir,
     read_component_config,
 )
-from engine.config import RunConfig, check_attention_options, validate_block_size_flags
-from engine.errors import EXIT_RUNTIME, EXIT_USAGE, GenerationError, UsageError, fail, first_line
-from engine.image import check_for_model, read_image
+from engine.files.image import check_for_model, read_image
+from engine.programs import denoise, experts, step_cache
+from engine.programs.denoise import Programs, set_timesteps, timestep_array
+from engine.programs.step import compile_step
+from engine.run import chips, runtime
+from engine.run.config import (
+    RunConfig,
+    check_attention_options,
+    check_numbers,
+    check_size,
+    check_writable_dir,
+    resolve_scheduler,
+    validate_block_size_flags,
+)
+from engine.run.errors import (
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    GenerationError,
+    UsageError,
+    fail,
+    first_line,
+)
+from engine.run.mesh import make_mesh, resolve_mesh_shape
+from engine.weights import lora, placement, sharding
+from engine.weights.sharding import Fallbacks, place_module
 from families import FAMILIES, detect_family
 
 # Engine defaults in one place; the model-specific ones (prompt, size, frames, steps, guidance,
@@ -68,6 +88,9 @@ DEFAULTS = dict(
     stage="all",
     work_dir="work",
     scan_layers=True,
+    compilation_cache_dir=os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "wan-flax", "jax-compilation-cache"),
     # Splash blocks: None = the chip's default (custom_splash_attention.DEFAULT_BLOCK_SIZES).
     bq=None,
     bkv=None,
@@ -90,6 +113,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag, grouped as ``--help`` shows them, with its default (a None default is
+    described in the flag's help: the family's value, or chosen for you)."""
     p = argparse.ArgumentParser(
         prog="generate_flax.py", formatter_class=_HelpFormatter,
         description="Text-to-video (Wan 2.1, HunyuanVideo-1.5) on JAX/TPU through torchax. "
@@ -98,14 +127,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     _add_generation_flags(p.add_argument_group("generation"))
     _add_run_flags(p.add_argument_group("run and benchmark"))
     _add_parallel_flags(p.add_argument_group("parallelism and kernel"))
-    step_cache.add_cache_flags(p.add_argument_group("step caching (README: Step caching)"))
+    step_cache.add_cache_flags(p.add_argument_group("step caching (docs/features.md)"))
     _add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
     m = p.add_argument_group("multi-host (one process per host; Cloud TPU finds these itself)")
     m.add_argument("--coordinator_address", default=None,
-                   help="HOST:PORT of process 0's coordinator, for jax.distributed.initialize")
-    m.add_argument("--num_processes", type=int, default=None, help="processes (hosts) in all")
-    m.add_argument("--process_id", type=int, default=None, help="this process, 0-based")
-    return p.parse_args(argv)
+                   help="HOST:PORT of process 0's coordinator, for jax.distributed.initialize "
+                        "(default: found by JAX on Cloud TPU, else one process)")
+    m.add_argument("--num_processes", type=int, default=None,
+                   help="processes (hosts) in all (default: found by JAX)")
+    m.add_argument("--process_id", type=int, default=None,
+                   help="this process, 0-based (default: found by JAX)")
+    return p
 
 
 def _add_generation_flags(g) -> None:
@@ -134,14 +166,14 @@ def _add_generation_flags(g) -> None:
                         "HunyuanVideo: the checkpoint scheduler's shift")
     g.add_argument("--image", default=None, metavar="PATH",
                    help="first frame for an image-to-video checkpoint or Wan 2.2 TI2V-5B "
-                        "(PNG, JPEG or WebP); see README 'Image-to-video'")
+                        "(PNG, JPEG or WebP; default: none, text-to-video); see docs/models.md")
     g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                    help="a LoRA .safetensors (diffusers/PEFT or original/lightx2v keys), "
                         "fused into the weights as they are placed; repeatable; SCALE 1.0 "
-                        "when omitted (Wan 2.1; see README 'LoRA and few-step generation')")
+                        "when omitted (default: none; Wan; see docs/models.md 'LoRA')")
     g.add_argument("--lora_2", action="append", default=None, metavar="PATH[:SCALE]",
                    help="as --lora, fused into a two-expert checkpoint's transformer_2 "
-                        "(Wan 2.2 A14B's low-noise expert)")
+                        "(Wan 2.2 A14B's low-noise expert; default: none)")
     g.add_argument("--scheduler", choices=("unipc", "euler"), default=None,
                    help="sampler: diffusers' UniPCMultistepScheduler or "
                         "FlowMatchEulerDiscreteScheduler, from the checkpoint's scheduler "
@@ -167,9 +199,10 @@ def _add_run_flags(g) -> None:
     g.add_argument("--prompts_file", default=None,
                    help="JSON Lines, one video per line: {\"prompt\": ..., and optionally "
                         "\"negative_prompt\", \"seed\", \"name\"}; one load and compile for "
-                        "all (README: Many videos)")
+                        "all (default: one video of --prompt; docs/features.md)")
     g.add_argument("--seeds", default=None,
-                   help="comma-separated seeds: one video per seed of --prompt, one compile")
+                   help="comma-separated seeds: one video per seed of --prompt, one compile "
+                        "(default: --seed only)")
     g.add_argument("--no_plots", action="store_true",
                    help="write no PNG pictures (timeline, dry-run HBM bars)")
     g.add_argument("--save_frames", action="store_true",
@@ -182,12 +215,12 @@ def _add_run_flags(g) -> None:
     g.add_argument("--work_dir", default=d["work_dir"],
                    help="folder for embeddings.safetensors, generation_config.json and "
                         "latents.safetensors")
-    g.add_argument("--compilation_cache_dir", default=runtime.default_cache_dir(),
+    g.add_argument("--compilation_cache_dir", default=d["compilation_cache_dir"],
                    help="JAX persistent compilation cache; 'none' disables it")
     g.add_argument("--profile_dir", default=None,
                    help="capture a jax.profiler trace of one steady-state denoising step (model "
                         "call + scheduler step) into this folder, for TensorBoard/XProf or "
-                        "Perfetto")
+                        "Perfetto (default: no trace)")
     g.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
@@ -196,9 +229,12 @@ def _add_run_flags(g) -> None:
 
 def _add_parallel_flags(g) -> None:
     d = DEFAULTS
-    g.add_argument("--dp", type=int, default=None, help="mesh axis for the CFG/data batch")
-    g.add_argument("--tp", type=int, default=None, help="mesh axis for tensor (head) parallelism")
-    g.add_argument("--sp", type=int, default=None, help="mesh axis for sequence parallelism")
+    g.add_argument("--dp", type=int, default=None,
+                   help="mesh axis for the CFG/data batch (default: chosen from the devices)")
+    g.add_argument("--tp", type=int, default=None,
+                   help="mesh axis for tensor (head) parallelism (default: chosen)")
+    g.add_argument("--sp", type=int, default=None,
+                   help="mesh axis for sequence parallelism (default: chosen)")
     g.add_argument("--scan_layers", action="store_true", default=d["scan_layers"],
                    help="run the transformer blocks as one jax.lax.scan (one compiled block "
                         "instead of 40: 4.9x faster 14B TPU compile, 30%% fewer temporaries)")
@@ -228,7 +264,7 @@ def _add_parallel_flags(g) -> None:
                         "exact for softmax; splash or xla)")
     g.add_argument("--bq", type=int, default=d["bq"],
                    help="Splash block_q: queries per kernel grid step (multiple of 128; "
-                        "default: the chip's, see README's block-size table)")
+                        "default: the chip's, see docs/attention.md)")
     g.add_argument("--bkv", type=int, default=d["bkv"],
                    help="Splash block_kv: keys per grid step (multiple of --bkv_compute; "
                         "default: the chip's)")
@@ -243,9 +279,11 @@ def _add_dry_run_flags(g) -> None:
                         "real TPU compiler, no TPU and no weights; print per-chip HBM; exit 0 "
                         "if the run fits, 3 if not")
     g.add_argument("--topology", default=None,
-                   help="TPU topology for --dry_run, e.g. v5e:2x4, v6e:2x4, v6e:4x4, v5p:2x2x1")
+                   help="TPU topology for --dry_run, e.g. v5e:2x4, v6e:2x4, v6e:4x4, v5p:2x2x1 "
+                        "(default: none; --dry_run needs one)")
     g.add_argument("--dry_run_layers", type=int, default=None,
-                   help="compile only this many transformer blocks in --dry_run (quick checks)")
+                   help="compile only this many transformer blocks in --dry_run (quick checks; "
+                        "default: all)")
     g.add_argument("--dry_run_skip_vae", action="store_true",
                    help="compile only the transformer step in --dry_run (the VAE decode's TPU "
                         "compile alone can take ~10 min on a 2-core host)")
@@ -255,7 +293,7 @@ def _add_dry_run_flags(g) -> None:
     g.add_argument("--estimate", action="store_true",
                    help="with --dry_run: estimated s/step from libtpu's static profile (the "
                         "kernel) and the roofline (a compiled block); v5e, v6e; assumed clock; "
-                        "not a measurement (engine/estimate.py)")
+                        "not a measurement (engine/dry_run/estimate.py)")
 
 
 def validate_args(args: argparse.Namespace) -> RunConfig:
@@ -267,12 +305,12 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     Raises:
         UsageError: one line naming the flag, the value and the rule.
     """
-    _validate_numbers(args)
+    check_numbers(args)
     validate_block_size_flags(args)
     runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
-    check_attention_options(args, family_key)
+    check_attention_options(args, family)
     defaults = {**family.defaults, **family.checkpoint_defaults(args.model_id)}
     values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
@@ -281,7 +319,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     sources = {k: v for k, v in defaults.get("sources", {}).items()
                if getattr(args, k, None) is None} or None
     image_info = check_for_model(args, family, values)  # may size the video from the image
-    _validate_size(family, values, defaults.get("pixel_multiple", family.pixel_multiple))
+    check_size(family, values, defaults.get("pixel_multiple", family.pixel_multiple))
     broken = family.check_flags({**values, "model_id": args.model_id})
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
@@ -298,14 +336,14 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         if args.dry_run or args.stage in ("encode", "decode"):
             fail("--profile_dir", args.profile_dir, "needs a denoising run: --stage all or "
                  "denoise, without --dry_run")
-        _validate_output_dir(args.profile_dir, flag="--profile_dir")
-    _validate_output_dir(args.output_dir)
+        check_writable_dir(args.profile_dir, flag="--profile_dir")
+    check_writable_dir(args.output_dir)
     extras = dict(videos=videos.plan(args, values),
                   image=image_info,
-                  lora=lora.validate(args.lora, family_key, args.model_id, args.dtype),
-                  lora_2=lora.validate(args.lora_2, family_key, args.model_id, args.dtype,
+                  lora=lora.validate(args.lora, family, args.model_id, args.dtype),
+                  lora_2=lora.validate(args.lora_2, family, args.model_id, args.dtype,
                                        "--lora_2"),
-                  scheduler=lora.validate_scheduler(args.scheduler, family_key),
+                  scheduler=resolve_scheduler(args.scheduler, family),
                   step_cache=step_cache.validate_cache_flags(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
     config = RunConfig(**{**flags, **values, **extras, "family": family_key,
@@ -313,46 +351,6 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                           "default_sources": sources})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
     return config.resolve_block_sizes(args.topology.split(":")[0]) if args.dry_run else config
-
-
-def _validate_numbers(args) -> None:
-    rules = (("num_inference_steps", 1, ">= 1"), ("num_iterations", 1, ">= 1"),
-             ("warmup_steps", 0, ">= 0 (0 skips the warmup)"), ("fps", 1, ">= 1"),
-             ("max_sequence_length", 1, ">= 1"), ("dp", 1, ">= 1"), ("tp", 1, ">= 1"),
-             ("sp", 1, ">= 1"), ("dry_run_layers", 1, ">= 1"))
-    for name, low, rule in rules:
-        value = getattr(args, name)
-        if value is not None and value < low:
-            fail(f"--{name}", value, f"must be {rule}")
-    for flag in ("guidance_scale", "guidance_scale_2"):
-        g = getattr(args, flag)
-        if g is not None and (not math.isfinite(g) or g < 0):
-            fail(f"--{flag}", g, "must be a finite number >= 0")
-    shift = args.flow_shift
-    if shift is not None and (not math.isfinite(shift) or shift <= 0):
-        fail("--flow_shift", shift, "must be a finite number > 0")
-    if args.estimate and not args.dry_run:
-        fail("--estimate", True, "needs --dry_run (it estimates the compiled step's time)")
-    if args.estimate and args.attention == "stock_splash":
-        fail("--attention", args.attention, "--estimate profiles our kernel (splash) or xla")
-    if args.estimate and args.topology and args.topology.split(":")[0] not in ("v5e", "v6e"):
-        fail("--topology", args.topology, "--estimate knows the clock of v5e and v6e only")
-    if args.dry_run and (not args.topology or not re.fullmatch(
-            r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?", args.topology)):
-        fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 or "
-             "tpu7x:2x2x1")
-
-
-def _validate_size(family, values: dict, multiple: int) -> None:
-    step = family.frame_step
-    if values["frames"] < 1 or (values["frames"] - 1) % step:
-        fail("--frames", values["frames"], f"must be of the form {step}n+1 (1, {step + 1}, "
-             f"{2 * step + 1}, ...) for {family.name}")
-    for flag in ("height", "width"):
-        v = values[flag]
-        if v < multiple or v % multiple:
-            fail(f"--{flag}", v, f"must be a positive multiple of {multiple} for {family.name} "
-                 "(VAE compression times patch size)")
 
 
 def _validate_model(args) -> str:
@@ -381,15 +379,6 @@ def _validate_model(args) -> str:
     return key
 
 
-def _validate_output_dir(path: str, flag: str = "--output_dir") -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        fail(flag, path, f"must be a writable directory ({e.strerror or e})")
-
-
 # ---------------------------------------------------------------------------------------------
 # 3-9. One generation
 # ---------------------------------------------------------------------------------------------
@@ -410,11 +399,6 @@ def generate(config: RunConfig, devices=None, on_video=None):
     runtime.configure_jax_platform()
     runtime.quiet_known_warnings()
     import jax
-
-    from custom_splash_attention import default_attention_backend
-    from engine import report as reporting
-    from engine.mesh import make_mesh
-    from engine.sharding import Fallbacks
 
     family, stage = FAMILIES[config.family], config.stage
     cache_on = runtime.enable_compilation_cache(config.compilation_cache_dir)
@@ -452,21 +436,46 @@ def generate(config: RunConfig, devices=None, on_video=None):
         for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged[0], attention,
         fallbacks, oom_hint, timings)
     with runtime.hardware_errors("running the warmup", oom_hint):
-        timings.update(benchmark.warmup(programs, latents0, warmup_steps=config.warmup_steps,
+        timings.update(denoise.warmup(programs, latents0, warmup_steps=config.warmup_steps,
                                         num_inference_steps=config.num_inference_steps))
+    frames, runs, programs, latents0 = run_videos(
+        config, family, pipe, mesh, programs, latents0, (video_list, embeds, staged),
+        oom_hint, on_video, report)
+    if config.profile_dir is not None:
+        report["profile"] = denoise.profile(config, programs, latents0)
+    entries, flops, cfg = step_report(config, family, pipe, programs, runs)
+    report.update(entries)
+    report.update(reporting.run_report(config, family, cfg, devices, mesh_shape, placed,
+                                       fallbacks,
+                                       summary=reporting.summarize(runs, timings, flops,
+                                                                   devices),
+                                       cache=cache_before if cache_on else None))
+    return (None if stage == "denoise" else frames), report
+
+
+def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hint: str,
+               on_video, report: dict):
+    """The timed generations of every video (one without --prompts_file / --seeds), on the
+    programs placed and compiled once; returns (the last video's frames or None, every
+    timed run, the last video's programs and initial latents). ``per_video``: (videos,
+    their embeddings, their staged intermediates).
+
+    An interrupt between videos keeps the finished ones: ``report["interrupted"]`` is set
+    and ``report["videos"]`` lists what is done, each with the files ``on_video`` wrote.
+    """
     runs, done, frames, before = [], [], None, dict(runtime.CACHE_STATS)
-    try:  # an interrupt between videos keeps what is done (--prompts_file, --seeds)
-        for video, video_embeds, video_staged in zip(video_list, embeds, staged, strict=True):
+    try:
+        for video, video_embeds, video_staged in zip(*per_video, strict=True):
             if video is not None and video.index > 0:  # video 0's were placed with the step
                 programs, latents0 = next_video(for_video(config, video), family, pipe, mesh,
                                                 programs, video_embeds, video_staged)
             with runtime.hardware_errors("running the timed generations", oom_hint):
-                latents, decoded, video_runs = benchmark.run_benchmark(
+                latents, decoded, video_runs = denoise.run_benchmark(
                     programs, latents0, num_iterations=config.num_iterations,
                     num_inference_steps=config.num_inference_steps,
                     desc="" if video is None else f"video {video.label}: ")
             runs += video_runs
-            if stage == "denoise":  # each video's latents as soon as they are done
+            if config.stage == "denoise":  # each video's latents as soon as they are done
                 staging.save_run_latents(for_video(config, video), latents, video)
             if decoded is not None:
                 frames = reporting.to_frames(pipe, decoded)
@@ -482,25 +491,25 @@ def generate(config: RunConfig, devices=None, on_video=None):
         report["interrupted"] = True
     if config.videos:
         report["videos"] = done
-    if config.profile_dir is not None:
-        report["profile"] = benchmark.profile(config, programs, latents0)
+    return frames, runs, programs, latents0
+
+
+def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | None, dict]:
+    """The step's part of the report: ({"cache": the step cache's entry, "experts": the two
+    experts' entry}, when they apply; analytic FLOPs per step or None; the transformer's
+    config or None)."""
+    out = {}
     if programs.cache is not None:
-        report["cache"] = step_cache.cache_report(programs.cache, runs,
-                                                  config.num_inference_steps)
+        out["cache"] = step_cache.cache_report(programs.cache, runs, config.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
     flops = None if programs.step is None else experts.flops_per_step(
         programs.step, lambda k: family.transformer_flops(dict(
             (pipe.transformer, pipe.transformer_2)[k].config), config))
     if flops is not None:
-        report["experts"] = programs.step.report()
+        out["experts"] = programs.step.report()
     elif programs.step is not None:
         flops = step_cache.flops_per_step(family.transformer_flops(cfg, config), config, cfg)
-    report.update(reporting.run_report(config, family, cfg, devices, mesh_shape, placed,
-                                       fallbacks,
-                                       summary=reporting.summarize(runs, timings, flops,
-                                                                   devices),
-                             cache=cache_before if cache_on else None))
-    return (None if stage == "denoise" else frames), report
+    return out, flops, cfg
 
 
 def for_video(config: RunConfig, video) -> RunConfig:
@@ -517,8 +526,6 @@ def next_video(config, family, pipe, mesh, programs, embeds, staged):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from engine import placement
-
     if config.stage == "decode":
         return programs, placement.place_array(placement.host_array(staged),
                                                NamedSharding(mesh, P()))
@@ -528,8 +535,6 @@ def next_video(config, family, pipe, mesh, programs, embeds, staged):
 
 def resolve_mesh(config: RunConfig, family, n_devices: int):
     """The (dp, tp, sp) ``MeshShape`` for this run; raises ``UsageError`` naming the flag."""
-    from engine.mesh import resolve_mesh_shape
-
     cfg = None if config.stage == "decode" else read_component_config(config.model_id,
                                                                       "transformer")
     return resolve_mesh_shape(
@@ -565,22 +570,19 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
                      oom_hint: str, timings: dict):
     """Place weights and inputs and AOT-compile what ``config.stage`` runs.
 
-    Returns (``benchmark.Programs``, initial latents on the mesh, the placed transformer
+    Returns (``denoise.Programs``, initial latents on the mesh, the placed transformer
     or None). Placement and compile seconds go into ``timings``.
     """
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from engine import placement
-    from engine.benchmark import Programs
-
     replicated = NamedSharding(mesh, P())
     parts, placed = dict(timesteps_sharding=replicated), None
-    pipe_loras = lora.placed_loras(config, pipe)
     if config.stage in ("all", "denoise"):
         install_attention(config, mesh, attention, fallbacks)
         with runtime.hardware_errors("placing the transformer weights", oom_hint):
-            placed = place_transformer(config, family, pipe, mesh, fallbacks, pipe_loras)
+            placed = sharding.place_expert(config, family, pipe.transformer, "transformer", mesh,
+                                            fallbacks)
             second = experts.second_expert(pipe) and experts.place_second(
                 config, family, pipe, mesh, fallbacks)  # Wan 2.2 A14B: both stay resident
             inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
@@ -607,26 +609,9 @@ def install_attention(config, mesh, attention: str, fallbacks) -> None:
     import jax
     import torchax
 
-    from custom_splash_attention import install_sdpa_override
-
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          block_sizes=config.block_sizes(), window_size=config.window_size,
-                          k_smoothing=config.k_smoothing,
+                          options=config.attention_options(),
                           interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
-
-
-def place_transformer(config, family, pipe, mesh, fallbacks, loras=()) -> dict:
-    """Stream the transformer's weights from the checkpoint into their shards, with
-    ``loras`` fused into each slice (see ``engine.sharding.place_transformer``)."""
-    from engine import sharding
-
-    placed = sharding.place_transformer(
-        pipe.transformer, mesh, family.sharding_rules(config),
-        checkpoint=component_folder(config.model_id, "transformer"), fsdp=config.fsdp,
-        scan=config.scan_layers, megatron_sp=config.megatron_sp, fallbacks=fallbacks,
-        stack=family.block_stack, loras=loras)
-    placed["loras"] = [x.report() for x in loras]
-    return placed
 
 
 def place_model_inputs(config, family, pipe, embeds: dict, mesh):
@@ -636,8 +621,6 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from engine import placement
 
     inputs = family.model_inputs(embeds, config)
     latents = family.prepare_latents(pipe, config)
@@ -661,9 +644,6 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from engine.benchmark import set_timesteps, timestep_array
-    from engine.step import compile_step
 
     set_timesteps(pipe.scheduler, config.num_inference_steps, family.scheduler_sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
@@ -689,8 +669,6 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
 def prepare_decode(config, family, pipe, mesh, latents0, fallbacks, oom_hint, timings):
     """Place the VAE's decode weights (replicated: a conv net's weights are small; its
     activations are what the decode shards) and AOT-compile its programs."""
-    from engine.sharding import place_module
-
     with runtime.hardware_errors("placing the VAE weights", oom_hint):
         placed = place_module(pipe.vae, mesh, include=family.is_vae_decode_weight,
                               desc="VAE decoder")
@@ -712,15 +690,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     # Before any model loads: headers and sizes of the files this stage reads (configs only
-    # for --dry_run) against the models their configs build (engine/integrity.py).
+    # for --dry_run) against the models their configs build (engine/files/integrity.py).
     checked = integrity.check_checkpoint(config, FAMILIES[config.family])
     if config.dry_run:
-        from engine.dry_run import run_dry
-
         return run_dry(config, FAMILIES[config.family], checked)
     runtime.start_distributed(config.coordinator_address, config.num_processes,
                               config.process_id)
-    from engine import report as reporting
 
     # One stamp for every file of the run; each video is written as soon as it is done.
     stem = reporting.output_stem(config.output_dir) if runtime.is_writer() else None

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
-from engine import chips  # noqa: E402
+from engine.run import chips  # noqa: E402
 
 TPU_DEFAULTS = dict(batch=1, heads=5, q_len=75600, kv_len=75600, head_dim=128)
 CPU_DEFAULTS = dict(batch=1, heads=2, q_len=640, kv_len=640, head_dim=128)

@@ -1,4 +1,4 @@
-"""Time of the checkpoint check (``engine/integrity.py``) on the real Wan 2.1 14B layout.
+"""Time of the checkpoint check (``engine/files/integrity.py``) on the real Wan 2.1 14B layout.
 
 Writes, into a temporary folder, a checkpoint with the real tensor names and shapes and
 sparse data (the header, then ``truncate`` to the full size: ~80 GB apparent, a few MB on
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
 
         t0 = time.perf_counter()
         import generate_flax as gf
-        from engine import integrity
+        from engine.files import integrity
         from families import FAMILIES
 
         config = gf.validate_args(gf.parse_args(["--model_id", root, "--output_dir",

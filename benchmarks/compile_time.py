@@ -79,13 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def topology_mesh(topology: str, mesh_shape: tuple[int, int, int]):
     """A ("dp", "tp", "sp") mesh over the described (not owned) TPU chips of ``topology``."""
-    from engine import runtime
-
+    from engine.run import runtime
     if not runtime.has_tpu_device_files():  # never touch a real TPU host's settings
         runtime.use_deviceless_tpu(topology)
     from jax.experimental import topologies
 
-    from engine.mesh import MeshShape, make_mesh
+    from engine.run.mesh import MeshShape, make_mesh
 
     devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     return make_mesh(MeshShape(*mesh_shape), devices[: mesh_shape[0] * mesh_shape[1]
@@ -100,7 +99,7 @@ def abstract_transformer(config_dir: str, *, scanned: bool, layers: int | None =
     import torch
     from diffusers import WanTransformer3DModel
 
-    from engine import scan_layers
+    from engine.weights import scan_layers
     from families import wan
 
     cfg = dict(WanTransformer3DModel.load_config(config_dir, subfolder="transformer"))
@@ -122,8 +121,7 @@ def abstract_weights(model, mesh, rules):
     from torchax import interop
     from torchax.ops import mappings
 
-    from engine import sharding
-
+    from engine.weights import sharding
     jm = interop.JittableModule(model)
     shapes = {k: tuple(v.shape) for k, v in jm.params.items()}
     # For a scanned model: the unrolled model's decisions, with an unsharded layer axis.

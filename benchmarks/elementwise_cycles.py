@@ -1,7 +1,7 @@
 """Estimated cycles of a Wan-sized layer norm's fusions on v6e: libtpu's static profile,
 XLA's own fusion cost model and HBM bytes / bandwidth, side by side.
 
-ESTIMATES ONLY (deviceless compile, no TPU): the evidence behind ``engine/estimate.py``
+ESTIMATES ONLY (deviceless compile, no TPU): the evidence behind ``engine/dry_run/estimate.py``
 charging the non-matmul ops of a block at HBM bytes / bandwidth. Default shape: 18,900 x
 5,120 (Wan 14B's 75,600 tokens at 720p split 4 ways), bf16, normalised in float32 with a
 scale and a shift, as diffusers' Wan blocks do.
@@ -17,7 +17,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine import chips, estimate  # noqa: E402
+from engine.dry_run import estimate  # noqa: E402
+from engine.run import chips  # noqa: E402
 
 estimate.setup_profile_environment()
 

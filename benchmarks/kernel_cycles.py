@@ -8,7 +8,7 @@ charged and work under data-dependent branches is only partly counted; see
 the project's shared notes (tpu-static-profile).
 
 The kernel is profiled on two tiny grids (2 x 2 and 2 x 3 blocks, head_dim 128, bf16) and
-``engine.estimate.kernel_cost`` splits the cycles into a per-grid-step and a per-q-block
+``engine.dry_run.estimate.kernel_cost`` splits the cycles into a per-grid-step and a per-q-block
 part (``_init`` and ``_finish``), which it scales to the real grid of each shape:
 
 * ``720p``:  Wan 14B / 1.3B self-attention at 1280x720 x 81 frames, 75,600 tokens;
@@ -42,7 +42,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine import estimate  # noqa: E402
+from engine.dry_run import estimate  # noqa: E402
 
 # MXU bf16 FLOPs per cycle per TensorCore: MXUs x width^2 x 2.
 MXU_FLOPS_PER_CYCLE = estimate.MXU_FLOPS_PER_CYCLE

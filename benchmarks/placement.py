@@ -3,7 +3,7 @@
 Builds Wan 2.1's transformer from a shipped architecture config (default: the 1.3B one in
 ``configs/``) with random bf16 weights, stacks its blocks as ``--scan_layers`` does, and places
 it on 8 CPU devices (dp2 x tp4, the default 8-device layout with CFG) through
-``engine.sharding.place_module``, the product's streamed path. It prints, as ratios to the
+``engine.weights.sharding.place_module``, the product's streamed path. It prints, as ratios to the
 weight bytes:
 
 * the peak host RSS during placement (anonymous memory, sampled every 5 ms) and the RSS
@@ -16,11 +16,12 @@ weight bytes:
 ``--from_checkpoint`` first saves the random weights as a diffusers checkpoint
 (``save_pretrained``, safetensors) in a temporary folder, frees them, and then places them
 the way a real run does: meta weights, each device's slice read from the files
-(``engine.sharding.place_module(..., checkpoint=...)``), so the host never holds the checkpoint.
+(``engine.weights.sharding.place_module(..., checkpoint=...)``), so the host never holds
+the checkpoint.
 
 ``--lora_rank R`` (with ``--from_checkpoint``) also writes a random rank-R LoRA over every
 block's attention and FFN projections (original/lightx2v keys, bf16, ``tools/tiny_lora.py``),
-loads it through diffusers' key conversion (``engine.lora.load``, timed apart) and fuses it
+loads it through diffusers' key conversion (``engine.weights.lora.load``, timed apart) and fuses it
 into each device's slice during placement, for the placement time and host RAM against a
 run without it.
 
@@ -98,7 +99,7 @@ def random_transformer(config_dir: str):
     import torch
     from diffusers import WanTransformer3DModel
 
-    from engine import scan_layers
+    from engine.weights import scan_layers
     from families import wan
 
     cfg = dict(WanTransformer3DModel.load_config(config_dir, subfolder="transformer"))
@@ -121,8 +122,7 @@ def place_legacy(model, mesh, rules):
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    from engine import sharding
-
+    from engine.weights import sharding
     env = torchax.default_env()
     jm = interop.JittableModule(model)
     params, buffers = env.t2j_copy(jm.params), env.t2j_copy(jm.buffers)
@@ -136,7 +136,8 @@ def place_legacy(model, mesh, rules):
 
 
 def load_lora(rank: int, cfg: dict, model, folder: str):
-    """([engine.lora.Lora] or [], load seconds, file bytes) of a random rank-``rank`` LoRA."""
+    """([engine.weights.lora.Lora] or [], load seconds, file bytes) of a random
+    rank-``rank`` LoRA."""
     if not rank:
         return [], 0.0, 0
     import torch
@@ -144,51 +145,61 @@ def load_lora(rank: int, cfg: dict, model, folder: str):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from tiny_lora import write_lora
 
-    from engine import lora
-
+    from engine.weights import lora
+    from families import wan
     path = os.path.join(folder, "lora.safetensors")
     write_lora(path, cfg, fmt="original", rank=rank, dtype=torch.bfloat16, std=0.02)
     t0 = time.perf_counter()
-    loaded = lora.load(path, 1.0, lora.transformer_shapes(model))
+    loaded = lora.load(path, 1.0, lora.transformer_shapes(model), wan.lora_state_dict)
     return [loaded], time.perf_counter() - t0, os.path.getsize(path)
+
+
+def write_checkpoint(model, args):
+    """Save ``model`` (scanned) as an unstacked diffusers checkpoint in a temporary folder and
+    return (the folder, a meta-weight scanned model of it, [LoRA] or [], LoRA load seconds,
+    LoRA file bytes)."""
+    import gc
+    import tempfile
+
+    import torch
+
+    from engine.weights import scan_layers
+    from families import wan
+
+    tmp = tempfile.TemporaryDirectory(prefix="wan-placement-bench-")
+    cfg = dict(model.config)
+    unstacked = wan.empty_transformer(cfg, torch.bfloat16)  # to save per-block names
+    stacked = model.blocks.stacked_params()
+    state = {f"blocks.{i}.{k}": v[i] for k, v in stacked.items()
+             for i in range(model.blocks.num_layers)}
+    state.update({k: v for k, v in model.state_dict().items()
+                  if not k.startswith(scan_layers.STACKED_PREFIX)})
+    unstacked.load_state_dict(state, assign=True)
+    unstacked.save_pretrained(os.path.join(tmp.name, "transformer"))
+    del model, unstacked, state, stacked
+    gc.collect()
+    model = wan.empty_transformer(cfg, torch.bfloat16)
+    loras, lora_s, lora_bytes = load_lora(args.lora_rank, cfg, model, tmp.name)
+    scan_layers.scan_blocks(model)
+    return tmp, model, loras, lora_s, lora_bytes
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from engine import placement, runtime, sharding
-    from engine.mesh import MeshShape, make_mesh
+    from engine.run import runtime
+    from engine.run.mesh import MeshShape, make_mesh
+    from engine.weights import placement, sharding
     from families import wan
 
     runtime.quiet_known_warnings()
     model = random_transformer(args.config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
-    tmp = None
+    tmp, loras, lora_s, lora_bytes = None, [], 0.0, 0
     if args.from_checkpoint:
-        import gc
-        import tempfile
-
-        import torch
-
-        from engine import scan_layers
-
-        tmp = tempfile.TemporaryDirectory(prefix="wan-placement-bench-")
-        cfg = dict(model.config)
-        unstacked = wan.empty_transformer(cfg, torch.bfloat16)  # to save per-block names
-        stacked = model.blocks.stacked_params()
-        state = {f"blocks.{i}.{k}": v[i] for k, v in stacked.items()
-                 for i in range(model.blocks.num_layers)}
-        state.update({k: v for k, v in model.state_dict().items()
-                      if not k.startswith(scan_layers.STACKED_PREFIX)})
-        unstacked.load_state_dict(state, assign=True)
-        unstacked.save_pretrained(os.path.join(tmp.name, "transformer"))
-        del model, unstacked, state, stacked
-        gc.collect()
-        model = wan.empty_transformer(cfg, torch.bfloat16)
-        loras, lora_s, lora_bytes = load_lora(args.lora_rank, cfg, model, tmp.name)
-        scan_layers.scan_blocks(model)
+        tmp, model, loras, lora_s, lora_bytes = write_checkpoint(model, args)
     mesh = make_mesh(MeshShape(args.dp, args.tp, 1), jax.devices())
     rules = wan.transformer_sharding_rules()
     peaks: dict = {}

@@ -5,7 +5,7 @@ per-call overhead dominate a step), then runs ``generate_flax.generate`` three t
 process: without a cache, with DeepCache (the seed's schedule scaled to the step count) and with
 MagCache (ratios of 1.0, so it skips as often as its settings allow). Every step is timed
 after a ``block_until_ready`` (the runs with a cache time each step; see
-``engine.benchmark.denoise``). It prints each run's denoise seconds, its full and cached step
+``engine.programs.denoise.denoise``). It prints each run's denoise seconds, its full and cached step
 means, and the ratios cached / full and denoise(cache) / denoise(none).
 
 These are CPU figures on this host (JAX's CPU backend, float32, one device): they show that a

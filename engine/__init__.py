@@ -1,6 +1,15 @@
-"""The family-agnostic engine behind ``generate_flax.py``.
+"""The family-agnostic engine behind ``generate_flax.py``, in five wings (bottom to top):
 
-Mesh, placement, kernel routing, compile, benchmark protocol, staged intermediates, dry run
-and report live here; nothing in this package names a model family. Families (``families/``)
-plug in through ``families.ModelFamily``. README's "Layout" section maps the modules.
+    run        the process and its settings: errors, RunConfig, chips, mesh, runtime
+    files      what a run reads and writes: checkpoint, integrity, image, videos, staging,
+               report, plots
+    weights    weights onto devices: placement, sharding, scan_layers, lora
+    programs   what is compiled and run: step, step_cache, experts, VAE encode and decode,
+               denoise (the denoising loop and its timing protocol)
+    dry_run    the deviceless path: abstract, estimate, fit
+
+A wing imports only itself and the wings below it; the engine imports the kernel
+(``custom_splash_attention``) and never ``families``: a family arrives as a
+``families.ModelFamily`` value. ``tests/test_layering.py`` keeps it so; docs/architecture.md
+has the map.
 """

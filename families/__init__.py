@@ -1,9 +1,9 @@
 """Model families: everything that differs between Wan 2.1 and the next video model.
 
-A family is one ``ModelFamily`` value in its own module, registered in ``FAMILIES``. The engine
-(``engine/``) and ``generate_flax.py`` call only what this interface names; nothing outside a
-family's module knows its pipeline class, text encoders, transformer call, sharding rules or
-VAE. README's "Adding a model family" lists the steps.
+A family is one ``ModelFamily`` value (``families/base.py``) in its own module, registered in
+``FAMILIES``. The engine (``engine/``) and ``generate_flax.py`` call only what this interface
+names; nothing outside a family's module knows its pipeline class, text encoders, transformer
+call, sharding rules or VAE. docs/architecture.md lists the steps to add one.
 
 ``detect_family(model_id)`` picks the family from ``model_index.json``'s ``_class_name`` (a
 local folder, a config shipped under ``configs/``, or the Hub).
@@ -11,161 +11,15 @@ local folder, a config shipped under ``configs/``, or the Hub).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
+from engine.files.checkpoint import read_model_index
+from engine.run.errors import UsageError
+from families import hunyuan, wan
+from families.base import ModelFamily
 
-from engine.errors import UsageError
+__all__ = ["FAMILIES", "ModelFamily", "detect_family", "family_for_class"]
 
+FAMILIES: dict[str, ModelFamily] = {"wan2.1": wan.FAMILY, "hunyuanvideo1.5": hunyuan.FAMILY}
 
-@dataclasses.dataclass(frozen=True)
-class ModelFamily:
-    """What a model family provides. ``config`` below is an ``engine.config.RunConfig``;
-    ``cfg`` is the transformer's config.json as a dict; tensors are torch CPU tensors.
-
-    Identity and defaults:
-        name: human name ("Wan 2.1").
-        pipeline_classes: ``model_index.json`` ``_class_name`` values it runs.
-        defaults: flag defaults (prompt, negative_prompt, height, width, frames, fps,
-            num_inference_steps, guidance_scale, max_sequence_length).
-        shipped_configs: Hub ids whose configs ``configs/`` holds, for dry runs.
-        download_hint: the command that downloads real weights.
-        required_files: files a local checkpoint folder must hold.
-        components: {stage: pipeline components that stage loads}.
-        weight_folders: {component: checkpoint subfolders holding its safetensors}, for
-            the checkpoint check before loading (``engine.integrity``); each folder's model
-            class is its ``model_index.json`` entry, as ``from_pretrained`` reads it.
-    Sizes:
-        frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
-        pixel_multiple: height and width must be multiples of it (VAE x patch).
-        default_flow_shift(height, width) -> float, with the source it documents.
-        latent_shape(vae_cfg, height, width, frames) -> (1, C, F', h, w).
-        token_count(cfg, height, width, frames) -> video tokens per sample.
-        num_heads(cfg) -> attention heads (what tp must divide).
-        transformer_flops(cfg, config) -> analytic FLOPs of one step's model call(s).
-        self_attention_flops(cfg, config) -> the self-attention part of it.
-    Loading and encoding (CPU, before any device work):
-        load_pipeline(config, components) -> diffusers pipeline, transformer with meta weights.
-        empty_transformer(cfg, torch dtype) -> transformer with meta weights, run dtypes.
-        empty_vae(folder) -> VAE with meta weights (dry run).
-        encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
-        embedding_names: the names ``encode_prompts`` returns (staged files hold these).
-        check_embeddings(embeds, settings, cfg) -> error text or None.
-        prepare_latents(pipe, config) -> float32 initial noise from ``config.seed``.
-    The model call:
-        model_inputs(embeds, config) -> pytree of (batch, ...) tensors the step takes,
-            CFG pairs concatenated on the batch axis (placed over "dp").
-        abstract_model_inputs(cfg, config) -> same pytree as ``jax.ShapeDtypeStruct`` shapes
-            and dtypes (no sharding), for the dry run.
-        step_fn(jm, config) -> torch function (params, buffers, latents, timestep, inputs)
-            -> noise prediction, CFG combined (to be viewed as JAX and jitted).
-        sharding_rules(config) -> ((regex, spec), ...) for the transformer's state dict.
-    VAE decode:
-        is_vae_decode_weight(name) -> whether the decode reads this VAE weight.
-        vae_decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
-            ``engine.vae_decode.ChunkedDecoder`` or an object with its interface
-            (``compile``, ``memory``, ``spatial``, call).
-    Engine details:
-        block_stack: ``engine.scan_layers.BlockStack``: the transformer's block list, what a
-            block carries, where the video tokens are (scan, sequence parallelism).
-        checkpoint_defaults(model_id) -> {flag: value} the checkpoint's own configs set
-            (e.g. its guider's guidance_scale, its scheduler's shift as "flow_shift"); they
-            win over ``defaults``. May raise ``UsageError``.
-        check_flags(values) -> (flag, rule) a resolved flag value breaks, or None; values
-            are the resolved family flags and "model_id".
-        scheduler_sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for
-            the scheduler's own spacing.
-        timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
-        optional_folders: weight folders a checkpoint may leave out (``model_index.json``
-            entry absent or [null, null]), e.g. Wan 2.2 A14B's ``transformer_2``.
-    Image-to-video (``--image``, ``engine/image.py``):
-        image_mode(model_id) -> "none" (text-to-video only), "optional" (either, e.g.
-            TI2V-5B) or "required" (an image-to-video checkpoint).
-        encode_image(pipe, config, image, devices) -> {name: tensor}: the image conditioning
-            (image-encoder embeddings, condition latents), computed once per run after the
-            prompts and before the transformer is placed; ``image`` is an RGB PIL image,
-            ``devices`` the run's devices (for an on-device VAE encode). The tensors join
-            every video's embeddings: ``model_inputs`` gets them and the encode stage stores
-            them, so a staged denoise needs no image encoder.
-        image_names: the names ``encode_image`` returns.
-        image_size(model_id, engine.image.ImageInfo) -> (height, width) the pipeline gives a
-            video of this image when no --height/--width is given, or None (the flags' size).
-        finish_latents(latents, inputs) -> latents: applied to the final latents (a
-            ``jax.Array``, with the placed model inputs) before the decode; the identity
-            unless the pipeline edits them after its loop (TI2V-5B image-to-video).
-    """
-
-    name: str
-    pipeline_classes: tuple[str, ...]
-    defaults: Mapping[str, Any]
-    shipped_configs: tuple[str, ...]
-    download_hint: str
-    required_files: tuple[str, ...]
-    components: Mapping[str, tuple[str, ...]]
-    weight_folders: Mapping[str, tuple[str, ...]]
-    frame_step: int
-    pixel_multiple: int
-    default_flow_shift: Callable
-    latent_shape: Callable
-    token_count: Callable
-    num_heads: Callable
-    transformer_flops: Callable
-    self_attention_flops: Callable
-    load_pipeline: Callable
-    empty_transformer: Callable
-    empty_vae: Callable
-    encode_prompts: Callable
-    embedding_names: tuple[str, ...]
-    check_embeddings: Callable
-    prepare_latents: Callable
-    model_inputs: Callable
-    abstract_model_inputs: Callable
-    step_fn: Callable
-    sharding_rules: Callable
-    is_vae_decode_weight: Callable
-    vae_decoder: Callable
-    block_stack: Any
-    checkpoint_defaults: Callable
-    check_flags: Callable
-    scheduler_sigmas: Callable
-    timestep_dtype: str
-    optional_folders: tuple[str, ...] = ()
-    image_mode: Callable = lambda model_id: "none"
-    encode_image: Callable | None = None
-    image_names: tuple[str, ...] = ()
-    image_size: Callable = lambda model_id, info: None
-    finish_latents: Callable = lambda latents, inputs: latents
-
-
-def empty_model(cls, cfg: dict, dtype):
-    """A diffusers model of class ``cls`` and config ``cfg`` with meta parameters (no RAM
-    for weights), in ``dtype`` except the parameters ``from_pretrained`` keeps in float32.
-    Buffers (RoPE tables) are real. The weights come later, streamed from the checkpoint
-    into their shards."""
-    import torch
-    from accelerate import init_empty_weights
-
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    with init_empty_weights():
-        model = cls.from_config(cfg).eval()
-    # torch's Module.to, not diffusers' override, which warns about the fp32-kept modules.
-    torch.nn.Module.to(model, dtype)
-    # from_pretrained keeps a parameter in float32 when any part of its dotted name is listed
-    # (module names such as "norm1", and parameters such as "scale_shift_table").
-    keep = set(model._keep_in_fp32_modules or [])
-    for name, param in model.named_parameters():
-        if keep.intersection(name.split(".")):
-            param.data = param.data.float()
-    return model
-
-
-def _registry() -> dict[str, ModelFamily]:
-    from families import hunyuan, wan
-
-    return {"wan2.1": wan.FAMILY, "hunyuanvideo1.5": hunyuan.FAMILY}
-
-
-FAMILIES = _registry()
 
 
 def family_for_class(class_name: str | None, model_id: str) -> str:
@@ -188,6 +42,4 @@ def detect_family(model_id: str) -> str:
     Raises:
         UsageError: the index cannot be read or names an unsupported pipeline.
     """
-    from engine.checkpoint import read_model_index
-
     return family_for_class(read_model_index(model_id).get("_class_name"), model_id)

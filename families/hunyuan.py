@@ -30,9 +30,13 @@ What differs from diffusers, and why (none of it changes a real token's output):
 
 from __future__ import annotations
 
-from engine.errors import GenerationError, UsageError
-from engine.scan_layers import BlockStack
-from families import ModelFamily, empty_model
+import custom_splash_attention as csa
+from engine.files.checkpoint import read_component_config, read_model_index
+from engine.files.image import read_image
+from engine.run.errors import GenerationError, UsageError, first_line
+from engine.weights.scan_layers import BlockStack
+from families import hunyuan_vae
+from families.base import ModelFamily, empty_model
 
 VAE_TEMPORAL_SCALE = 4
 VAE_SPATIAL_SCALE = 16
@@ -70,8 +74,6 @@ def checkpoint_defaults(model_id: str) -> dict:
     Raises:
         UsageError: the guider uses an option this port does not implement.
     """
-    from engine.checkpoint import read_component_config
-
     out = {}
     guider = read_component_config(model_id, "guider", filename="guider_config.json") or {}
     unsupported = {k: guider[k] for k, default in (
@@ -161,7 +163,7 @@ def self_attention_flops(cfg: dict, config) -> float:
 
 def empty_transformer(cfg: dict, dtype):
     """``HunyuanVideo15Transformer3DModel`` of config ``cfg`` with meta parameters in
-    ``dtype`` (see ``families.empty_model``), with ``install_attention_processors`` applied.
+    ``dtype`` (see ``families.base.empty_model``), with ``install_attention_processors`` applied.
 
     Raises:
         UsageError: the checkpoint is an image-to-video or MeanFlow (distilled SR) model.
@@ -208,8 +210,6 @@ def load_pipeline(config, components):
         HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
-
-    from engine.errors import first_line
 
     dtype = getattr(torch, config.dtype)
     i2v = is_image_to_video(config.model_id)
@@ -341,8 +341,6 @@ IMAGE_NAMES = ("image_embeds", "condition")
 
 def is_image_to_video(model_id: str) -> bool:
     """``model_index.json`` names ``HunyuanVideo15ImageToVideoPipeline``."""
-    from engine.checkpoint import read_model_index
-
     return read_model_index(model_id).get("_class_name") == I2V_PIPELINE
 
 
@@ -357,9 +355,6 @@ def image_size(model_id: str, info) -> tuple[int, int]:
     from diffusers.pipelines.hunyuan_video1_5.image_processor import (
         HunyuanVideo15ImageProcessor,
     )
-
-    from engine.checkpoint import read_component_config
-    from engine.image import read_image
 
     target = read_component_config(model_id, "transformer")["target_size"]
     width, height = read_image(info).size  # after the EXIF orientation, as the pipeline
@@ -424,8 +419,6 @@ class KeyPaddingAttnProcessor:
         import torch
         import torch.nn.functional as F
         from diffusers.models.embeddings import apply_rotary_emb
-
-        import custom_splash_attention as csa
 
         def heads(x):  # (B, N, H*D) -> (B, N, H, D)
             return x.unflatten(2, (attn.heads, -1))
@@ -593,16 +586,12 @@ def sharding_rules(config) -> tuple:
 
 
 def is_vae_decode_weight(name: str) -> bool:
-    from families import hunyuan_vae
-
     return hunyuan_vae.is_vae_decode_weight(name)
 
 
 def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
                 fallbacks=None):
     """The HunyuanVideo-1.5 VAE decode (``families.hunyuan_vae``)."""
-    from families import hunyuan_vae
-
     return hunyuan_vae.vae_decoder(placed, vae, mesh, tiling=tiling, abstract=abstract,
                                    fallbacks=fallbacks)
 

@@ -16,7 +16,7 @@ exactly:
   blocks, ``norm_out`` and ``conv_out`` use only causal 3-D convolutions (kernel 3 in time,
   replicate padding at the start), per-position RMS norms and upsamplers. So a latent frame
   decodes from the previous two input frames of every causal conv: carried as explicit
-  arrays (``engine.vae_decode.ChunkedDecoder``), as the Wan decode carries its conv cache.
+  arrays (``engine.programs.vae_decode.ChunkedDecoder``), as the Wan decode carries its conv cache.
   The first latent frame runs diffusers' own modules unchanged (replicate padding = a cache
   of two copies of the first frame; the temporal upsamplers make one frame of it); every
   later frame feeds each conv its cached frames and takes the upsamplers' "later frames"
@@ -32,6 +32,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import time
+
+from engine.programs.vae_decode import ChunkedDecoder
+from engine.run.errors import GenerationError
 
 # The cache of the frame program being traced: a list of arrays in conv-call order.
 _CONV_CACHE: contextvars.ContextVar = contextvars.ContextVar("hunyuan_vae_cache",
@@ -213,13 +216,11 @@ def _frame_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
 
 class HunyuanVaeDecoder:
     """Latents (1, 32, F', h, w) float32 -> video (1, 3, 4F'-3, 16h, 16w) float32 in [-1, 1],
-    on device: the mid program, then ``engine.vae_decode.ChunkedDecoder`` over the latent
+    on device: the mid program, then ``engine.programs.vae_decode.ChunkedDecoder`` over the latent
     frames of its output. Same interface as ``ChunkedDecoder`` (``compile``, ``memory``,
     call)."""
 
     def __init__(self, placed: dict, vae, mesh, *, abstract: bool = False, fallbacks=None):
-        from engine.vae_decode import ChunkedDecoder
-
         install_decode_overrides(placed["module"]._model)
         c = vae.config.latent_channels
         self.frames = ChunkedDecoder(
@@ -273,8 +274,6 @@ def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool
         GenerationError: ``tiling`` (``--vae_tiling``): diffusers' tiled decode loops over
             about 28 tiles in Python; this family has no such option.
     """
-    from engine.errors import GenerationError
-
     if tiling:
         raise GenerationError("--vae_tiling is not available for HunyuanVideo-1.5: its "
                               "decode is already frame-chunked and width-sharded")

@@ -5,7 +5,7 @@ Sources: the Wan 2.1 model card and ``generate.py`` (720p samples with flow_shif
 ``WanPipeline``, ``WanTransformer3DModel`` and ``AutoencoderKLWan``, which run unmodified.
 
 Wan 2.2 runs through the same ``WanPipeline``, told apart by ``model_index.json``:
-    T2V-A14B: ``transformer_2`` and ``boundary_ratio`` (two experts; ``engine/experts.py``
+    T2V-A14B: ``transformer_2`` and ``boundary_ratio`` (two experts; ``engine/programs/experts.py``
         picks the expert per step on the host, one compiled step serves both).
     TI2V-5B: ``expand_timesteps`` true, 48 latent channels, the Wan 2.2 VAE (z_dim 48,
         2x2 patchify, 16x spatial). Its per-token timesteps are all equal in text-to-video,
@@ -23,9 +23,13 @@ sources under ``settings.default_sources``).
 
 from __future__ import annotations
 
-from engine.errors import GenerationError
-from engine.scan_layers import WAN_BLOCKS
-from families import ModelFamily, empty_model, wan_ti2v
+from engine.files.checkpoint import expert_count, read_component_config, read_model_index
+from engine.programs.vae_decode import ChunkedDecoder
+from engine.programs.vae_encode import DeviceEncode
+from engine.run.errors import GenerationError, first_line
+from engine.weights.scan_layers import BlockStack
+from families import wan_ti2v
+from families.base import ModelFamily, empty_model
 
 # Wan's VAEs compress 4x in time; the transformer patchifies 2x2. The spatial factor is the
 # VAE's: 8 for Wan 2.1's (z_dim 16), 16 for Wan 2.2's (z_dim 48: 8x from its blocks, 2x from
@@ -135,26 +139,32 @@ DOWNLOAD_HINTS = {
 def is_two_expert(model_index: dict) -> bool:
     """A Wan 2.2 A14B layout: ``transformer_2`` names a model and ``boundary_ratio`` is set
     (diffusers' ``WanPipeline`` switches experts only then)."""
-    from engine import experts
-
-    return experts.count(model_index) == 2
+    return expert_count(model_index) == 2
 
 
+def lora_state_dict(tensors: dict) -> dict:
+    """diffusers' Wan LoRA key conversion (``WanLoraLoaderMixin.lora_state_dict``: PEFT,
+    original, ComfyUI and lightx2v keys), the ``ModelFamily.lora_state_dict`` of Wan."""
+    from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
+
+    return WanLoraLoaderMixin.lora_state_dict(tensors)
+
+
+# The transformer's block list: "blocks", each block called (hidden, encoder, temb, rotary)
+# with the hidden states carried; tokens on axis 1 of hidden and rotary.
+WAN_BLOCKS = BlockStack(attr="blocks", carry=1, token_axes=(1, None, None, 1),
+                        self_attention="attn1", sublayers=("attn1", "attn2", "ffn"))
 I2V_PIPELINE = "WanImageToVideoPipeline"
 
 
 def is_image_to_video(model_id: str) -> bool:
     """``model_index.json`` names ``WanImageToVideoPipeline`` (Wan 2.1 I2V, Wan 2.2
     I2V-A14B)."""
-    from engine.checkpoint import read_model_index
-
     return read_model_index(model_id).get("_class_name") == I2V_PIPELINE
 
 
 def is_ti2v(model_id: str) -> bool:
     """TI2V-5B: ``model_index.json``'s ``expand_timesteps`` (text- or image-to-video)."""
-    from engine.checkpoint import read_model_index
-
     return bool(read_model_index(model_id).get("expand_timesteps"))
 
 
@@ -170,8 +180,6 @@ def image_mode(model_id: str) -> str:
 def checkpoint_defaults(model_id: str) -> dict:
     """The official Wan 2.2 defaults for an A14B or TI2V layout (with ``sources``), {} for
     Wan 2.1 (its flow_shift is by resolution, ``default_flow_shift``)."""
-    from engine.checkpoint import read_model_index
-
     index = read_model_index(model_id)
     if is_two_expert(index):
         i2v = index.get("_class_name") == I2V_PIPELINE
@@ -186,8 +194,6 @@ def check_flags(values: dict) -> tuple[str, str] | None:
     257 CLIP keys off the text at ``encoder_hidden_states.shape[1] - 512`` (diffusers 0.42.1
     ``transformer_wan.py:89``, "hardcoded for now"): any other text length silently mixes
     text and image keys."""
-    from engine.checkpoint import read_component_config
-
     text = values["max_sequence_length"]
     cfg = read_component_config(values["model_id"], "transformer") or {}
     if text != 512 and cfg.get("image_dim"):
@@ -247,7 +253,7 @@ def self_attention_flops(cfg: dict, config) -> float:
 
 def empty_transformer(cfg: dict, dtype):
     """``WanTransformer3DModel`` of config ``cfg`` with meta parameters in ``dtype`` (see
-    ``families.empty_model``)."""
+    ``families.base.empty_model``)."""
     from diffusers import WanTransformer3DModel
 
     return empty_model(WanTransformer3DModel, cfg, dtype)
@@ -278,9 +284,6 @@ def load_pipeline(config, components):
     """
     import torch
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
-
-    from engine.checkpoint import read_model_index
-    from engine.errors import first_line
 
     dtype = getattr(torch, config.dtype)
     # TI2V-5B with --image runs as diffusers does it: WanImageToVideoPipeline on its folder.
@@ -424,13 +427,11 @@ def encode_image(pipe, config, image, devices) -> dict:
         "first_frame" (TI2V-5B only, in place of "condition"): (1, 48, 1, h, w) float32, the
             normalised posterior mode of the image alone (``families.wan_ti2v``).
     The VAE encode of the whole conditioning video (TI2V-5B: of the image) runs on
-    ``devices`` (``engine.vae_encode``: chunked, width-sharded; about 3.8e14 FLOPs at 720p x
-    81, minutes on a CPU; 34 s for TI2V-5B's one 704x1280 frame on a 2-core host), standing
+    ``devices`` (``engine.programs.vae_encode``: chunked, width-sharded; about 3.8e14 FLOPs at
+    720p x 81, minutes on a CPU; 34 s for TI2V-5B's one 704x1280 frame on a 2-core host), standing
     in for ``vae.encode`` inside diffusers' own ``prepare_latents``.
     """
     import torch
-
-    from engine.vae_encode import DeviceEncode
 
     cpu = torch.device("cpu")
     out = {}
@@ -460,7 +461,7 @@ def model_inputs(embeds: dict, config) -> dict:
     ([cond, uncond], as ``WanPipeline`` orders its two calls), and "guidance_scale": (B,)
     float32, every entry ``config.guidance_scale``: the CFG scale is an argument of the step
     program, not a constant compiled into it, so a two-expert model's second scale
-    (``--guidance_scale_2``) runs the same program (``engine.experts``)."""
+    (``--guidance_scale_2``) runs the same program (``engine.programs.experts``)."""
     import torch
 
     dtype = getattr(torch, config.dtype)
@@ -686,12 +687,10 @@ def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
 def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
                 fallbacks=None):
     """The Wan VAE decode (Wan 2.1's, or Wan 2.2's with ``patch_size``) as an
-    ``engine.vae_decode.ChunkedDecoder``: frame-chunked with the causal-conv cache as explicit
-    state (default) or, with ``tiling``, diffusers' spatially tiled ``decode`` in one
+    ``engine.programs.vae_decode.ChunkedDecoder``: frame-chunked with the causal-conv cache as
+    explicit state (default) or, with ``tiling``, diffusers' spatially tiled ``decode`` in one
     program."""
     import functools
-
-    from engine.vae_decode import ChunkedDecoder
 
     if tiling:
         vae.enable_tiling()
@@ -749,4 +748,9 @@ FAMILY = ModelFamily(
     encode_image=encode_image,
     image_names=IMAGE_NAMES,
     finish_latents=wan_ti2v.finish,
+    # WanPipeline's default is UniPC; Euler serves the few-step distilled LoRAs.
+    schedulers=("unipc", "euler"),
+    supports_lora=True,
+    lora_state_dict=lora_state_dict,
+    supports_window=True,
 )

@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from engine.scan_layers import slice_tokens
+from engine.weights.scan_layers import slice_tokens
 
 NAME = "first_frame"  # the model input and staged tensor: (B, z_dim, 1, h, w) float32
 

@@ -229,7 +229,7 @@ def test_second_process_hits_the_persistent_compilation_cache(tiny_checkpoint, t
 
 
 # A damaged checkpoint: one line naming the component, the file and the rule, exit 2, before
-# any model loads (engine/integrity.py). In-process: load_pipeline and the text encoder are
+# any model loads (engine/files/integrity.py). In-process: load_pipeline and the text encoder are
 # replaced by a failure, so a row that got as far as loading fails the test.
 
 
@@ -390,10 +390,11 @@ def test_window_size_is_wan_only():
     """HunyuanVideo-1.5's joint attention appends text tokens: no 1-D window there."""
     import argparse
 
-    from engine.config import check_attention_options
-    from engine.errors import UsageError
+    from engine.run.config import check_attention_options
+    from engine.run.errors import UsageError
+    from families import FAMILIES
 
     args = argparse.Namespace(window_size=8, k_smoothing=False, attention="splash")
-    with pytest.raises(UsageError, match=r"--window_size=8: Wan only"):
-        check_attention_options(args, "hunyuanvideo1.5")
-    check_attention_options(args, "wan2.1")
+    with pytest.raises(UsageError, match=r"--window_size=8: not supported for HunyuanVideo"):
+        check_attention_options(args, FAMILIES["hunyuanvideo1.5"])
+    check_attention_options(args, FAMILIES["wan2.1"])

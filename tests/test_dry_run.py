@@ -77,7 +77,7 @@ def test_dry_run_prints_per_chip_table_and_exits_by_fit(tmp_path):
     assert step["total_bytes"] >= step["argument_bytes"] + step["temp_bytes"] + decoder
     assert step["flops"] > 0 and report["mesh"] == {"dp": 2, "tp": 2, "sp": 1}
     assert report["tokens"] == 6 * 30 * 52 and report["fits"] is True
-    # The configs it read were checked first (engine/integrity.py), without weights.
+    # The configs it read were checked first (engine/files/integrity.py), without weights.
     check = report["checkpoint_check"]
     assert check["ran"] and not check["weights"] and check["seconds"] > 0
     assert sorted(check["components"]) == ["transformer", "vae"]

@@ -1,4 +1,4 @@
-"""``--estimate`` (engine/estimate.py): libtpu's static profile read right, checked against
+"""``--estimate`` (engine/dry_run/estimate.py): libtpu's static profile read right, checked against
 independent references: the matmul roofline, the kernel's linear cost in grid steps, and
 collective sizes known from the program that was compiled."""
 
@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from engine import chips, estimate
+from engine.dry_run import estimate
+from engine.run import chips
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +129,7 @@ def test_collectives_in_a_scan_count_times_its_trip_count():
 
 
 def test_estimate_needs_dry_run():
-    from engine.errors import UsageError
+    from engine.run.errors import UsageError
     from generate_flax import parse_args, validate_args
 
     model = ["--model_id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]
@@ -193,7 +194,7 @@ def test_combine_scales_one_block_to_all_layers():
 PROFILED = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {root!r})
-    from engine import estimate
+    from engine.dry_run import estimate
     estimate.setup_profile_environment()
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import families
-from engine.checkpoint import model_config_dir
-from engine.errors import UsageError
+from engine.files.checkpoint import model_config_dir
+from engine.run.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

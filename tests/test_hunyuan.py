@@ -126,11 +126,12 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     (["--frames", "10"], "--frames=10"),
     (["--height", "40"], "--height=40"),
     (["--megatron_sp"], "--megatron_sp=True: not supported for HunyuanVideo-1.5"),
-    (["--scheduler", "unipc"], "--scheduler='unipc': HunyuanVideo-1.5 runs its own"),
-    (["--lora", "x.safetensors"], "--lora='x.safetensors': LoRAs are supported for Wan only"),
+    (["--scheduler", "unipc"], "--scheduler='unipc': HunyuanVideo-1.5 runs euler only"),
+    (["--lora", "x.safetensors"], "--lora='x.safetensors': LoRAs are not supported for "
+     "HunyuanVideo-1.5"),
 ])
 def test_bad_flags_are_one_line_errors(hunyuan_checkpoint, argv, needle):
-    from engine.errors import UsageError
+    from engine.run.errors import UsageError
 
     with pytest.raises(UsageError) as e:
         generate_flax.validate_args(generate_flax.parse_args(
@@ -139,7 +140,7 @@ def test_bad_flags_are_one_line_errors(hunyuan_checkpoint, argv, needle):
 
 
 def test_unsupported_guider_option_is_refused(hunyuan_checkpoint, tmp_path):
-    from engine.errors import UsageError
+    from engine.run.errors import UsageError
 
     copy = _with_guider(hunyuan_checkpoint, tmp_path, {
         "_class_name": "ClassifierFreeGuidance", "guidance_scale": 6.0,
@@ -151,8 +152,8 @@ def test_unsupported_guider_option_is_refused(hunyuan_checkpoint, tmp_path):
 def test_transformer_weights_are_sharded_by_the_rules(hunyuan_checkpoint):
     """Per-device accounting: every Megatron rule matches, and each matched weight's shard
     on every device is 1/tp of it (stacked layer axis whole), not a whole copy."""
-    from engine import sharding
-    from engine.mesh import MeshShape, make_mesh
+    from engine.run.mesh import MeshShape, make_mesh
+    from engine.weights import sharding
 
     cfg = json.load(open(os.path.join(hunyuan_checkpoint, "transformer", "config.json")))
     transformer = hunyuan.empty_transformer(cfg, torch.float32)

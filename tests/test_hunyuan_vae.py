@@ -8,8 +8,8 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from engine.mesh import MeshShape, make_mesh
-from engine.sharding import place_module
+from engine.run.mesh import MeshShape, make_mesh
+from engine.weights.sharding import place_module
 from families import hunyuan_vae
 
 # 4 latent frames: the first-frame program once and the later-frame program three times.
@@ -94,7 +94,7 @@ def test_block_causal_attention_equals_the_dense_mask():
 
 
 def test_vae_tiling_is_refused(vae):
-    from engine.errors import GenerationError
+    from engine.run.errors import GenerationError
 
     with pytest.raises(GenerationError, match="--vae_tiling"):
         hunyuan_vae.vae_decoder({}, vae, None, tiling=True)

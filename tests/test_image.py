@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 import generate_flax
-from engine.image import check_image
+from engine.files.image import check_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_FRAME = os.path.join(ROOT, "tests", "data", "first_frame.png")

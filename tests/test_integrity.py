@@ -1,4 +1,4 @@
-"""The checkpoint check (engine/integrity.py) on valid checkpoints of both families, on the
+"""The checkpoint check (engine/files/integrity.py) on valid checkpoints of both families, on the
 shipped real configs, on an extra tensor (a warning, and the run goes on), and the report's
 record of it. Damaged checkpoints are rows of tests/test_cli.py's DAMAGED table."""
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import generate_flax as gf
-from engine import integrity
+from engine.files import integrity
 from families import FAMILIES
 
 
@@ -94,12 +94,12 @@ def test_extra_tensor_warns_and_the_run_goes_on(tiny_checkpoint, tmp_path, capsy
     state["blocks.0.extra_adapter.weight"] = torch.ones(3, 4)
     save_file(state, str(path), metadata={"format": "pt"})
     out = tmp_path / "out"
-    with caplog.at_level(logging.WARNING, logger="engine.integrity"):
+    with caplog.at_level(logging.WARNING, logger="engine.files.integrity"):
         code = gf.cli(["--model_id", str(ck), "--height", "32", "--width", "48", "--frames",
                        "5", "--num_inference_steps", "1", "--warmup_steps", "0",
                        "--compilation_cache_dir", "none", "--output_dir", str(out)])
     assert code == 0, capsys.readouterr().err[-2000:]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "engine.integrity"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "engine.files.integrity"]
     assert warnings == ["transformer: 1 tensor(s) in the checkpoint that WanTransformer3DModel "
                         "does not use, ignored as from_pretrained ignores them: "
                         "blocks.0.extra_adapter.weight"]

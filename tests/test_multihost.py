@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import generate_flax as gf
-from engine import runtime
+from engine.run import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "generate_flax.py")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import generate_flax
-from engine.mesh import MeshShape, make_mesh
-from engine.step import compile_step
+from engine.programs.step import compile_step
+from engine.run.mesh import MeshShape, make_mesh
 from families import wan
 
 # Non-square and not a power of two, so a swapped height/width axis cannot pass.
@@ -138,10 +138,11 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
     import torchax
 
     from custom_splash_attention import install_sdpa_override
+    from engine.weights.sharding import place_expert
 
     mesh = make_mesh(MeshShape(1, 1, 8))
     install_sdpa_override(torchax.default_env(), attention="xla")
-    w = generate_flax.place_transformer(args, wan.FAMILY, pipe, mesh, None)
+    w = place_expert(args, wan.FAMILY, pipe.transformer, "transformer", mesh, None)
     inputs = {"encoder_hidden_states": jnp.asarray(
         torch.cat([pos, neg]).float().numpy()).astype(jnp.bfloat16)}
     lat, ts = jnp.asarray(latents.numpy()), jnp.asarray([999], jnp.int32)

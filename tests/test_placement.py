@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import generate_flax as gf
-from engine import placement, scan_layers, sharding
-from engine.mesh import MeshShape, make_mesh
+from engine.run.mesh import MeshShape, make_mesh
+from engine.weights import placement, scan_layers, sharding
 from families import wan
 
 
@@ -178,8 +178,7 @@ def test_lora_fused_at_placement_keeps_every_device_to_its_shards(tiny_checkpoin
 
     from diffusers import WanPipeline
 
-    from engine import lora
-
+    from engine.weights import lora
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
     from tiny_lora import write_lora
 
@@ -197,7 +196,7 @@ def test_lora_fused_at_placement_keeps_every_device_to_its_shards(tiny_checkpoin
     want = {k: v.detach() for k, v in want_model.named_parameters()}
 
     model = wan.empty_transformer(cfg, torch.float32)
-    loras = [lora.load(path, 0.7, lora.transformer_shapes(model))]
+    loras = [lora.load(path, 0.7, lora.transformer_shapes(model), wan.lora_state_dict)]
     scan_layers.scan_blocks(model)
     mesh = make_mesh(MeshShape(2, 4, 1), jax.devices())
     deltas = []  # (weight, shape of each delta the host formed)

@@ -13,8 +13,9 @@ import torch
 import custom_splash_attention as csa
 import families
 import generate_flax as gf
-from engine import runtime, sharding
-from engine.mesh import MeshShape, make_mesh
+from engine.run import runtime
+from engine.run.mesh import MeshShape, make_mesh
+from engine.weights import sharding
 from families import wan
 
 SMALL = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from engine import scan_layers as sl  # noqa: E402
-from engine import sharding  # noqa: E402
-from engine.mesh import MeshShape, make_mesh  # noqa: E402
+from engine.run.mesh import MeshShape, make_mesh  # noqa: E402
+from engine.weights import scan_layers as sl  # noqa: E402
+from engine.weights import sharding  # noqa: E402
 from families import wan  # noqa: E402
 
 LAYERS = 3

@@ -10,9 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import generate_flax as gf
-from engine import sharding
-from engine.mesh import MeshShape, make_mesh
-from engine.step import compile_step
+from engine.programs.step import compile_step
+from engine.run.mesh import MeshShape, make_mesh
+from engine.weights import sharding
 from families import wan
 
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",

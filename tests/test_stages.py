@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import generate_flax as gf
-from engine import staging
+from engine.files import staging
 from families import wan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Step caching (engine/step_cache.py): DeepCache and MagCache as two AOT programs.
+"""Step caching (engine/programs/step_cache.py): DeepCache and MagCache as two AOT programs.
 
 References, none sharing code with the JAX path:
 - MagCache: diffusers' own ``MagCacheConfig`` hook on its eager ``WanPipeline`` (its code is
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import generate_flax
-from engine import step_cache
+from engine.programs import step_cache
 from families import wan
 
 SHAPE = dict(height=64, width=96, frames=9)
@@ -172,7 +172,7 @@ def test_magcache_schedule_replays_diffusers_hook(tiny_checkpoint):
 
 
 def test_shipped_wan_ratios_are_chosen_by_checkpoint():
-    from engine.checkpoint import read_component_config, read_model_index
+    from engine.files.checkpoint import read_component_config, read_model_index
 
     for model_id, name in (("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1-t2v-14b"),
                            ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v-1.3b")):

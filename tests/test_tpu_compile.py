@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
-from engine import runtime  # noqa: E402
+from engine.run import runtime  # noqa: E402
 
 MIB = 2**20
 
@@ -217,7 +217,7 @@ def test_vmem_request_stays_within_the_chips_vmem(topology):
 def test_generate_flax_mesh_fits_the_torus(topology, mesh_shape):
     # jax.make_mesh cannot map dp2 x tp4 x sp2 onto a 4x4 torus without splitting a physical
     # axis; generate_flax.make_mesh must still build it, using every chip once.
-    from engine.mesh import MeshShape, make_mesh
+    from engine.run.mesh import MeshShape, make_mesh
 
     devices = list(_topology_mesh(topology, (1, 1, -1)).devices.flat)
     mesh = make_mesh(MeshShape(*mesh_shape), devices)

@@ -1,4 +1,4 @@
-"""The chunked, width-sharded Wan VAE encode (engine/vae_encode.py) against diffusers'
+"""The chunked, width-sharded Wan VAE encode (engine/programs/vae_encode.py) against diffusers'
 ``AutoencoderKLWan.encode(x).latent_dist.mode()``, on 1 and 8 devices: Wan 2.1's VAE and
 Wan 2.2's (patchify, residual down blocks; TI2V-5B's one-frame image encode)."""
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import vae_encode
-from engine.sharding import place_module
+from engine.programs import vae_encode
+from engine.weights.sharding import place_module
 
 
 def wan21_vae():

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import generate_flax
-from engine import plots
+from engine.files import plots
 
 SMALL = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "3",
          "--dtype", "float32", "--attention", "xla", "--warmup_steps", "1"]
@@ -171,7 +171,7 @@ def test_staged_prompts_file_equals_the_one_stage_run(tiny_checkpoint, tmp_path,
     """encode -> denoise -> decode with a 2-entry prompts file: one embeddings and one latents
     file per entry under --work_dir/videos/<label>/, and the decoded videos equal those of
     the one-stage run (same prompts, seeds and device)."""
-    from engine.errors import UsageError
+    from engine.run.errors import UsageError
 
     path = _write(tmp_path, [json.dumps(e) for e in ENTRIES[:2]])
     stage = ["--prompts_file", path, "--work_dir", str(tmp_path / "work"), "--stage"]

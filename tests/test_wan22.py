@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import generate_flax
+from engine.files.checkpoint import expert_count
 from families import wan
 
 # Latent width 128 / 8 (Wan 2.1 VAE) or 128 / 16 (Wan 2.2 VAE) splits over 8 devices, so
@@ -100,7 +101,7 @@ def json_config(checkpoint, sub):
 
 
 def test_two_expert_defaults_and_refusals(two_expert_checkpoint, tiny_checkpoint):
-    from engine.errors import UsageError
+    from engine.run.errors import UsageError
 
     config = generate_flax.validate_args(generate_flax.parse_args(
         ["--model_id", two_expert_checkpoint]))
@@ -156,8 +157,8 @@ def test_wan22_vae_decode_equals_diffusers(ti2v_checkpoint, n_devices):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from engine.mesh import MeshShape, make_mesh
-    from engine.sharding import place_module
+    from engine.run.mesh import MeshShape, make_mesh
+    from engine.weights.sharding import place_module
 
     vae = AutoencoderKLWan.from_pretrained(ti2v_checkpoint, subfolder="vae").eval()
     assert vae.config.patch_size == 2 and vae.config.z_dim == 48
@@ -186,8 +187,8 @@ def test_dry_run_counts_both_experts_resident():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from engine import dry_run, experts
-    from engine.mesh import MeshShape, make_mesh
+    from engine.dry_run import fit as dry_run
+    from engine.run.mesh import MeshShape, make_mesh
 
     mesh = make_mesh(MeshShape(2, 4, 1))
 
@@ -204,9 +205,9 @@ def test_dry_run_counts_both_experts_resident():
         dry_run._add_resident(rows, placed, vae, inputs, 100, n)
         assert [r["resident_bytes"] for r in rows] == [step_kept, vae_kept]
     index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
-    assert experts.count(index) == 2
-    assert experts.count({**index, "transformer_2": [None, None]}) == 1
-    assert experts.count({**index, "boundary_ratio": None}) == 1
+    assert expert_count(index) == 2
+    assert expert_count({**index, "transformer_2": [None, None]}) == 1
+    assert expert_count({**index, "boundary_ratio": None}) == 1
 
 
 def test_lora_2_fuses_into_the_second_expert(two_expert_checkpoint, tmp_path):

@@ -139,9 +139,9 @@ def test_image_cross_attention_is_tp_split(i2v_checkpoint):
     from diffusers import WanTransformer3DModel
     from safetensors import safe_open
 
-    from engine import placement, sharding
-    from engine.checkpoint import read_component_config
-    from engine.mesh import MeshShape, make_mesh
+    from engine.files.checkpoint import read_component_config
+    from engine.run.mesh import MeshShape, make_mesh
+    from engine.weights import placement, sharding
 
     folder = os.path.join(i2v_checkpoint, "transformer")
     with safe_open(os.path.join(folder, "diffusion_pytorch_model.safetensors"), "pt") as f:
@@ -218,7 +218,7 @@ def test_first_frame_timesteps_equal_the_per_token_path(ti2v_checkpoint, scan):
     the unrolled blocks and the scanned stack; the plain (B,) call (t everywhere) does not."""
     from diffusers import WanTransformer3DModel
 
-    from engine.scan_layers import scan_blocks
+    from engine.weights.scan_layers import scan_blocks
     from families import wan_ti2v
 
     model = WanTransformer3DModel.from_pretrained(ti2v_checkpoint, subfolder="transformer")

@@ -130,20 +130,11 @@ def add_ignored_keys(folder: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def build_pipeline(args: argparse.Namespace):
-    """Instantiate every Wan 2.1 component with random weights; returns a ``WanPipeline``."""
-    import torch
-    from diffusers import (
-        AutoencoderKLWan,
-        UniPCMultistepScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+def build_text_encoder(args: argparse.Namespace, tokenizer):
+    """A 2-layer UMT5 encoder with random weights (drawn from torch's global generator)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    torch.manual_seed(args.seed)
-    tokenizer = build_tokenizer()
-    text_encoder = UMT5EncoderModel(
+    return UMT5EncoderModel(
         UMT5Config(
             vocab_size=len(tokenizer),
             d_model=args.text_dim,
@@ -159,6 +150,70 @@ def build_pipeline(args: argparse.Namespace):
             decoder_start_token_id=0,
         )
     ).eval()
+
+
+def build_vae(args: argparse.Namespace):
+    """Wan 2.1's VAE shrunk, or with ``--ti2v`` Wan 2.2's."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    if not args.ti2v:
+        return AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ).eval()
+    # Wan 2.2's VAE (Wan2.2-TI2V-5B-Diffusers/vae/config.json) shrunk: z_dim 48, 2x2
+    # patchify of 3 -> 12 channels, residual up/down blocks, 8x from the blocks times 2x
+    # from the patchify = 16x spatial. Non-trivial latent statistics, so a mean/std mix-up
+    # cannot pass the parity tests.
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=12,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=(torch.randn(48, generator=gen) * 0.3).tolist(),
+        latents_std=(torch.rand(48, generator=gen) + 0.5).tolist(),
+    ).eval()
+
+
+def build_i2v_pipeline(args: argparse.Namespace, clip: bool, **components):
+    """``WanImageToVideoPipeline`` of ``components``, with a tiny CLIP image encoder and its
+    processor when ``clip`` (Wan 2.1 I2V; Wan 2.2 I2V has none)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=CLIP_DIM, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, image_size=32, patch_size=8)).eval() if clip else None
+    processor = CLIPImageProcessor(size={"shortest_edge": 32},
+                                   crop_size={"height": 32, "width": 32}) if clip else None
+    return WanImageToVideoPipeline(
+        image_processor=processor, image_encoder=image_encoder, **components,
+        boundary_ratio=args.boundary_ratio if args.experts == 2 else None)
+
+
+def build_pipeline(args: argparse.Namespace):
+    """Instantiate every Wan 2.1 component with random weights; returns a ``WanPipeline``.
+    The components draw from torch's global generator in a fixed order (text encoder,
+    transformer(s), VAE, image encoder), so a seed gives the same checkpoint."""
+    import torch
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer()
+    text_encoder = build_text_encoder(args, tokenizer)
     channels = 48 if args.ti2v else 16
     # Wan 2.1 I2V: CLIP penultimate states (CLIP_DIM wide) enter an image cross-attention.
     clip = args.i2v and args.experts == 1
@@ -185,36 +240,7 @@ def build_pipeline(args: argparse.Namespace):
     transformer = new_transformer()
     # The low-noise expert: same architecture, its own random weights (drawn after the first's).
     transformer_2 = new_transformer() if args.experts == 2 else None
-    if args.ti2v:
-        # Wan 2.2's VAE (Wan2.2-TI2V-5B-Diffusers/vae/config.json) shrunk: z_dim 48, 2x2
-        # patchify of 3 -> 12 channels, residual up/down blocks, 8x from the blocks times 2x
-        # from the patchify = 16x spatial. Non-trivial latent statistics, so a mean/std mix-up
-        # cannot pass the parity tests.
-        gen = torch.Generator().manual_seed(args.seed + 1)
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            decoder_base_dim=12,
-            z_dim=48,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=16,
-            scale_factor_temporal=4,
-            latents_mean=(torch.randn(48, generator=gen) * 0.3).tolist(),
-            latents_std=(torch.rand(48, generator=gen) + 0.5).tolist(),
-        ).eval()
-    else:
-        vae = AutoencoderKLWan(
-            base_dim=3,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        ).eval()
+    vae = build_vae(args)
     # Wan 2.1's shipped scheduler config: UniPC in flow-prediction mode with flow sigmas.
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
@@ -222,30 +248,13 @@ def build_pipeline(args: argparse.Namespace):
         num_train_timesteps=1000,
         flow_shift=3.0,
     )
+    components = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                      scheduler=scheduler, transformer=transformer, transformer_2=transformer_2)
     if args.i2v:
-        from diffusers import WanImageToVideoPipeline
-        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-        image_encoder = CLIPVisionModel(CLIPVisionConfig(
-            hidden_size=CLIP_DIM, intermediate_size=48, num_hidden_layers=3,
-            num_attention_heads=2, image_size=32, patch_size=8)).eval() if clip else None
-        processor = CLIPImageProcessor(size={"shortest_edge": 32},
-                                       crop_size={"height": 32, "width": 32}) if clip else None
-        return WanImageToVideoPipeline(
-            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-            image_processor=processor, image_encoder=image_encoder, transformer=transformer,
-            transformer_2=transformer_2,
-            boundary_ratio=args.boundary_ratio if args.experts == 2 else None)
-    return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=transformer,
-        vae=vae,
-        scheduler=scheduler,
-        transformer_2=transformer_2,
-        boundary_ratio=args.boundary_ratio if args.experts == 2 else None,
-        expand_timesteps=args.ti2v,
-    )
+        return build_i2v_pipeline(args, clip, **components)
+    return WanPipeline(**components,
+                       boundary_ratio=args.boundary_ratio if args.experts == 2 else None,
+                       expand_timesteps=args.ti2v)
 
 
 def main(argv=None) -> int:

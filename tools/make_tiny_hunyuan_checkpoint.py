@@ -177,16 +177,9 @@ def build_qwen_tokenizer(vocab_size: int = 2048):
     return tokenizer
 
 
-def build_pipeline(args: argparse.Namespace):
-    """Instantiate every HunyuanVideo-1.5 T2V component with random weights."""
-    import torch
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
-    from diffusers.guiders import ClassifierFreeGuidance
+def build_text_encoders(args: argparse.Namespace, tokenizer):
+    """(Qwen2.5-VL text model, ByT5 tokenizer, T5 encoder) with random weights, drawn from
+    torch's global generator in that order."""
     from transformers import (
         ByT5Tokenizer,
         Qwen2_5_VLTextConfig,
@@ -195,8 +188,6 @@ def build_pipeline(args: argparse.Namespace):
         T5EncoderModel,
     )
 
-    torch.manual_seed(args.seed)
-    tokenizer = build_qwen_tokenizer()
     text_heads = 2
     text_head_dim = args.text_dim // text_heads
     text_encoder = Qwen2_5_VLTextModel(
@@ -218,7 +209,6 @@ def build_pipeline(args: argparse.Namespace):
             pad_token_id=tokenizer.pad_token_id,
         )
     ).eval()
-
     tokenizer_2 = ByT5Tokenizer()
     text_encoder_2 = T5EncoderModel(
         T5Config(
@@ -236,7 +226,23 @@ def build_pipeline(args: argparse.Namespace):
             decoder_start_token_id=0,
         )
     ).eval()
+    return text_encoder, tokenizer_2, text_encoder_2
 
+
+def build_pipeline(args: argparse.Namespace):
+    """Instantiate every HunyuanVideo-1.5 T2V component with random weights."""
+    import torch
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    torch.manual_seed(args.seed)
+    tokenizer = build_qwen_tokenizer()
+    text_encoder, tokenizer_2, text_encoder_2 = build_text_encoders(args, tokenizer)
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * args.latent_channels + 1,
         out_channels=args.latent_channels,
@@ -255,7 +261,6 @@ def build_pipeline(args: argparse.Namespace):
         target_size=args.target_size,
         task_type="i2v" if args.i2v else "t2v",
     ).eval()
-
     vae = AutoencoderKLHunyuanVideo15(
         in_channels=3,
         out_channels=3,
@@ -265,33 +270,24 @@ def build_pipeline(args: argparse.Namespace):
         spatial_compression_ratio=16,
         temporal_compression_ratio=4,
     ).eval()
+    components = dict(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift),
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=args.guidance_scale))
+    if not args.i2v:
+        return HunyuanVideo15Pipeline(**components)
+    # SigLIP (so400m-patch14-384 in the real checkpoint: 729 tokens x 1152) shrunk to
+    # 32 px / 8 px patches: 16 tokens of image_embed_dim.
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
-    guider = ClassifierFreeGuidance(guidance_scale=args.guidance_scale)
-    if args.i2v:
-        # SigLIP (so400m-patch14-384 in the real checkpoint: 729 tokens x 1152) shrunk to
-        # 32 px / 8 px patches: 16 tokens of image_embed_dim.
-        from diffusers import HunyuanVideo15ImageToVideoPipeline
-        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
-
-        image_encoder = SiglipVisionModel(SiglipVisionConfig(
-            hidden_size=args.image_embed_dim, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, image_size=32, patch_size=8)).eval()
-        return HunyuanVideo15ImageToVideoPipeline(
-            text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-            scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-            guider=guider, image_encoder=image_encoder,
-            feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}))
-    return HunyuanVideo15Pipeline(
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        vae=vae,
-        scheduler=scheduler,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        guider=guider,
-    )
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=args.image_embed_dim, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, image_size=32, patch_size=8)).eval()
+    return HunyuanVideo15ImageToVideoPipeline(
+        **components, image_encoder=image_encoder,
+        feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}))
 
 
 def _mrope_section(head_dim: int) -> list[int]:

@@ -1,0 +1,907 @@
+"""``--dry_run --estimate``: seconds per denoising step from static TPU cost models.
+
+ESTIMATE ONLY, never a measurement, never checked on hardware. Nothing here runs on a TPU:
+libtpu compiles for a described chip on a CPU host (deviceless) and its cost models are read.
+
+How a step is put together (per chip; see the project's shared notes, tpu-static-profile):
+
+* **Attention** (our Splash kernel): libtpu's static profile. With
+  ``--xla_jf_dump_static_llo_profile_to=DIR`` in ``LIBTPU_INIT_ARGS`` libtpu simulates the
+  final VLIW bundle schedule of every op it compiles and writes its ``estimated_cycles``
+  (one ``*_static_llo_profile.textproto`` per op). The flag is read once, when libtpu
+  loads, so the kernel is profiled in a subprocess (``python -m engine.dry_run.estimate``), on a
+  tiny grid (1 head, at most 2 x 2 blocks) at the call's real fitted block sizes, head_dim
+  and dtype. Cycles per grid step x the real per-chip grid (batch x heads x q blocks x kv
+  steps, read from the kernel's own ``grid`` as the sharded wrapper builds it in the
+  compiled block) / the assumed clock. Cycles per step do not depend on the grid's size
+  (the tests' 1x2 against 2x2x2 check); the tiny grid over-weights the per-q-block init
+  and finish slightly.
+* **Everything else in a block** (linear layers, norms, modulation, RoPE, copies): ONE
+  transformer block compiled at the real per-chip shapes (the inputs the model hands its
+  first block, laid out as between blocks), the kernel replaced by a no-op Pallas call of
+  the same operands. Linear layers (ops with a convolution or dot): per op,
+  max(FLOPs / MXU peak, HBM bytes / HBM bandwidth). Other ops: HBM bytes / HBM bandwidth.
+  Not libtpu's profile: on this block libtpu 0.0.42.1's static profiler grew past 14 GB
+  of host memory (on the RoPE de-interleave fusions) and aborted on the whole model at
+  small sizes ("Unsupported DMA direction"). Why bytes for the other ops: on a Wan-sized
+  layer norm (bf16 18,900 x 5,120, v6e; ``benchmarks/elementwise_cycles.py``) libtpu's
+  profile gives 94k / 159k / 244k cycles for its three fusions, the bytes take 207k /
+  207k / 413k, and XLA's own fusion cost model (``estimated_cycles`` in the compiled HLO)
+  says 843k / 844k / 1,033k: 4x the profile. max(profile, bytes) is the bytes there. The
+  step with XLA's figures (max with the bytes) is reported beside, as a pessimistic
+  variant. Ops inside a ``while`` body count x its trip count. x blocks.
+* **Collectives** (no cost in either model): the bytes each chip sends for every
+  all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute of the
+  compiled block (ring algorithms: all-reduce 2(n-1)/n of its operand, all-gather and
+  all-to-all (n-1)/n of the gathered / exchanged array, reduce-scatter (n-1)/n of its
+  operand), divided by the chip's ICI egress, ``ICI_EGRESS_GBPS``. Added serially: overlap
+  with compute, which XLA's async collectives allow, is not credited.
+* Work outside the blocks (patch embedding, RoPE tables, time embedding, output
+  projection; well under 1% of Wan's FLOPs) is left out.
+
+The clock is an assumption, not a value read from libtpu: the published bf16 peak divided
+by the MXU FLOPs per cycle (v6e 918 TFLOP/s / (4 x 256^2 x 2) = 1.75 GHz; v5e 197 /
+(4 x 128^2 x 2) = 1.5 GHz).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import custom_splash_attention as csa
+from custom_splash_attention import KERNEL_NAME
+from engine.dry_run.abstract import abstract_inputs, abstract_transformer
+from engine.files.checkpoint import PROJECT_ROOT, read_component_config
+from engine.run import chips
+from engine.weights import sharding as sharding_mod
+
+# MXU bf16 FLOPs per cycle per TensorCore, as libtpu's cycle counts imply. v5e: 4 MXUs of
+# 128^2 (Google Cloud's v5e page) x 2. v6e: Google's v6e page lists two 256^2 MXUs per
+# TensorCore, which at the published 918 TFLOP/s would need 3.5 GHz; libtpu's static profile
+# of a large bf16 matmul does ~0.94 x 524,288 FLOPs per cycle (tests/test_estimate.py), so
+# 524,288 (= 4 x 256^2 x 2, the shared notes' figure) is the one consistent with its cycles,
+# and the clock follows from it.
+MXU_FLOPS_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 4 * 256 * 256 * 2}
+# ICI egress per chip, GB/s: half of the "bidirectional inter-chip interconnect bandwidth
+# per chip" of Google Cloud's TPU v5e (400 GB/s) and v6e (800 GB/s) pages. It assumes every
+# ICI port carries the collective, so collective times are lower bounds.
+ICI_EGRESS_GBPS = {"v5e": 200.0, "v6e": 400.0}
+ICI_SOURCE = ("half the bidirectional per-chip ICI bandwidth of Google Cloud's TPU pages "
+              "(v5e 400 GB/s, v6e 800 GB/s): all ports in use, no overlap with compute")
+STUB_NAME = "estimate_attention_stub"
+PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
+                "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def clock_hz(chip: str) -> float:
+    """Assumed TensorCore clock, Hz: published bf16 peak / MXU FLOPs per cycle.
+
+    Raises:
+        ValueError: a chip without an MXU figure here (only v5e and v6e have one).
+    """
+    if chip not in MXU_FLOPS_PER_CYCLE:
+        raise ValueError(f"no clock assumption for {chip!r}; --estimate knows "
+                         f"{', '.join(MXU_FLOPS_PER_CYCLE)}")
+    return chips.CHIPS[chip].peak_bf16_tflops * 1e12 / MXU_FLOPS_PER_CYCLE[chip]
+
+
+def label(chip: str) -> str:
+    """The words every estimated figure carries."""
+    return (f"estimate from libtpu's static model and the roofline, assumed clock "
+            f"{clock_hz(chip) / 1e9:.2f} GHz, not a measurement, not checked on hardware")
+
+
+# ---------------------------------------------------------------------------------------
+# Reading the static profile (textproto) and the compiled HLO
+# ---------------------------------------------------------------------------------------
+
+
+def parse_textproto(text: str) -> dict:
+    """A protobuf text-format message as {field: [values]}; nested messages are dicts.
+
+    Scalars stay strings (quotes removed); enough for the static-profile files, which hold
+    no comments, maps or escaped quotes inside strings.
+    """
+    tokens = re.findall(r'"(?:[^"\\]|\\.)*"|[{}]|[^\s{}:]+:?', text)
+    stack, out, key = [], {}, None
+    for tok in tokens:
+        if tok == "{":
+            child = {}
+            out.setdefault(key, []).append(child)
+            stack.append(out)
+            out, key = child, None
+        elif tok == "}":
+            out = stack.pop()
+        elif key is None:
+            key = tok.rstrip(":")
+        else:
+            out.setdefault(key, []).append(tok[1:-1] if tok.startswith('"') else tok)
+            key = None
+    return out
+
+
+def profile_ops(text: str) -> list[dict]:
+    """The ``hlo_op_estimate`` entries of one profile file: {name, cycles}. (Some entries
+    also describe the instruction; not all do, so bytes come from the HLO text.)"""
+    return [dict(name=est["hlo_op_name"][0], cycles=int(est["estimated_cycles"][0]))
+            for est in parse_textproto(text).get("hlo_op_estimate", [])]
+
+
+def read_profile(profile_dir: str) -> list[dict]:
+    """Every op of every ``*_static_llo_profile.textproto`` in ``profile_dir``."""
+    ops = []
+    for path in sorted(glob.glob(os.path.join(profile_dir, "*_static_llo_profile.textproto"))):
+        with open(path) as f:
+            ops += profile_ops(f.read())
+    return ops
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+
+
+def hlo_computations(hlo_text: str) -> dict:
+    """{computation: [(name, result type, opcode, rest of line)]} of an HLO module's text;
+    the entry computation is also under the key "ENTRY"."""
+    comps, current = {}, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = comps.setdefault(m.group(1), [])
+            if line.startswith("ENTRY"):
+                comps["ENTRY"] = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line) if current is not None else None
+        if m:
+            current.append(m.groups())
+    return comps
+
+
+def _trip_count(rest: str, comps: dict) -> int:
+    """A while loop's trip count: XLA's ``known_trip_count``, else the bound its condition
+    compares the counter against (``lax.scan``/``fori_loop`` count from 0, step 1)."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", rest)
+    for _, _, opcode, args in comps.get(cond.group(1) if cond else "", []):
+        if opcode == "constant":
+            m = re.match(r"(\d+)\)", args)
+            if m:
+                return int(m.group(1))
+    return 1
+
+
+def hlo_multipliers(hlo_text: str) -> dict:
+    """{instruction name: how many times it runs per program call}: x the trip count of
+    every ``while`` it sits in; everything else 1."""
+    comps = hlo_computations(hlo_text)
+    times, todo = {"ENTRY": 1}, ["ENTRY"]
+    while todo:
+        comp = todo.pop()
+        for _, _, opcode, rest in comps.get(comp, []):
+            calls = re.findall(r"(?:body|condition|calls|to_apply|branch_computations)="
+                               r"\{?%?([\w.\-]+)", rest)
+            factor = _trip_count(rest, comps) if opcode == "while" else 1
+            for callee in calls:
+                if callee in comps and callee not in times:
+                    times[callee] = times[comp] * factor
+                    todo.append(callee)
+    return {name: times.get(comp, 1) for comp, insts in comps.items() if comp != "ENTRY"
+            for name, *_ in insts}
+
+
+def _type_bytes(text: str) -> float:
+    """Bytes of every array type such as ``bf16[2,128]{1,0}`` in ``text``."""
+    total = 0.0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]", text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _operand_list(rest: str) -> str:
+    """The operand list of an instruction, from the text after its opening parenthesis
+    (attributes such as backend_config follow the closing one)."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return rest[:i]
+    return rest
+
+
+def _group_size(rest: str) -> int:
+    """Devices per replica group: ``{{0,1,2,3},...}``, iota ``[2,4]<=[8]`` or
+    ``mesh['a'=2,'b'=4] {'b'}`` forms."""
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", rest)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+    return 2 if m else 1
+
+
+def collectives(hlo_text: str) -> list[dict]:
+    """The collectives of a compiled (SPMD-partitioned) HLO module, per chip per call.
+
+    Returns dicts: kind, name, group (devices per group), count (x while trip counts),
+    operand_bytes and result_bytes (per-device shapes), sent_bytes (what one chip sends by
+    a ring algorithm; see the module docstring). An all-reduce whose computation keeps only
+    a dynamic-slice of it (libtpu's all-reduce-scatter fusion) counts as a reduce-scatter.
+    """
+    comps = hlo_computations(hlo_text)
+    times = hlo_multipliers(hlo_text)
+    out = []
+    for comp, insts in comps.items():
+        if comp == "ENTRY":
+            continue
+        root_slices = any(op == "dynamic-slice" and re.search(r"%?all-reduce[\w.\-]*\W", rest)
+                          for _, _, op, rest in insts)
+        types = {name: result for name, result, _, _ in insts}
+        for name, result, opcode, rest in insts:
+            kind = opcode.removesuffix("-start")
+            if kind not in COLLECTIVES:
+                continue
+            operand = sum(_type_bytes(types.get(o, ""))
+                          for o in re.findall(r"%([\w.\-]+)", _operand_list(rest)))
+            res = _type_bytes(result)
+            if opcode.endswith("-start") and res > operand:  # async tuple (operand, result)
+                res -= operand
+            n = _group_size(rest)
+            if kind == "all-reduce" and root_slices:
+                kind = "reduce-scatter"
+            sent = {"all-reduce": 2 * (n - 1) / n * operand,
+                    "reduce-scatter": (n - 1) / n * operand,
+                    "all-gather": (n - 1) / n * res,
+                    "all-to-all": (n - 1) / n * operand,
+                    "collective-permute": operand}[kind]
+            out.append(dict(kind=kind, name=name, group=n, count=times.get(name, 1),
+                            operand_bytes=operand, result_bytes=res,
+                            sent_bytes=sent if n > 1 else 0.0))
+    return out
+
+
+def hlo_op_bytes(hlo_text: str) -> dict:
+    """{instruction name: (opcode, bytes of its operands and result)}: the HBM traffic of
+    each op if nothing stays in on-chip memory (per-device shapes; tile padding and
+    in-fusion slicing not modelled, so a fused dynamic-slice counts its whole operand)."""
+    out = {}
+    for insts in hlo_computations(hlo_text).values():
+        types = {name: result for name, result, _, _ in insts}
+        for name, result, opcode, rest in insts:
+            operands = re.findall(r"%([\w.\-]+)", _operand_list(rest))
+            out[name] = (opcode, _type_bytes(result) + sum(
+                _type_bytes(types.get(o, "")) for o in operands))
+    return out
+
+
+_NO_WORK = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "partition-id",
+            "replica-id", "after-all", "while", "conditional", "call", "opt-barrier"}
+_INT64_MAX = 2**63 - 1
+
+
+def _dims(type_text: str) -> list[int]:
+    m = re.search(r"\[([\d,]*)\]", type_text or "")
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _instruction_flops(types: dict, result: str, opcode: str, rest: str) -> float:
+    """FLOPs (2 per multiply-add) of a convolution or dot instruction: 2 x output elements
+    x contraction size; 0 for anything else."""
+    operands = re.findall(r"%([\w.\-]+)", _operand_list(rest))
+    out = math.prod(_dims(result))
+    if opcode == "convolution" and len(operands) == 2:
+        rhs = _dims(types.get(operands[1]))
+        labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
+        o = labels.group(1).find("o") if labels else -1
+        return 2.0 * out * math.prod(rhs) / rhs[o] if rhs and 0 <= o < len(rhs) else 0.0
+    if opcode == "dot" and operands:
+        lhs = _dims(types.get(operands[0]))
+        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        if lhs and contract:
+            return 2.0 * out * math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i)
+    return 0.0
+
+
+def _matmul_flops(comps: dict, comp: str, seen=None) -> float:
+    """FLOPs of the convolutions and dots in a fused computation, nested fusions included."""
+    seen = seen if seen is not None else set()
+    if comp in seen or comp not in comps:
+        return 0.0
+    seen.add(comp)
+    types = {name: result for name, result, _, _ in comps[comp]}
+    flops = 0.0
+    for _, result, opcode, rest in comps[comp]:
+        flops += _instruction_flops(types, result, opcode, rest)
+        for callee in re.findall(r"calls=%?([\w.\-]+)", rest):
+            flops += _matmul_flops(comps, callee, seen)
+    return flops
+
+
+def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
+                    exclude: tuple = (KERNEL_NAME, STUB_NAME)) -> dict:
+    """Seconds of one compiled program's ops on ``chip`` per call (ESTIMATE), by the
+    per-op rule max(cycles / clock, HBM bytes / HBM bandwidth), ops in ``while`` bodies x
+    their trip count. Collectives are left to ``collectives``; ops whose name contains one
+    of ``exclude`` (the attention kernel, counted apart) are left out.
+
+    An op's cycles come from, first to last:
+      * ``profile`` ({op name: estimated cycles} from libtpu's static profile), if given;
+      * for ops with a convolution or dot (the linear layers), their FLOPs / MXU FLOPs per
+        cycle (the roofline, which libtpu's profile reproduces to about 90% for large bf16
+        matmuls, see the tests);
+      * for the rest, XLA's own ``estimated_cycles`` in the op's backend config (its TPU
+        fusion cost model; absent or unknown: 0, i.e. bytes / HBM bandwidth alone).
+
+    Returns:
+        dict: linear_s, other_s (seconds), other_hbm_floor_s (the other ops at HBM bytes /
+        bandwidth alone, which ``combine`` uses: see the module docstring), hbm_bound_s
+        (seconds of ops whose bytes term won), flops (of the linear ops), bytes, ops,
+        source (op counts per cycle source), top_ops (the 8 slowest), collective_sent_bytes
+        and collectives (per kind).
+    """
+    hz, hbm = clock_hz(chip), chips.CHIPS[chip].hbm_gbps * 1e9
+    comps = hlo_computations(hlo_text)
+    times, op_bytes = hlo_multipliers(hlo_text), hlo_op_bytes(hlo_text)
+    control = {"ENTRY"}
+    for insts in comps.values():
+        for _, _, opcode, rest in insts:
+            control.update(re.findall(r"(?:body|condition|branch_computations)=\{?%?([\w.\-]+)",
+                                      rest))
+            if opcode == "call":
+                control.update(re.findall(r"to_apply=%?([\w.\-]+)", rest))
+    out = dict(linear_s=0.0, other_s=0.0, other_hbm_floor_s=0.0, hbm_bound_s=0.0, flops=0.0,
+               bytes=0.0, ops=0,
+               source=dict(profile=0, roofline=0, xla_cost_model=0, bytes_only=0))
+    top = []
+    for comp in control:
+        types = {name: result for name, result, _, _ in comps.get(comp, [])}
+        for name, result, opcode, rest in comps.get(comp, []):
+            kind = re.sub(r"-(start|done)$", "", opcode)
+            if (opcode in _NO_WORK or opcode.endswith("-done") or kind in COLLECTIVES
+                    or any(x in name for x in exclude)
+                    or any(x in rest for x in (f'"{KERNEL_NAME}', f'"{STUB_NAME}'))):
+                continue
+            n = times.get(name, 1)
+            called = re.findall(r"calls=%?([\w.\-]+)", rest)
+            flops = (_matmul_flops(comps, called[0]) if called else 0.0) or _instruction_flops(
+                types, result, opcode, rest)
+            xla = re.search(r'"window_config":\{[^}]*?"estimated_cycles":"(\d+)"', rest)
+            if profile is not None and name in profile:
+                cycles, source = profile[name], "profile"
+            elif flops:
+                cycles, source = flops / MXU_FLOPS_PER_CYCLE[chip], "roofline"
+            elif xla and int(xla.group(1)) < _INT64_MAX:
+                cycles, source = int(xla.group(1)), "xla_cost_model"
+            else:
+                cycles, source = 0, "bytes_only"
+            nbytes = op_bytes.get(name, ("", 0.0))[1]
+            compute, memory = n * cycles / hz, n * nbytes / hbm
+            seconds = max(compute, memory)
+            out["linear_s" if flops else "other_s"] += seconds
+            out["other_hbm_floor_s"] += 0.0 if flops else memory
+            out["hbm_bound_s"] += seconds if memory > compute else 0.0
+            out["flops"] += n * flops
+            out["bytes"] += n * nbytes
+            out["ops"] += 1
+            out["source"][source] += 1
+            top.append((seconds, name, opcode, n, source))
+    coll = collectives(hlo_text)
+    out["collective_sent_bytes"] = sum(c["sent_bytes"] * c["count"] for c in coll)
+    out["collectives"] = {}
+    for c in coll:
+        agg = out["collectives"].setdefault(c["kind"], dict(calls=0, sent_bytes=0.0))
+        agg["calls"] += c["count"]
+        agg["sent_bytes"] += c["sent_bytes"] * c["count"]
+    out["top_ops"] = [dict(seconds=t[0], name=t[1], opcode=t[2], count=t[3], source=t[4])
+                      for t in sorted(top, reverse=True)[:8]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Profiled compiles (only in a process whose libtpu was loaded with PROFILE_FLAG)
+# ---------------------------------------------------------------------------------------
+
+
+def setup_profile_environment(profile_dir: str | None = None) -> str:
+    """Put ``PROFILE_FLAG`` and the deviceless libtpu variables in the environment, before
+    libtpu loads; returns the profile directory (the flag's, if one was already set)."""
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    m = re.search(PROFILE_FLAG + r"=(\S+)", flags)
+    if m:
+        profile_dir = m.group(1)
+    else:
+        profile_dir = profile_dir or tempfile.mkdtemp(prefix="static_profile_")
+        os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {PROFILE_FLAG}={profile_dir}".strip()
+    for key, value in dict(TPU_ACCELERATOR_TYPE="v6e-8", TPU_WORKER_HOSTNAMES="localhost",
+                           TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                           JAX_PLATFORMS="cpu").items():
+        os.environ.setdefault(key, value)
+    os.makedirs(profile_dir, exist_ok=True)
+    return profile_dir
+
+
+def profile_dir() -> str:
+    """The directory libtpu writes profiles to in this process.
+
+    Raises:
+        RuntimeError: the flag is not set (libtpu would write nothing).
+    """
+    m = re.search(PROFILE_FLAG + r"=(\S+)", os.environ.get("LIBTPU_INIT_ARGS", ""))
+    if not m:
+        raise RuntimeError(f"{PROFILE_FLAG} is not in LIBTPU_INIT_ARGS; call "
+                           "setup_profile_environment() before JAX loads libtpu")
+    return m.group(1)
+
+
+def clear_profile() -> str:
+    path = profile_dir()
+    for p in glob.glob(os.path.join(path, "*")):
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    return path
+
+
+def topology_device(topology: str):
+    """Device 0 of a described TPU slice (deviceless)."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+
+
+def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int = 1,
+                  q_blocks: int = 2, kv_blocks: int = 2, q_len: int | None = None,
+                  kv_len: int | None = None, dtype="bfloat16", segment_ids: bool = False,
+                  **kernel_kwargs) -> tuple[int, int]:
+    """(estimated cycles of our Splash kernel, its grid steps) from one profiled deviceless
+    compile on device 0 of ``topology``, batch 1. An estimate from libtpu's static model.
+
+    ``block_sizes`` are fitted to the sequences as the kernel fits them; by default the
+    sequences are ``q_blocks`` and ``kv_blocks`` whole blocks. ``segment_ids`` adds all-ones
+    ids (the masked variant the sequence-parallel padding uses).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    bs = block_sizes if isinstance(block_sizes, csa.BlockSizes) else csa.BlockSizes(
+        *block_sizes)
+    q_len = q_len or q_blocks * bs.block_q
+    kv_len = kv_len or kv_blocks * bs.block_kv
+    fitted = csa._fit_block_sizes(bs, q_len, kv_len)
+    steps = heads * -(-q_len // fitted.block_q) * -(-kv_len // fitted.block_kv)
+    rep = NamedSharding(Mesh(np.array([topology_device(topology)]), ("x",)), P())
+    dt = getattr(jnp, dtype) if isinstance(dtype, str) else dtype
+    args = [jax.ShapeDtypeStruct((1, heads, n, head_dim), dt, sharding=rep)
+            for n in (q_len, kv_len, kv_len)]
+
+    # The profile flag's own VMEM buffers sit beside the kernel's scoped VMEM: a run's request
+    # (twice the kernel's estimated need, 91 MiB at 3328/3072/1024) left too little for them
+    # (a 2 x 3 grid with segment ids: 130.4 of 127.9 MiB), so profiles ask for the estimated
+    # need itself, 1.5-2x Mosaic's. The cycles do not depend on it (73,659 either way, v6e,
+    # 3328/3072/1024, 2 x 2).
+    vmem = csa._vmem_limit_bytes(fitted, head_dim, jnp.dtype(dt).itemsize, margin=1)
+
+    def fn(q, k, v):
+        seg = None
+        if segment_ids:
+            seg = (jnp.ones((1, q_len), jnp.int32), jnp.ones((1, kv_len), jnp.int32))
+        return csa.splash_attention(q, k, v, block_sizes=bs, segment_ids=seg,
+                                    vmem_limit_bytes=vmem, **kernel_kwargs)
+
+    path = clear_profile()
+    jax.jit(fn).lower(*args).compile()
+    cycles = sum(op["cycles"] for op in read_profile(path) if KERNEL_NAME in op["name"])
+    if not cycles:
+        raise RuntimeError(f"no {KERNEL_NAME} op in the static profile of {path}")
+    return cycles, steps
+
+
+class _StubPallas:
+    """Stands in for ``jax.experimental.pallas`` inside ``custom_splash_attention`` while the
+    model is compiled for its non-attention ops: ``pallas_call`` becomes a no-op Pallas call
+    over the same operands (so their producers, the q scaling and the V transpose, stay in
+    the program) whose output aliases q, and each call's grid and block sizes are
+    recorded."""
+
+    def __init__(self, real, calls: list):
+        self._real, self.calls = real, calls
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def pallas_call(self, kernel, *, out_shape, grid_spec=None, name=None, **_):
+        pl, calls = self._real, self.calls
+
+        def call(*args):
+            arrays = [a for a in args if a is not None and getattr(a, "ndim", 0) >= 2]
+            qs = next(i for i, a in enumerate(arrays)
+                      if a.shape == out_shape.shape and a.dtype == out_shape.dtype)
+            kw = getattr(kernel, "keywords", {})
+            calls.append(dict(
+                grid=list(grid_spec.grid), head_dim=int(out_shape.shape[-1]),
+                dtype=str(out_shape.dtype), q_len=int(out_shape.shape[2]),
+                kv_len=int(kw.get("kv_len", 0)),
+                block_sizes=[kw.get("block_q"), kw.get("block_kv"), kw.get("block_kv_compute")],
+                segment_ids=args[-1] is not None, window_size=kw.get("window_size"),
+                real_kv_blocks=int(kw.get("real_kv_blocks", 0))))
+            any_spec = pl.BlockSpec(memory_space=pl.ANY)
+            return pl.pallas_call(
+                lambda *refs: None, out_shape=out_shape, name=STUB_NAME,
+                in_specs=[any_spec] * len(arrays), out_specs=any_spec,
+                input_output_aliases={qs: 0})(*arrays)
+
+        return call
+
+
+@contextlib.contextmanager
+def stub_attention_kernel(calls: list):
+    """Within: our kernel is a recorded no-op (``_StubPallas``)."""
+    real = csa.pl
+    csa.pl = _StubPallas(real, calls)
+    try:
+        yield
+    finally:
+        csa.pl = real
+
+
+def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
+    """Abstract shapes and dtypes of the first block's call in the real model: the model's
+    step is traced (``jax.eval_shape``, no compile) with a hook that records them."""
+    import jax
+    import torch
+    from torchax import interop
+    from torchax.ops import mappings
+
+    vae_cfg = read_component_config(config.model_id, "vae")
+    latents, t, inputs = abstract_inputs(config, family, cfg, vae_cfg, mesh)
+    seen = []
+
+    def record(_module, args):
+        if not seen:
+            seen.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                tuple(x.shape), mappings.t2j_dtype(x.dtype)) if isinstance(x, torch.Tensor)
+                else x, args))
+
+    blocks = getattr(placed["module"]._model, family.block_stack.attr)
+    handle = blocks[0].register_forward_pre_hook(record)
+    try:
+        jax.eval_shape(interop.jax_view(family.step_fn(placed["module"], config)),
+                       placed["params"], placed["buffers"], latents, t, inputs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
+    """(compiled, seconds, kernel calls) of ONE transformer block at the real per-chip
+    shapes: the inputs the model hands its first block, batch over "dp" and, with sequence
+    parallelism, tokens over "sp" (as the residual stream is laid out between blocks).
+
+    Only a block, not the whole model: libtpu 0.0.42.1's static profiler exhausted this
+    host's memory (over 14 GB) on the whole model's program and aborted on a tiny one
+    ("Unsupported DMA direction"), in ops outside the blocks (patch embedding)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    cfg = dict(cfg, num_layers=1)
+    unrolled = config.replace(scan_layers=False)
+    placed = abstract_transformer(unrolled, family, cfg, mesh)
+    args = _block_inputs(unrolled, family, cfg, mesh, placed)
+    batch, tokens = args[0].shape[:2]
+    stack = family.block_stack
+    axes = sharding_mod.residual_token_axes(mesh, config.megatron_sp)
+    shards = math.prod(mesh.shape[a] for a in axes)
+
+    def sharding(x):
+        if x.ndim >= 2 and x.shape[0] == batch and batch % shape.dp == 0 and batch > 1:
+            spec = ["dp"] + [None] * (x.ndim - 1)
+        else:
+            spec = [None] * x.ndim
+        if axes and x.ndim >= 3 and x.shape[1] == tokens and tokens % shards == 0:
+            spec[1] = axes if len(axes) > 1 else axes[0]
+        return NamedSharding(mesh, P(*spec))
+
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)),
+                        args)
+    jm = placed["module"]
+
+    def block(params, buffers, *block_args):
+        return jm.functional_call(lambda model, *a: getattr(model, stack.attr)[0](*a), params,
+                                  buffers, *block_args)
+
+    # The carried streams come out laid out as they went in (HunyuanVideo-1.5: two).
+    out_sh = args[0].sharding if stack.carry == 1 else tuple(
+        a.sharding for a in args[:stack.carry])
+
+    param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
+    calls = []
+    with stub_attention_kernel(calls):
+        t0 = time.perf_counter()
+        compiled = jax.jit(interop.jax_view(block), in_shardings=(
+            param_sh, NamedSharding(mesh, P()), *jax.tree.map(lambda x: x.sharding, args)),
+            out_shardings=out_sh).lower(
+            placed["params"], placed["buffers"], *args).compile()
+    return compiled, time.perf_counter() - t0, calls
+
+
+def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
+    """Cost model of our kernel at one configuration, from two profiled tiny grids (an
+    ESTIMATE from libtpu's static model): cycles of a call with grid (batch, heads, Q, K) =
+    ``per_step`` x grid steps + ``per_q_block`` x batch x heads x Q.
+
+    A q block's first and last kv step also run ``_init`` and ``_finish``; on a 2 x 2 grid
+    they weigh ~12x more than on the 720p grid (25 kv steps per q block), so one tiny grid's
+    cycles per step overstate the real grid's. The profiles are 2 x k1 and 2 x k2 (q blocks x
+    kv blocks) with k1 = min(K, 2) and k2 = min(K, 3): their difference is the per-step
+    slope, the rest is per q block. Both have two q blocks because a one-q-block grid costs
+    less per step (libtpu 0.0.42.1, v6e, 3328/3072/1024: 16,330 cycles per step on 1 x N
+    grids against 17,272 between 2 x 2 and 2 x 3). ``kw`` goes to ``kernel_cycles``.
+
+    With libtpu's profile flag, VMEM use grows with the grid (~0.25 MiB per step at
+    3328/3072/1024) beside the kernel's scoped VMEM. ``kernel_cycles`` therefore asks for
+    the kernel's estimated need rather than a run's 2x; with the 2x request the 2 x 3 grid
+    with segment ids overflowed on v6e. Should the 2 x k2 grid still overflow, the 2 x k1
+    grid alone gives the per-step figure (an overestimate) and ``note`` says so.
+
+    Returns:
+        {"per_step", "per_q_block": cycles, "profiles": {"QxK": cycles}, "note": str|None}.
+    """
+    k1, k2 = min(kv_steps, 2), min(kv_steps, 3)
+    cycles = {k1: kernel_cycles(topology, block_sizes, q_blocks=2, kv_blocks=k1, **kw)[0]}
+    note = None
+    if k2 > k1:
+        try:
+            cycles[k2] = kernel_cycles(topology, block_sizes, q_blocks=2, kv_blocks=k2, **kw)[0]
+        except Exception as e:  # noqa: BLE001 - only a VMEM overflow is expected here
+            if "vmem" not in str(e).lower():
+                raise
+            # The profile flag's own VMEM grows with the grid (a real compile of the same
+            # blocks fits): keep the 2 x k1 grid alone, which charges _init and _finish
+            # every k1 steps, an overestimate.
+            note = f"2x{k2} overflowed VMEM under the profile flag: per step from 2x{k1} alone"
+    if k2 in cycles and k2 > k1:
+        per_step = (cycles[k2] - cycles[k1]) / (2 * (k2 - k1))
+    else:
+        per_step = cycles[k1] / (2 * k1)
+    return dict(per_step=per_step, per_q_block=cycles[k1] / 2 - per_step * k1,
+                profiles={f"2x{k}": c for k, c in cycles.items()}, note=note)
+
+
+def call_cycles(call: dict, cost: dict) -> float:
+    """Estimated cycles of one recorded kernel call (grid [batch, heads, Q, K]).
+
+    A call with segment ids whose first ``call["real_kv_blocks"]`` kv blocks are declared
+    all real (``splash_attention(real_keys_before=...)``) charges those steps at
+    ``cost["all_real"]["per_step"]`` (the profile of the same kernel with every block
+    declared real), the rest at ``cost["per_step"]``."""
+    batch, heads, q_blocks, kv_steps = call["grid"]
+    fast = min(call.get("real_kv_blocks", 0), kv_steps) if "all_real" in cost else 0
+    return (batch * heads * q_blocks * (cost["per_step"] * (kv_steps - fast)
+                                        + (cost["all_real"]["per_step"] * fast if fast else 0))
+            + cost["per_q_block"] * batch * heads * q_blocks)
+
+
+def profile_worker(request: dict) -> dict:
+    """The profiled half of ``estimate``, in its own process (``main``): the cost model
+    (``kernel_cost``) of each distinct kernel configuration in ``request["kernel_calls"]``."""
+    setup_profile_environment()
+    kernels = {}
+    for c in request["kernel_calls"]:
+        key = _kernel_key(c)
+        if key in kernels:
+            continue
+        kv_steps = max(x["grid"][3] for x in request["kernel_calls"] if _kernel_key(x) == key)
+        t0 = time.perf_counter()
+        cost = kernel_cost(request["topology"], c["block_sizes"], kv_steps=kv_steps,
+                           head_dim=c["head_dim"], dtype=c["dtype"],
+                           segment_ids=c["segment_ids"], window_size=c["window_size"])
+        if any(x.get("real_kv_blocks") for x in request["kernel_calls"]
+               if _kernel_key(x) == key):
+            # The same kernel with every kv block declared real: the steps before the
+            # declared padding position (issue #26).
+            cost["all_real"] = kernel_cost(
+                request["topology"], c["block_sizes"], kv_steps=kv_steps,
+                head_dim=c["head_dim"], dtype=c["dtype"], segment_ids=True,
+                real_keys_before=1 << 30)
+        kernels[key] = dict(cost, cycles_per_step=cost["per_step"],
+                            block_sizes=c["block_sizes"], head_dim=c["head_dim"],
+                            dtype=c["dtype"], segment_ids=c["segment_ids"],
+                            compile_s=time.perf_counter() - t0)
+        print(f"estimate: kernel {key}: {cost['per_step']:,.0f} cycles/step + "
+              f"{cost['per_q_block']:,.0f}/q block"
+              + (f"; all-real kv blocks {cost['all_real']['per_step']:,.0f} cycles/step"
+                 if "all_real" in cost else ""), file=sys.stderr, flush=True)
+    return kernels
+
+
+def _kernel_key(call: dict) -> str:
+    bq, bkv, bkc = call["block_sizes"]
+    return (f"{bq}/{bkv}/{bkc} d{call['head_dim']} {call['dtype']}"
+            + (" masked" if call["segment_ids"] else "")
+            + (f" window{call['window_size']}" if call["window_size"] is not None else ""))
+
+
+# ---------------------------------------------------------------------------------------
+# The estimate (parent process)
+# ---------------------------------------------------------------------------------------
+
+
+def _kernel_seconds(calls: list, kernels: dict, hz: float) -> dict:
+    """Seconds and grid steps of the kernel calls of one program, self vs cross."""
+    out = {k: dict(seconds=0.0, grid_steps=0, flops=0.0) for k in ("self", "cross")}
+    for c in calls:
+        kind = "self" if c["q_len"] == c["kv_len"] else "cross"
+        steps = math.prod(c["grid"])
+        out[kind]["seconds"] += call_cycles(c, kernels[_kernel_key(c)]) / hz
+        out[kind]["grid_steps"] += steps
+        bq, bkv, _ = c["block_sizes"]
+        out[kind]["flops"] += 4.0 * steps * bq * bkv * c["head_dim"]
+    return out
+
+
+def combine(block: dict, kernels: dict, *, chip: str, layers: int,
+            model_flops_per_chip: float) -> dict:
+    """The step estimate: ``layers`` x (one block's ops, collectives and kernel calls).
+
+    Args:
+        block: ``program_summary`` of one block, with its ``kernel_calls`` (as the stub
+            recorded them) and ``compile_s``.
+        kernels: {``_kernel_key``: ``kernel_cost``'s model} of the profiled kernel.
+        model_flops_per_chip: the family's analytic FLOPs of a step / chips, for MXU use.
+    """
+    hz = clock_hz(chip)
+    attn = _kernel_seconds(block["kernel_calls"], kernels, hz)
+    attn = {kind: {f: layers * v for f, v in a.items()} for kind, a in attn.items()}
+    coll_bytes = layers * block["collective_sent_bytes"]
+    parts = dict(
+        self_attention_s=attn["self"]["seconds"], cross_attention_s=attn["cross"]["seconds"],
+        linear_s=layers * block["linear_s"],
+        elementwise_and_other_s=layers * block["other_hbm_floor_s"],
+        collectives_s=coll_bytes / (ICI_EGRESS_GBPS[chip] * 1e9))
+    total = sum(parts.values())
+    xla = total - parts["elementwise_and_other_s"] + layers * block["other_s"]
+    peak = chips.CHIPS[chip].peak_bf16_tflops * 1e12
+    for a in attn.values():
+        a["kernel_mxu_use"] = (a["flops"] / (MXU_FLOPS_PER_CYCLE[chip] * a["seconds"] * hz)
+                               if a["seconds"] else None)
+    return dict(
+        label=label(chip), chip=chip, clock_hz=hz,
+        clock_source="published bf16 peak / MXU FLOPs per cycle (an assumption)",
+        hbm_gbps=chips.CHIPS[chip].hbm_gbps, ici_egress_gbps=ICI_EGRESS_GBPS[chip],
+        ici_source=ICI_SOURCE, seconds_per_step=total, parts=parts,
+        elementwise_xla_cost_model_s=layers * block["other_s"],
+        seconds_per_step_elementwise_by_xla_cost_model=xla,
+        mxu_use=model_flops_per_chip / (peak * total) if total else None,
+        model_flops_per_chip=model_flops_per_chip,
+        collective_gb_per_chip=coll_bytes / 1e9,
+        collectives={k: dict(calls=layers * v["calls"], sent_bytes=layers * v["sent_bytes"])
+                     for k, v in block["collectives"].items()},
+        attention=attn, kernels=kernels,
+        layers=layers, block=dict(compile_s=block["compile_s"], ops=block["ops"],
+                                  cycle_sources=block["source"], top_ops=block["top_ops"],
+                                  linear_flops=block["flops"]),
+        method=METHOD)
+
+
+METHOD = ("attention: our kernel's cycles per grid step and per q block, fitted to libtpu's "
+          "static profiles of two tiny grids at the real block sizes, x the real per-chip "
+          "grid; linear layers: FLOPs / MXU peak "
+          "(roofline) or HBM bytes / bandwidth, whichever is larger, per op of one compiled "
+          "block; elementwise: HBM bytes / bandwidth (libtpu's profile of a 14B-sized layer "
+          "norm is below it; XLA's fusion cost model, 4x above the profile there, is given "
+          "apart); x blocks; collectives: ring bytes / ICI "
+          "egress, serial; work outside the blocks (patch embedding, RoPE tables, output "
+          "projection) left out")
+
+
+def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: str) -> dict:
+    """Estimated seconds per denoising step on ``config.topology``, with its breakdown.
+
+    One block is compiled here at the real per-chip shapes with the kernel stubbed out; the
+    kernel's cycles per grid step come from a subprocess (the profile flag must be set
+    before libtpu loads). ``cfg`` is the transformer config with its real ``num_layers``.
+    Every figure is an ESTIMATE (assumed clock, static models); nothing is measured.
+
+    Raises:
+        ValueError: the chip has no clock assumption here, or the attention backend is one
+            whose cost the profile cannot see (JAX's stock splash kernel).
+        RuntimeError: the profiling subprocess failed (its last stderr lines are included).
+    """
+    clock_hz(chip)
+    if attention == "stock_splash":
+        raise ValueError("--estimate profiles our Splash kernel or XLA attention; JAX's stock "
+                         "splash kernel gates its work on mask data the profile undercounts")
+    t0 = time.perf_counter()
+    compiled, seconds, calls = _compile_block(config, family, cfg, mesh, mesh_shape)
+    block = dict(program_summary(compiled.as_text(), chip), compile_s=seconds,
+                 kernel_calls=calls)
+    kernels = {}
+    if calls:
+        request = dict(topology=config.topology, kernel_calls=calls)
+        env = dict(os.environ)
+        env.pop("LIBTPU_INIT_ARGS", None)  # the worker sets its own flags
+        proc = subprocess.run([sys.executable, "-m", "engine.dry_run.estimate"],
+                              input=json.dumps(request), capture_output=True, text=True,
+                              cwd=PROJECT_ROOT, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError("--estimate: the kernel-profiling subprocess failed: "
+                               + " | ".join(proc.stderr.strip().splitlines()[-5:]))
+        kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    chips_in_mesh = mesh_shape.dp * mesh_shape.tp * mesh_shape.sp
+    out = combine(block, kernels, chip=chip, layers=cfg["num_layers"],
+                  model_flops_per_chip=family.transformer_flops(cfg, config) / chips_in_mesh)
+    out["elapsed_s"] = time.perf_counter() - t0
+    return out
+
+
+def print_estimate(est: dict) -> None:
+    """The estimate as the dry-run table's footer."""
+    p = est["parts"]
+    print(f"\n== Estimated step time ({est['label']}) ==")
+    if not est["kernels"]:
+        print("(no Splash kernel call: attention is XLA ops, in the linear and elementwise rows)")
+    for kind in ("self", "cross"):
+        print(f"{kind + '-attention':<26}{p[kind + '_attention_s']:8.3f} s   "
+              f"(kernel MXU use {_pct(est['attention'][kind]['kernel_mxu_use'])})")
+    print(f"{'linear layers':<26}{p['linear_s']:8.3f} s")
+    print(f"{'elementwise and other':<26}{p['elementwise_and_other_s']:8.3f} s   "
+          "(HBM bytes / bandwidth)")
+    print(f"{'collectives':<26}{p['collectives_s']:8.3f} s   "
+          f"({est['collective_gb_per_chip']:.2f} GB sent per chip at "
+          f"{est['ici_egress_gbps']:.0f} GB/s ICI egress)")
+    print(f"{'total per denoising step':<26}{est['seconds_per_step']:8.3f} s   "
+          f"(MXU use {_pct(est['mxu_use'])} of the model's FLOPs)")
+    print(f"{'  by XLA cost model':<26}"
+          f"{est['seconds_per_step_elementwise_by_xla_cost_model']:8.3f} s   (elementwise "
+          f"{est['elementwise_xla_cost_model_s']:.3f} s by XLA's fusion cost model: pessimistic)")
+    print(f"ICI figure: {est['ici_source']}; {est['elapsed_s']:.0f} s to estimate")
+    if "cache" in est:
+        c = est["cache"]
+        print(f"{c['kind']}: {c['full_steps']} full x {c['full_step_s']:.3f} s + "
+              f"{c['cached_steps']} cached x {c['cached_step_s']:.3f} s = {c['denoise_s']:.1f} s "
+              f"of denoising, against {c['denoise_s_without_cache']:.1f} s without a cache "
+              f"({c['speedup']:.2f}x; estimated, blocks only)")
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def main() -> int:
+    """Subprocess entry: a JSON request on stdin, the worker's JSON as the last stdout line."""
+    request = json.loads(sys.stdin.read())
+    result = profile_worker(request)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

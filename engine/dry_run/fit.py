@@ -1,0 +1,405 @@
+"""``--dry_run``: compile the denoising step and the VAE decode for a TPU topology on a host
+with no TPU, and report per-chip HBM.
+
+The transformer and VAE are built from the model's configs with meta weights
+(``accelerate.init_empty_weights``), so even 14B needs no RAM for weights; the weights enter
+``jit(...).lower`` as ``ShapeDtypeStruct``s carrying the real shardings, and libtpu's compiler
+(``jax.experimental.topologies``) compiles for the topology's chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+
+from custom_splash_attention import install_sdpa_override
+from engine.dry_run import estimate
+from engine.dry_run.abstract import (
+    abstract_arrays,
+    abstract_inputs,
+    abstract_transformer,
+    abstract_vae,
+)
+from engine.dry_run.estimate import print_estimate
+from engine.files import report as reporting
+from engine.files.checkpoint import (
+    expert_count,
+    model_config_dir,
+    read_component_config,
+    read_model_index,
+)
+from engine.files.plots import dry_run_hbm
+from engine.files.report import versions
+from engine.programs import step_cache, vae_encode
+from engine.programs.step import compile_step
+from engine.programs.step_cache import estimate_schedule
+from engine.run import chips, runtime
+from engine.run.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
+from engine.run.mesh import make_mesh, resolve_mesh_shape
+from engine.weights import lora, placement
+
+
+class _Skipped(Exception):
+    """--dry_run_skip_vae: the VAE row is left out of the table."""
+
+
+def _per_chip_bytes(structs) -> int:
+    """Bytes one chip holds of these sharded ``ShapeDtypeStruct``s."""
+    return sum(placement.shard_bytes(s) for s in structs)
+
+
+def _memory_row(name: str, compiled, seconds: float, capacity: int) -> dict:
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(program=name, argument_bytes=m.argument_size_in_bytes,
+                output_bytes=m.output_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                total_bytes=total, capacity_bytes=capacity, fits=total <= capacity,
+                flops=float((cost or {}).get("flops", 0.0)), compile_s=seconds)
+
+
+def _oom_row(name: str, error: Exception, seconds: float, capacity: int,
+             argument_bytes: int | None = None) -> dict:
+    """A compile that failed for memory, as a table row with the compiler's own figure.
+
+    libtpu words it either "... HLO temporaries (24.48G) exceeds available HBM (15.75G)"
+    (temporaries alone; ``argument_bytes``, known from the shardings, are added) or
+    "Used 40.1G of 31.25G hbm" (everything). Without a figure the total is NaN.
+    """
+    text = str(error)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    temp = re.search(r"temporaries \(([\d.]+)([KMGT])\)", text)
+    used = re.search(r"[Uu]sed ([\d.]+)([KMGT])", text)
+    temp_bytes = None
+    if temp:
+        temp_bytes = float(temp.group(1)) * scale[temp.group(2)]
+        need = temp_bytes + (argument_bytes or 0)
+    elif used:
+        need = float(used.group(1)) * scale[used.group(2)]
+    else:
+        need = float("nan")
+    return dict(program=name, argument_bytes=argument_bytes if temp else None,
+                output_bytes=None, temp_bytes=temp_bytes, total_bytes=need,
+                capacity_bytes=capacity, fits=False, flops=None, compile_s=seconds,
+                error=text.strip().splitlines()[0][:300])
+
+
+
+
+def _topology(topology: str):
+    """(devices, chip) of a described TPU slice; raises ``UsageError`` for unknown names."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:  # libtpu missing or an unknown name
+        raise UsageError(f"--topology={topology!r}: {first_line(e)}") from None
+    chip = chips.chip_for_topology(topology)
+    if chip is None:
+        fail("--topology", topology, f"unknown chip; known: {', '.join(chips.CHIPS)}")
+    return list(topo.devices), chip
+
+
+def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
+              layers: int) -> dict:
+    latents, t, inputs = abstract_inputs
+    print(f"compiling the transformer step ({layers} blocks) for {config.topology}...",
+          flush=True)
+    t0 = time.perf_counter()
+    try:
+        compiled, seconds = compile_step(placed, mesh, family.step_fn(placed["module"], config),
+                                         latents, t, inputs)
+        return _memory_row("transformer step", compiled, seconds, capacity)
+    except Exception as e:  # the compiler reports real OOMs as errors
+        weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+        return _oom_row("transformer step", e, time.perf_counter() - t0, capacity,
+                        weights + _per_chip_bytes([latents, *_leaves(inputs)]))
+
+
+def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
+    """Step caching: the full and the cached step programs compiled for the topology (they
+    replace the plain step, which a cached run never runs), and what the cache keeps."""
+    latents, t, inputs = abstract_inputs
+    settings = config.step_cache
+    print(f"compiling the {settings.kind} full and cached step programs for "
+          f"{config.topology}...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        lowered = step_cache.compile_cache_programs(
+            placed, mesh, family.step_fn(placed["module"], config), family.block_stack,
+            settings, latents, t, inputs, lower_only=True)
+    except Exception as e:
+        weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+        return [_oom_row("transformer step (full)", e, time.perf_counter() - t0, capacity,
+                         weights)], None
+    rows = []
+    for name, program in (("full", lowered.full), ("cached", lowered.cached)):
+        t1 = time.perf_counter()
+        label = f"transformer step ({name})"
+        try:
+            compiled = program.compile()
+            rows.append(_memory_row(label, compiled, lowered.compile_s[name]
+                                    + time.perf_counter() - t1, capacity))
+        except Exception as e:  # the compiler reports real OOMs as errors
+            rows.append(_oom_row(label, e, time.perf_counter() - t1, capacity))
+    cache = dict(step_cache.cache_report(lowered, [], config.num_inference_steps),
+                 kept_specs=[str(s) for s in step_cache.kept_specs(lowered.kept_shapes, mesh)])
+    return rows, cache
+
+
+def _vae_rows(config, decoder, latents, capacity: int) -> list:
+    t0 = time.perf_counter()
+    try:
+        if config.dry_run_skip_vae:
+            raise _Skipped
+        print(f"compiling the VAE decode for {config.topology}"
+              + (" (slow: 5-70 s per 3D conv)" if config.dry_run_exact_convs else "") + "...",
+              flush=True)
+        seconds = decoder.compile(latents)
+        mem = decoder.memory()
+        return [dict(program=f"VAE decode ({mem['programs']} programs, peak)",
+                     argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
+                     temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
+                     capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
+                     flops=None, compile_s=seconds)]
+    except _Skipped:
+        return []
+    except Exception as e:
+        return [_oom_row("VAE decode", e, time.perf_counter() - t0, capacity)]
+
+
+def _encode_rows(config, family, vae, devices, capacity: int) -> list:
+    """Image-to-video: the chunked VAE encode of the conditioning video (``engine/
+    vae_encode.py``), on its own all-device mesh as a run builds it. It runs before the
+    transformer is placed, so nothing else is resident."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    mode = family.image_mode(config.model_id)
+    if config.dry_run_skip_vae or mode == "none" or (mode == "optional" and not config.image):
+        return []
+    print(f"compiling the VAE encode for {config.topology}...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        mesh = vae_encode.mesh_for(devices)
+        jv = interop.JittableModule(vae)
+        parts = {kind: abstract_arrays({k: v for k, v in getattr(jv, kind).items()
+                                        if vae_encode.is_encode_weight(k)}, mesh)
+                 for kind in ("params", "buffers")}
+        encoder = vae_encode.ChunkedEncoder(dict(module=jv, **parts), mesh, vae, abstract=True)
+        # An "optional" checkpoint (TI2V-5B) encodes the image alone, one frame.
+        frames = 1 if mode == "optional" else config.frames
+        shape = (1, 3, frames, config.height, config.width)
+        video = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=encoder.spatial(
+            shape) or NamedSharding(mesh, P()))
+        seconds = encoder.compile(video)
+        mem = encoder.memory()
+        return [dict(program=f"VAE encode ({mem['programs']} programs, peak)",
+                     argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
+                     temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
+                     capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
+                     flops=None, compile_s=seconds)]
+    except Exception as e:
+        return [_oom_row("VAE encode", e, time.perf_counter() - t0, capacity)]
+
+
+def _leaves(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
+                  experts: int = 1) -> None:
+    """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
+    weights while the transformer runs; the decoded chunks and their concatenation are held
+    too. With two experts (Wan 2.2 A14B) both stay resident: the step program's arguments
+    are one expert's weights, the other's are kept. The compiler sees one program at a time,
+    so add what the others keep."""
+    step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+    resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
+                                                     *vae_placed["buffers"].values()])
+                + (experts - 1) * step_weights,
+                "VAE decode": experts * step_weights + _per_chip_bytes(_leaves(inputs))
+                + 2 * video_bytes,
+                "VAE encode": 0}  # image-to-video: before anything else is placed
+    for r in rows:
+        r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
+        if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
+            r["total_bytes"] += r["resident_bytes"]
+            r["fits"] = r["fits"] and r["total_bytes"] <= r["capacity_bytes"]
+
+
+def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
+    """What each host reads from the checkpoint for its own devices (weights stream slice by
+    slice, so a host never holds more than the largest slice beyond what is placed); every
+    expert of a two-expert model is read alike."""
+    per_host, largest = placement.per_host_bytes(
+        [*placed["params"].values(), *placed["buffers"].values()] * n_experts
+        + [*vae_placed["params"].values(), *vae_placed["buffers"].values()])
+    return dict(count=len(per_host), weight_bytes=[per_host[p] for p in sorted(per_host)],
+                largest_slice_bytes=largest)
+
+
+def dry_run(config, family) -> tuple[int, dict]:
+    """Compile the denoising step and the VAE decode for ``config.topology`` without a TPU.
+
+    Returns:
+        (exit code: 0 fits / 3 does not fit, report dict with a per-chip table).
+
+    Raises:
+        UsageError: unknown topology, or a mesh the topology cannot hold.
+    """
+    runtime.use_deviceless_tpu(config.topology, fast_convs=not config.dry_run_exact_convs)
+    runtime.configure_jax_platform()
+    runtime.quiet_known_warnings()
+    import torchax
+
+    devices, chip = _topology(config.topology)
+    capacity = chip.usable_hbm_bytes  # per JAX device (a v7x chip is 2 devices)
+    folder = model_config_dir(config.model_id)
+    cfg = read_component_config(config.model_id, "transformer")
+    vae_cfg = read_component_config(config.model_id, "vae")
+    if config.dry_run_layers:
+        cfg["num_layers"] = min(config.dry_run_layers, cfg["num_layers"])
+    tokens = family.token_count(cfg, config.height, config.width, config.frames)
+    shape = resolve_mesh_shape(config.dp, config.tp, config.sp, len(devices),
+                               batch=config.batch, num_heads=family.num_heads(cfg),
+                               tokens=tokens)
+    mesh = make_mesh(shape, devices)
+    attention = "splash" if config.attention == "auto" else config.attention
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          options=config.attention_options(), interpret=False)
+    placed = abstract_transformer(config, family, cfg, mesh)
+    vae, vae_placed = abstract_vae(family, folder, mesh)
+    inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)
+    latents, inputs = inputs_abstract[0], inputs_abstract[2]
+    cache = None
+    if config.step_cache is not None and config.step_cache.on:
+        rows, cache = _cache_rows(config, family, placed, mesh, inputs_abstract, capacity)
+    else:
+        rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity,
+                          cfg["num_layers"])]
+    decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.vae_tiling, abstract=True)
+    rows += _vae_rows(config, decoder, latents, capacity)
+    rows += _encode_rows(config, family, vae, devices, capacity)
+    video = 3 * config.frames * config.height * config.width * 4 // (
+        len(devices) if decoder.spatial(latents.shape) is not None else 1)
+    n_experts = expert_count(read_model_index(config.model_id))
+    _add_resident(rows, placed, vae_placed, inputs, video, n_experts)
+    fits = all(r["fits"] for r in rows)
+    report = dict(
+        dry_run=True, topology=config.topology, devices=len(devices),
+        chips=chips.count_chips(devices), fits=fits,
+        libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
+        vae_checked=not config.dry_run_skip_vae,
+        settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
+        mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
+        experts_resident=n_experts,
+        per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
+        analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
+        sharding_rule_matches=placed["rule_counts"], versions=versions(),
+        hosts=_hosts(placed, vae_placed, n_experts))
+    if cache is not None:
+        report["cache"] = cache
+    if config.lora or config.lora_2:
+        # transformer_2 has the first expert's tree and specs (one program serves both).
+        report["loras"] = [dict(x.report(), expert=loras.component,
+                                replicated_weights=lora.touched_replicated(
+                                    x, placed["specs"], family.block_stack))
+                           for loras in (config.lora, config.lora_2) if loras
+                           for x in loras]
+    if config.estimate:
+        report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
+        if cache is not None:
+            report["estimate"]["cache"] = estimate_schedule(
+                report["estimate"]["seconds_per_step"], config.step_cache,
+                config.num_inference_steps, read_component_config(
+                    config.model_id, "transformer")["num_layers"])
+    return (0 if fits else EXIT_DOES_NOT_FIT), report
+
+
+def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
+    """``--estimate``: the step time from libtpu's static model (``engine.dry_run.estimate``), for
+    the real block count whatever ``--dry_run_layers`` compiled."""
+    print(f"estimating the step time for {config.topology} (one block, and the kernel on a "
+          "tiny grid with libtpu's static profile)...", flush=True)
+    try:
+        return estimate.estimate(config, family, read_component_config(
+            config.model_id, "transformer"), mesh, shape, chip, attention)
+    except ValueError as e:
+        raise UsageError(f"--estimate: {e}") from None
+    except RuntimeError as e:
+        raise GenerationError(str(e)) from None
+
+
+def print_dry_run(report: dict) -> None:
+    gib = lambda b: "-" if b is None else f"{b / 2**30:7.2f}"  # noqa: E731
+    chips = f"{report['chips']} chips" + (f", {report['devices']} devices"
+                                          if report["devices"] != report["chips"] else "")
+    print(f"\n== Dry run: {report['topology']} ({chips}), mesh "
+          f"dp{report['mesh']['dp']} tp{report['mesh']['tp']} sp{report['mesh']['sp']}, "
+          f"{report['layers_compiled']} blocks, {report['tokens']} tokens ==")
+    print(f"{'program':<34}{'args GiB':>9}{'out GiB':>9}{'temp GiB':>9}{'kept GiB':>9}"
+          f"{'total':>9}{'HBM':>9}  {'fits':<5}{'compile s':>10}")
+    for r in report["per_chip"]:
+        print(f"{r['program']:<34}{gib(r['argument_bytes']):>9}{gib(r['output_bytes']):>9}"
+              f"{gib(r['temp_bytes']):>9}{gib(r['resident_bytes']):>9}{gib(r['total_bytes']):>9}"
+              f"{gib(r['capacity_bytes']):>9}  {'yes' if r['fits'] else 'NO':<5}"
+              f"{r['compile_s']:>10.1f}")
+    if "cache" in report:
+        c = report["cache"]
+        print(f"{c['kind']}: {len(c['cached_steps'])} of {c['full_steps'] + len(c['cached_steps'])}"
+              f" steps cached; the cache keeps {c['kept_shapes']} "
+              f"({c['kept_bytes_per_chip'] / 2**30:.3f} GiB per chip, {c['kept_specs']})")
+    step = report["per_chip"][0]
+    if step.get("flops"):
+        print(f"XLA FLOPs per step per chip (Pallas kernels count 0): {step['flops']:.3e}")
+    print(f"analytic FLOPs per step (all chips): "
+          f"{report['analytic_transformer_flops_per_step']:.3e} "
+          f"(self-attention {report['analytic_self_attention_flops_per_step']:.3e})")
+    for r in report["per_chip"]:
+        if not r["fits"]:
+            print(f"{r['program']}: does not fit: {r['total_bytes'] / 2**30:.1f} GiB needed, "
+                  f"{r['capacity_bytes'] / 2**30:.2f} GiB available"
+                  + (f" ({r['error']})" if r.get("error") else ""))
+    hosts = report["hosts"]
+    print(f"host RAM for weights: each of {hosts['count']} host(s) reads "
+          f"{max(hosts['weight_bytes']) / 2**30:.2f} GiB of slices for its own devices, "
+          f"streamed (largest slice {hosts['largest_slice_bytes'] / 2**30:.2f} GiB)")
+    for x in report.get("loras", []):
+        rep = x["replicated_weights"]
+        print(f"LoRA {x['path']} ({x['expert']}, scale {x['scale']}): "
+              f"{x['matched_weights']} weights fused "
+              f"into their slices at placement, no step-time cost; replicated weights it "
+              f"touches: {', '.join(rep) if rep else 'none'}")
+    print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"
+          + (f"; {report['experts_resident']} experts resident"
+             if report.get("experts_resident", 1) > 1 else ""))
+    print("verdict:", "fits" if report["fits"] else "does not fit",
+          "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
+    if "estimate" in report:
+        print_estimate(report["estimate"])
+
+
+def run_dry(config, family, checked: dict) -> int:
+    """``--dry_run`` as the script runs it: compile deviceless, print the per-chip table,
+    write ``<stamp>_dry_run.json`` (with ``checked``, the checkpoint check) and, unless
+    ``--no_plots``, ``<stamp>_dry_run_hbm.png`` in ``--output_dir``. Returns the exit code
+    (0, or ``EXIT_DOES_NOT_FIT``)."""
+    code, report = dry_run(config, family)
+    report["checkpoint_check"] = checked
+    print_dry_run(report)
+    stem = reporting.output_stem(config.output_dir)
+    written = [] if config.no_plots else reporting.save_picture(
+        dry_run_hbm, report, os.path.join(config.output_dir, f"{stem}_dry_run_hbm.png"))
+    path = os.path.join(config.output_dir, f"{stem}_dry_run.json")
+    reporting.save_report(report, path)
+    print(f"wrote {', '.join([*written, path])}")
+    return code

@@ -1,0 +1,136 @@
+"""Pictures of a run, from its JSON report, with matplotlib (Agg, no display).
+
+- ``timeline``: every timed phase of a run on one time axis: text encode, placement, each
+  compile, the warmup, each denoising step (cached steps in their own colour) and each VAE
+  decode; one row for the cold start and one per timed run (per video with --prompts_file).
+  The phases are laid end to end in the order the run does them; untimed work between them
+  (loading the pipeline, placing the model inputs) is not drawn.
+- ``dry_run_hbm``: per-chip HBM bars for each program of a dry run (arguments, outputs,
+  temporaries, kept) against the chip's capacity, and with ``--estimate`` a bar of the
+  estimated step time's breakdown.
+
+A plotting failure is a warning, never a failed run (``engine.files.report.save_run``).
+"""
+
+from __future__ import annotations
+
+COLD_PHASES = (("text encode", "text_encode_s"), ("place transformer", "place_transformer_s"),
+               ("compile step", "compile_transformer_s"),
+               ("compile cached step", "compile_transformer_cached_s"),
+               ("place VAE", "place_vae_s"), ("compile VAE decode", "compile_vae_s"),
+               ("warmup denoise", "warmup_denoise_s"), ("warmup VAE decode",
+                                                        "warmup_vae_decode_s"))
+COLOURS = {"text encode": "#8c564b", "place transformer": "#7f7f7f", "place VAE": "#bcbd22",
+           "compile step": "#d62728", "compile cached step": "#ff9896",
+           "compile VAE decode": "#e377c2", "warmup denoise": "#9467bd",
+           "warmup VAE decode": "#c5b0d5", "step": "#1f77b4", "cached step": "#aec7e8",
+           "VAE decode": "#2ca02c"}
+
+
+def timeline_phases(report: dict) -> list[tuple[str, str, float, float]]:
+    """(row, phase, start s, seconds) for every bar of the timeline, from ``report``."""
+    t, out, clock = report["timings"], [], 0.0
+    for label, key in COLD_PHASES:
+        if key in t:
+            out.append(("cold start", label, clock, t[key]))
+            clock += t[key]
+    runs = [(f"video {v.get('name') or v['index']} run {i + 1}", r)
+            for v in report.get("videos", []) for i, r in enumerate(v["runs"])] \
+        or [(f"run {i + 1}", r) for i, r in enumerate(t.get("runs", []))]
+    for row, run in runs:
+        kinds = run.get("step_kinds") or ["full"] * len(run.get("step_seconds", []))
+        for kind, seconds in zip(kinds, run.get("step_seconds", []), strict=True):
+            out.append((row, "cached step" if kind == "cached" else "step", clock, seconds))
+            clock += seconds
+        if "vae_decode_s" in run:
+            out.append((row, "VAE decode", clock, run["vae_decode_s"]))
+            clock += run["vae_decode_s"]
+    return out
+
+
+def _title(report: dict) -> str:
+    s, mesh, dev = report["settings"], report.get("mesh", {}), report.get("devices", {})
+    model = s["model_id"].rstrip("/").rsplit("/", 1)[-1]
+    return (f"{model}  {s['width']}x{s['height']}x{s['frames']}, {s['num_inference_steps']} "
+            f"steps  mesh dp{mesh.get('dp')} tp{mesh.get('tp')} sp{mesh.get('sp')}  "
+            f"{dev.get('count')} x {dev.get('kind')}")
+
+
+def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
+    """Write the timeline PNG of ``report`` to ``path``; returns the phases drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = timeline_phases(report)
+    rows = list(dict.fromkeys(r for r, *_ in phases))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows)), dpi=100)
+    seen = set()
+    for row, label, start, seconds in phases:
+        ax.barh(rows.index(row), seconds, left=start, height=0.6, color=COLOURS[label],
+                edgecolor="white", linewidth=0.3, label=None if label in seen else label)
+        seen.add(label)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (phases end to end; untimed work between them not drawn)")
+    ax.set_title(_title(report), fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.3 / max(len(rows), 1)),
+              ncol=6, fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return phases
+
+
+def dry_run_hbm(report: dict, path: str) -> list[str]:
+    """Write the dry run's per-chip HBM bars (and the estimate's breakdown) to ``path``;
+    returns the programs drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["per_chip"]
+    parts = (("argument_bytes", "arguments", "#1f77b4"), ("output_bytes", "outputs", "#ff7f0e"),
+             ("temp_bytes", "temporaries", "#d62728"), ("resident_bytes", "kept", "#7f7f7f"))
+    est = report.get("estimate")
+    fig, axes = plt.subplots(1, 2 if est else 1, figsize=(13 if est else 8, 4.5), dpi=100,
+                             squeeze=False)
+    ax = axes[0][0]
+    names = [r["program"] for r in rows]
+    capacity = rows[0]["capacity_bytes"]
+    largest = max(sum(r.get(k) or 0 for k, *_ in parts) for r in rows)
+    # A small model's bars would vanish against the chip's capacity: MiB, capacity as text.
+    unit, scale = ("GiB", 2**30) if largest > 0.02 * capacity else ("MiB", 2**20)
+    for i, r in enumerate(rows):
+        bottom = 0.0
+        for key, label, colour in parts:
+            size = (r.get(key) or 0) / scale
+            ax.bar(i, size, bottom=bottom, color=colour, label=label if i == 0 else None)
+            bottom += size
+    if unit == "GiB":
+        ax.axhline(capacity / scale, color="black", linestyle="--",
+                   label=f"HBM {capacity / scale:.1f} GiB per chip")
+    ax.set_xticks(range(len(names)), names, rotation=15, fontsize=7, ha="right")
+    ax.set_ylabel(f"{unit} per chip (compiler's figures)")
+    ax.set_title(f"dry run {report['topology']}: mesh dp{report['mesh']['dp']} "
+                 f"tp{report['mesh']['tp']} sp{report['mesh']['sp']}"
+                 + ("" if unit == "GiB" else f"; HBM {capacity / 2**30:.1f} GiB per chip "
+                    "(off scale)"), fontsize=9)
+    ax.legend(fontsize=7)
+    if est:
+        ax = axes[0][1]
+        bottom = 0.0
+        for name, seconds in est["parts"].items():
+            ax.bar(0, seconds, bottom=bottom, label=name.replace("_s", "").replace("_", " "))
+            bottom += seconds
+        ax.set_xticks([0], ["one denoising step"])
+        ax.set_ylabel("seconds per step: ESTIMATE, not a measurement")
+        ax.set_title(f"estimated {est['seconds_per_step']:.2f} s/step ({est['label']})",
+                     fontsize=7, wrap=True)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return names

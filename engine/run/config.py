@@ -1,0 +1,284 @@
+"""The resolved run configuration: built once from the flags, never mutated.
+
+Stages take what they need from it. A staged run that reads settings recorded with its
+intermediates (``--stage denoise`` / ``decode``) gets a new object via ``replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tempfile
+from typing import Any
+
+from custom_splash_attention import (
+    AttentionOptions,
+    BlockSizes,
+    BlockSizesError,
+    LocalMask,
+    default_block_sizes,
+)
+from engine.run.errors import fail
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every flag of ``generate_flax.py`` after validation, with family defaults filled in.
+
+    ``family`` is the model family's key (``families.FAMILIES``); ``flow_shift_source`` says
+    whether ``flow_shift`` came from the flag or the family's default. ``dp``/``tp``/``sp`` are
+    the flags as given (None = chosen from the device count; the chosen ``MeshShape`` travels
+    separately).
+    """
+
+    model_id: str
+    family: str
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    flow_shift: float
+    flow_shift_source: str
+    seed: int
+    warmup_steps: int
+    num_iterations: int
+    output_dir: str
+    dtype: str
+    max_sequence_length: int
+    attention: str
+    bq: int | None
+    bkv: int | None
+    bkv_compute: int | None
+    window_size: int | None
+    k_smoothing: bool
+    compilation_cache_dir: str
+    stage: str
+    work_dir: str
+    dry_run: bool
+    topology: str | None
+    dry_run_layers: int | None
+    dry_run_skip_vae: bool
+    dry_run_exact_convs: bool
+    estimate: bool
+    vae_tiling: bool
+    scan_layers: bool
+    replicate_row_parallel: bool
+    fsdp: bool
+    megatron_sp: bool
+    profile_dir: str | None
+    verbose: bool
+    save_frames: bool
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    dp: int | None
+    tp: int | None
+    sp: int | None
+    step_cache: Any = None  # engine.programs.step_cache.CacheSettings
+    prompts_file: str | None = None
+    seeds: str | None = None
+    no_plots: bool = False
+    videos: tuple = ()  # engine.files.videos.Video per video of --prompts_file / --seeds
+    # --lora: an engine.weights.lora.LoraSet (the files loaded and matched before any model
+    # loads); None only for a configuration built by hand without LoRAs.
+    lora: Any = None
+    # --lora_2: the same for a two-expert checkpoint's transformer_2.
+    lora_2: Any = None
+    # "unipc" or "euler" (--scheduler, resolved to the family's default).
+    scheduler: str = "unipc"
+    # Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale; None otherwise.
+    guidance_scale_2: float | None = None
+    # {flag: where its default came from} for the flags the user left unset, when the
+    # checkpoint's family records sources (Wan 2.2).
+    default_sources: Any = None
+    # --image: engine.files.image.ImageInfo (path, size, sha256) of an image-to-video run.
+    image: Any = None
+
+    @property
+    def use_cfg(self) -> bool:
+        """diffusers' pipelines run the unconditional pass only when guidance_scale > 1."""
+        return self.guidance_scale > 1.0
+
+    @property
+    def batch(self) -> int:
+        """The transformer's batch: [cond, uncond] with CFG, else [cond]."""
+        return 2 if self.use_cfg else 1
+
+    def block_sizes(self):
+        """``custom_splash_attention.BlockSizes`` of --bq/--bkv/--bkv_compute, once
+        ``resolve_block_sizes`` has filled the ones not given."""
+        return BlockSizes(block_q=self.bq, block_kv=self.bkv, block_kv_compute=self.bkv_compute)
+
+    def attention_options(self) -> AttentionOptions:
+        """The model attention's one value (``custom_splash_attention.AttentionOptions``):
+        the resolved blocks, --k_smoothing, and --window_size as a ``LocalMask``."""
+        w = self.window_size
+        return AttentionOptions(block_sizes=self.block_sizes(), k_smoothing=self.k_smoothing,
+                                mask=None if w is None else LocalMask(w))
+
+    def resolve_block_sizes(self, chip: str | None) -> RunConfig:
+        """This config with --bq/--bkv/--bkv_compute not given taken from ``chip``'s
+        defaults (``custom_splash_attention.DEFAULT_BLOCK_SIZES``; chip None = off TPU).
+
+        Raises:
+            UsageError: the resulting blocks break a ``BlockSizes`` rule (naming the flag).
+        """
+        default = default_block_sizes(chip)
+        given = dict(bq=self.bq, bkv=self.bkv, bkv_compute=self.bkv_compute)
+        values = dict(bq=default.block_q, bkv=default.block_kv,
+                      bkv_compute=default.block_kv_compute)
+        values.update({k: v for k, v in given.items() if v is not None})
+        out = self.replace(**values)
+        try:
+            out.block_sizes()
+        except BlockSizesError as e:
+            flag = {"block_q": "bq", "block_kv": "bkv", "block_kv_compute": "bkv_compute"}[
+                e.field]
+            where = f"{chip or 'generic'} defaults" if None in given.values() else "flags"
+            fail(f"--{flag}", values[flag], f"expected {e.expected} (blocks "
+                 f"{values['bq']}/{values['bkv']}/{values['bkv_compute']} from the {where}; "
+                 "give all three of --bq/--bkv/--bkv_compute)")
+        return out
+
+    def replace(self, **changes) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def settings(self) -> dict:
+        """The configuration as a plain dict, for reports and intermediates: a LoRA set as
+        its [[path, scale], ...] (its tensors are not settings)."""
+        out = dataclasses.asdict(self.replace(lora=None, lora_2=None))
+        out.update(lora=self.lora.specs() if self.lora else [],
+                   lora_2=self.lora_2.specs() if self.lora_2 else [])
+        return out
+
+
+def check_attention_options(args, family) -> None:
+    """--window_size and --k_smoothing against the attention backend and the family (a
+    ``families.ModelFamily``), before any model loads (one-line ``UsageError``s).
+
+    The window needs a family whose self-attention runs over video tokens only
+    (``family.supports_window``): a joint attention that appends text tokens to the video
+    tokens gives a band over positions no video meaning. JAX's stock splash kernel gets neither
+    option here (our wrapper passes it segment ids only; its ``LocalMask`` is not wired up): a
+    usage error rather than a silent global run.
+    """
+    w = args.window_size
+    if w is not None and w < 0:
+        fail("--window_size", w, "must be an int >= 0 (omit it for global attention)")
+    if w is not None and not family.supports_window:
+        fail("--window_size", w, f"not supported for {family.name} (its self-attention "
+                                 "mixes in text tokens)")
+    for flag, given in (("--window_size", w is not None), ("--k_smoothing", args.k_smoothing)):
+        if given and args.attention == "stock_splash":
+            fail(flag, w if flag == "--window_size" else True,
+                 "needs --attention splash or xla (JAX's stock kernel is not wired for it)")
+
+
+def resolve_scheduler(value: str | None, family) -> str:
+    """``--scheduler`` resolved against ``family.schedulers`` (the first is its default).
+
+    Raises:
+        UsageError: a scheduler the family's pipeline does not run.
+    """
+    if value is not None and value not in family.schedulers:
+        fail("--scheduler", value, f"{family.name} runs {' or '.join(family.schedulers)} "
+             "only")
+    return value or family.schedulers[0]
+
+
+def validate_block_size_flags(args) -> None:
+    """--bq/--bkv/--bkv_compute as given, each alone and the pair together, before the chip's
+    defaults fill the rest (``RunConfig.resolve_block_sizes``).
+
+    Raises:
+        UsageError: "expected X" from ``custom_splash_attention.BlockSizes``.
+    """
+    # Each given value alone (128 stands in for the others); the three together once the
+    # chip's defaults fill the rest (RunConfig.resolve_block_sizes).
+    for flag, field in (("bq", "block_q"), ("bkv", "block_kv"),
+                        ("bkv_compute", "block_kv_compute")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        try:
+            BlockSizes(**{"block_q": 128, "block_kv": 128, "block_kv_compute": 128,
+                          field: value})
+        except BlockSizesError as e:
+            if e.field == field:
+                fail(f"--{flag}", value, f"expected {e.expected}")
+    if args.bkv is not None and args.bkv_compute is not None:
+        try:
+            BlockSizes(block_q=128, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
+        except BlockSizesError as e:
+            fail("--bkv", args.bkv, f"expected {e.expected}")
+
+
+def check_numbers(args) -> None:
+    """The numeric flags' ranges and the dry-run flags' combinations, before anything else.
+
+    Raises:
+        UsageError: one line naming the flag, the value and the rule.
+    """
+    rules = (("num_inference_steps", 1, ">= 1"), ("num_iterations", 1, ">= 1"),
+             ("warmup_steps", 0, ">= 0 (0 skips the warmup)"), ("fps", 1, ">= 1"),
+             ("max_sequence_length", 1, ">= 1"), ("dp", 1, ">= 1"), ("tp", 1, ">= 1"),
+             ("sp", 1, ">= 1"), ("dry_run_layers", 1, ">= 1"))
+    for name, low, rule in rules:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            fail(f"--{name}", value, f"must be {rule}")
+    for flag in ("guidance_scale", "guidance_scale_2"):
+        g = getattr(args, flag)
+        if g is not None and (not math.isfinite(g) or g < 0):
+            fail(f"--{flag}", g, "must be a finite number >= 0")
+    shift = args.flow_shift
+    if shift is not None and (not math.isfinite(shift) or shift <= 0):
+        fail("--flow_shift", shift, "must be a finite number > 0")
+    if args.estimate and not args.dry_run:
+        fail("--estimate", True, "needs --dry_run (it estimates the compiled step's time)")
+    if args.estimate and args.attention == "stock_splash":
+        fail("--attention", args.attention, "--estimate profiles our kernel (splash) or xla")
+    if args.estimate and args.topology and args.topology.split(":")[0] not in ("v5e", "v6e"):
+        fail("--topology", args.topology, "--estimate knows the clock of v5e and v6e only")
+    if args.dry_run and (not args.topology or not re.fullmatch(
+            r"(v\d+[a-z]*|tpu\d+[a-z]*):\d+x\d+(x\d+)?", args.topology)):
+        fail("--topology", args.topology, "--dry_run needs a TPU topology such as v6e:2x4 or "
+             "tpu7x:2x2x1")
+
+
+def check_size(family, values: dict, multiple: int) -> None:
+    """--frames against ``family.frame_step`` and --height/--width against ``multiple``
+    pixels (VAE compression times patch size), with the family's name in the rule.
+
+    Raises:
+        UsageError: one line naming the flag, the value and the rule.
+    """
+    step = family.frame_step
+    if values["frames"] < 1 or (values["frames"] - 1) % step:
+        fail("--frames", values["frames"], f"must be of the form {step}n+1 (1, {step + 1}, "
+             f"{2 * step + 1}, ...) for {family.name}")
+    for flag in ("height", "width"):
+        v = values[flag]
+        if v < multiple or v % multiple:
+            fail(f"--{flag}", v, f"must be a positive multiple of {multiple} for {family.name} "
+                 "(VAE compression times patch size)")
+
+
+def check_writable_dir(path: str, flag: str = "--output_dir") -> None:
+    """Create ``path`` if needed and write a temporary file in it.
+
+    Raises:
+        UsageError: not a writable directory.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        fail(flag, path, f"must be a writable directory ({e.strerror or e})")

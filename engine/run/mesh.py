@@ -1,0 +1,75 @@
+"""The device mesh: axes ("dp", "tp", "sp") and how their sizes are chosen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.run.errors import fail
+
+AXES = ("dp", "tp", "sp")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    dp: int
+    tp: int
+    sp: int
+
+
+def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices: int, *,
+                       batch: int, num_heads: int | None, tokens: int | None) -> MeshShape:
+    """Choose (dp, tp, sp) from the flags (None = choose) and the device count.
+
+    Default: dp = 2 when CFG doubles the batch and the device count is even (the CFG pair splits
+    over dp, as earlier Wan TPU ports do), tp = the largest divisor of the rest that divides the
+    head count, sp = what is left.
+
+    Args:
+        batch: the transformer's batch (2 with CFG, else 1).
+        num_heads: attention heads (None when the config is not known yet).
+        tokens: video tokens per sample (None when unknown). Any count works with sp: the
+            token axis is padded to a multiple of sp inside the model call
+            (``sharding.add_sequence_parallel_hooks``); it is kept for callers and reports.
+
+    Raises:
+        UsageError: naming --dp/--tp/--sp and the rule they break.
+    """
+    if dp is None:
+        dp = 2 if batch == 2 and n_devices % 2 == 0 and (tp or 1) * (sp or 1) * 2 <= n_devices \
+            else 1
+    if tp is None:
+        rest = n_devices // (dp * (sp or 1)) if n_devices % (dp * (sp or 1)) == 0 else 1
+        tp = max(t for t in range(1, rest + 1)
+                 if rest % t == 0 and (num_heads is None or num_heads % t == 0))
+    if sp is None:
+        sp = n_devices // (dp * tp) if n_devices % (dp * tp) == 0 else 1
+    if dp * tp * sp != n_devices:
+        fail("--dp/--tp/--sp", f"{dp}x{tp}x{sp}",
+             f"the product must equal the device count {n_devices}")
+    if batch % dp:
+        fail("--dp", dp, f"must divide the transformer batch ({batch}: 2 with CFG, else 1)")
+    if num_heads is not None and num_heads % tp:
+        fail("--tp", tp, f"must divide the attention head count {num_heads}")
+    return MeshShape(dp, tp, sp)
+
+
+def make_mesh(shape: MeshShape, devices=None):
+    """A ``jax.sharding.Mesh`` with axes ("dp", "tp", "sp") over ``devices`` (default: all).
+
+    Axes are ``AxisType.Auto``: the torch model code carries no sharding annotations, so GSPMD
+    propagates shardings from the weights and inputs we place.
+    """
+    import jax
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
+
+    sizes, types = (shape.dp, shape.tp, shape.sp), (AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh(sizes, AXES, axis_types=types, devices=devices)
+    except NotImplementedError:
+        # jax.make_mesh maps each logical axis onto whole physical torus axes, which some
+        # layouts cannot do (dp2 x tp4 x sp2 on a v6e 4x4 slice: after 4 and 4 nothing is left
+        # for the two 2s). Splitting a physical axis keeps ring neighbours adjacent.
+        grid = mesh_utils.create_device_mesh(sizes, devices or jax.devices(),
+                                             allow_split_physical_axes=True)
+        return Mesh(grid, AXES, axis_types=types)

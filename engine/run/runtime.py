@@ -1,0 +1,318 @@
+"""The JAX process around a run: platform choice, compilation cache, multi-host runtime,
+host gathers, the deviceless TPU compile setup, and one-line device out-of-memory errors."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import math
+import os
+import re
+
+import numpy as np
+
+import custom_splash_attention as csa
+from engine.run.errors import GenerationError, UsageError, fail, first_line
+
+log = logging.getLogger("generate_flax")
+
+
+def has_tpu_device_files() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def configure_jax_platform() -> None:
+    """Keep JAX on CPU on hosts with no TPU unless the user chose a platform.
+
+    ``jax[tpu]`` installs libtpu everywhere; on a CPU host its probe prints a screen of
+    TPU-detection errors before falling back to CPU. Setting ``JAX_PLATFORMS=cpu`` only when no
+    TPU device file exists keeps real TPU errors visible on TPU VMs.
+    """
+    if "JAX_PLATFORMS" not in os.environ and not has_tpu_device_files():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def use_deviceless_tpu(topology: str, *, fast_convs: bool = False) -> None:
+    """Let libtpu compile for ``topology`` (e.g. "v6e:2x4") on a host with no TPU.
+
+    Sets, unless already set, the variables libtpu reads when it first initialises: an
+    accelerator type (the topology name passed to ``get_topology_desc``, not this, picks the
+    compile target), a single localhost worker, no metadata-server query, and no libtpu lock
+    (no chip is opened, so concurrent compiles need not take it). Call before JAX touches the
+    TPU backend.
+
+    ``fast_convs`` drops libtpu's search for the fastest emitter of every 3D conv (5-70 s
+    each, most of a VAE compile). Memory and FLOP figures came out byte-identical for the
+    14B step and the 720p VAE decode, at a fifth to a tenth of the compile time.
+    """
+    chip, dims = topology.split(":")
+    count = math.prod(int(x) for x in dims.split("x"))
+    for key, value in dict(TPU_ACCELERATOR_TYPE=f"{chip}-{count}",
+                           TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1",
+                           ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
+        os.environ.setdefault(key, value)
+    if fast_convs:
+        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
+                                          + " --xla_jf_convolution_performance_target=0").strip()
+
+
+def quiet_known_warnings() -> None:
+    """Silence three warnings that are understood and harmless, so real ones stay visible."""
+    import warnings
+
+    # torchax writes float32 RoPE products into a bf16 buffer through a JAX scatter; torch casts
+    # on assignment too, so the values are the ones diffusers computes.
+    warnings.filterwarnings("ignore", message="scatter inputs have incompatible types",
+                            category=FutureWarning)
+    # torch int64 indices become int32 under JAX's default x64=False; our sizes are far below 2^31.
+    warnings.filterwarnings("ignore", message="Explicitly requested dtype int64",
+                            category=UserWarning)
+    # imageio-ffmpeg starts ffmpeg with fork+exec; exec follows fork at once, so JAX's threads
+    # are never used in the child.
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+
+
+# Persistent-cache traffic of this process, from JAX's monitoring events.
+CACHE_STATS = {"hits": 0, "misses": 0, "compile_time_saved_s": 0.0}
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
+                 "/jax/compilation_cache/cache_misses": "misses"}
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event in _CACHE_EVENTS:
+        CACHE_STATS[_CACHE_EVENTS[event]] += 1
+
+
+def _count_cache_saving(event: str, seconds: float, **_) -> None:
+    if event == "/jax/compilation_cache/compile_time_saved_sec":
+        CACHE_STATS["compile_time_saved_s"] += seconds
+
+
+def cache_events_since(before: dict) -> dict:
+    """Persistent-cache hits and misses since the ``CACHE_STATS`` snapshot ``before``: a
+    program compiled (or loaded from the cache) meanwhile shows here."""
+    return {k: CACHE_STATS[k] - before[k] for k in ("hits", "misses")}
+
+
+def enable_compilation_cache(path: str) -> bool:
+    """Turn on JAX's persistent compilation cache at ``path``; returns whether it is on.
+
+    Every compiled program is cached (no minimum compile time or size): the VAE decode and the
+    transformer step are the slow ones, and a warm process then skips XLA compilation entirely.
+    Hits, misses and the compile seconds saved are counted in ``CACHE_STATS`` (the report's
+    ``compilation_cache``) through ``jax.monitoring`` listeners.
+    """
+    if path.lower() == "none":
+        return False
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if not getattr(enable_compilation_cache, "listening", False):
+        jax.monitoring.register_event_listener(_count_cache_event)
+        jax.monitoring.register_event_duration_secs_listener(_count_cache_saving)
+        enable_compilation_cache.listening = True
+    return True
+
+
+# Seconds without a heartbeat after which JAX's coordination service declares a process dead
+# and stops the others (JAX's default is 100 s); heartbeats come from a background thread, so
+# long compiles do not count against it.
+DISTRIBUTED_HEARTBEAT_TIMEOUT_S = 30
+
+
+def start_distributed(coordinator_address, num_processes, process_id) -> bool:
+    """Join JAX's multi-controller runtime when the run spans several processes (hosts).
+
+    With ``num_processes`` > 1 the arguments say who is who; off TPU the processes talk
+    through JAX's CPU collectives (gloo). On a TPU VM without them, ``jax.distributed.
+    initialize`` finds the slice's hosts itself (a single host finds one process). Must run
+    before any other JAX call. Returns whether more than one process takes part.
+
+    Raises:
+        GenerationError: the runtime could not start (coordinator unreachable...).
+    """
+    configure_jax_platform()
+    import jax
+
+    explicit = num_processes is not None
+    if explicit and num_processes == 1:
+        return False
+    if not explicit and not has_tpu_device_files():
+        return False
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address, num_processes=num_processes,
+            process_id=process_id, heartbeat_timeout_seconds=DISTRIBUTED_HEARTBEAT_TIMEOUT_S)
+    except ValueError as e:
+        if explicit:
+            raise GenerationError(f"could not join the multi-host runtime: {e}") from None
+        # Auto-detection found no cluster (JAX leaves the coordinator unset): a TPU host
+        # outside a managed slice runs on its own chips, as it did before multi-host support.
+        log.warning("no multi-host TPU slice detected (%s): using this host's chips only", e)
+        return False
+    except Exception as e:  # the runtime's errors are long; one line names the cause
+        raise GenerationError(f"could not join the multi-host runtime: {first_line(e)}") \
+            from None
+    return jax.process_count() > 1
+
+
+def in_multi_process_run() -> bool:
+    import sys
+
+    if "jax" not in sys.modules:  # failed before JAX started: certainly one process
+        return False
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def is_writer() -> bool:
+    """Only process 0 writes files (mp4, JSON, intermediates, profile)."""
+    return process_index() == 0
+
+
+def to_host(x) -> np.ndarray:
+    """A ``jax.Array`` as a NumPy array on this host; gathered from every process when its
+    shards live on several (``multihost_utils.process_allgather``)."""
+    import jax
+
+    if x.is_fully_addressable:
+        return np.array(jax.device_get(x))  # a writable copy
+    from jax.experimental import multihost_utils
+
+    return np.array(multihost_utils.process_allgather(x, tiled=True))
+
+
+def torch_from_jax(x):
+    """A ``jax.Array`` gathered to this host as a CPU torch tensor."""
+    import torch
+
+    return torch.from_numpy(to_host(x))
+
+
+def check_same_on_every_host(what: str, array: np.ndarray) -> None:
+    """Every process computed ``array`` itself (text encoder, seeded noise); refuse to go on
+    if the hosts disagree (a different checkpoint, prompt or library on one host), instead of
+    silently mixing their halves of a batch.
+
+    Raises:
+        GenerationError: the hosts' arrays differ.
+    """
+    import zlib
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.uint32(zlib.crc32(np.ascontiguousarray(array).view(np.uint8)))
+    try:
+        multihost_utils.assert_equal(digest, f"{what} differ between hosts")
+    except AssertionError as e:
+        raise GenerationError(f"{e}: every host must run the same command on the same "
+                              "checkpoint and library versions") from None
+
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "exceeds available HBM",
+               "Ran out of memory")
+
+
+def oom_details(text: str) -> str:
+    """The sizes an XLA/PJRT out-of-memory message states, as a short phrase ("" if none)."""
+    size = r"([\d.]+\s?[KMGT]i?B?)"
+    for pattern, fmt in (
+        (rf"temporaries \({size}\) exceeds available HBM \({size}\)",
+         "temporaries {0} exceed the available {1}"),
+        (rf"[Uu]sed {size} of {size}", "needs {0} of {1}"),
+        (rf"allocate {size}.*?{size} free", "allocating {0} with {1} free"),
+        (rf"allocat\w* {size}", "allocating {0}"),
+        (r"allocating (\d+) bytes", "allocating {0} bytes"),
+    ):
+        m = re.search(pattern, text, flags=re.S)
+        if m:
+            return fmt.format(*m.groups())
+    return ""
+
+
+@contextlib.contextmanager
+def hardware_errors(stage: str, dry_run_command: str = ""):
+    """Turn a device out-of-memory error inside the block into a one-line ``GenerationError``.
+
+    It names ``stage``, the sizes the runtime reported, and ``dry_run_command``, the
+    ``--dry_run`` command that predicts the failure without a TPU. Any other error passes
+    through unchanged.
+    """
+    try:
+        yield
+    except (UsageError, GenerationError):
+        raise
+    except Exception as e:
+        text = str(e)
+        if not any(marker in text for marker in OOM_MARKERS):
+            raise
+        details = oom_details(text)
+        raise GenerationError(
+            f"out of device memory while {stage}" + (f" ({details})" if details else "")
+            + (f"; predict it without a TPU: {dry_run_command}" if dry_run_command else "")) \
+            from None
+
+
+def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
+    """Self-check the Splash kernel ``attention`` names on the default device (see
+    ``custom_splash_attention.kernel_self_check``); None for "xla".
+
+    Raises:
+        GenerationError: the kernel's error exceeds the tested tolerance.
+    """
+    import jax
+
+    if attention not in csa.SPLASH_KERNELS:
+        return None
+    result = csa.kernel_self_check(attention, interpret=interpret)
+    if not result["passed"]:
+        other = "--attention xla" if attention == "stock_splash" else "--attention stock_splash"
+        raise GenerationError(
+            f"--attention {attention}: kernel self-check failed on "
+            f"{jax.devices()[0].device_kind}: max error {result['max_abs_error']:.3g} against "
+            f"the float32 reference exceeds {result['tolerance']} (bf16 "
+            f"{'x'.join(map(str, result['shape']))}); rerun with {other}")
+    logging.getLogger("generate_flax").info("kernel self-check %s: max error %.2e in %.3f s",
+                                            attention, result["max_abs_error"],
+                                            result["seconds"])
+    return result
+
+
+def validate_distributed_flags(args) -> None:
+    """--coordinator_address/--num_processes/--process_id: all three or none."""
+    given = [args.coordinator_address is not None, args.num_processes is not None,
+             args.process_id is not None]
+    if any(given) and not all(given):
+        fail("--coordinator_address/--num_processes/--process_id",
+             f"{args.coordinator_address}/{args.num_processes}/{args.process_id}",
+             "give all three or none (on Cloud TPU, none: JAX finds them)")
+    if not any(given):
+        return
+    if args.num_processes < 1:
+        fail("--num_processes", args.num_processes, "must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        fail("--process_id", args.process_id,
+             f"must satisfy 0 <= id < --num_processes ({args.num_processes})")
+    if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", args.coordinator_address):
+        fail("--coordinator_address", args.coordinator_address, "must be HOST:PORT")
+    if args.dry_run:
+        fail("--num_processes", args.num_processes, "--dry_run compiles for every host in "
+             "one process; run it without the multi-host flags")

@@ -1,0 +1,273 @@
+"""Streamed, sharded placement: host torch tensors straight into their device shards.
+
+Why this exists: torchax's ``env.t2j_copy`` turns a torch tensor into ``jnp.asarray(...)``,
+which puts the **whole** tensor on JAX's default device (TPU chip 0), through a float32 copy
+for bf16. Placing 14B weights that way needs ~29 GB of bf16 weights plus an 11 GB float32
+temporary on chip 0 before anything is sharded: more than a v6e chip's 31.25 GiB. Here each
+weight goes host -> shards with ``jax.make_array_from_callback``: every device receives
+only the slice its ``NamedSharding`` gives it (a whole copy only where the spec replicates),
+bf16 reaches NumPy as a zero-copy ``ml_dtypes.bfloat16`` view, and each torch tensor's
+storage is released once its array is on the devices, so host memory peaks near one copy of
+the weights.
+
+``make_array_from_callback`` asks only for the shards of this process's devices, so the
+same code places a multi-host mesh with each host touching its own slices.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import numpy as np
+
+
+def host_array(tensor) -> np.ndarray:
+    """A CPU torch tensor as a NumPy array without a copy where possible.
+
+    bf16 has no NumPy dtype of its own: its bits are viewed as int16 and reinterpreted as
+    ``ml_dtypes.bfloat16`` (JAX's own bf16 type), so no float32 round trip happens.
+
+    Args:
+        tensor: a CPU ``torch.Tensor`` (a ``Parameter`` is fine) of any shape.
+
+    Returns:
+        ``np.ndarray`` of the same shape and dtype sharing the tensor's memory (a contiguous
+        copy only when the tensor is not contiguous).
+    """
+    import ml_dtypes
+    import torch
+
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def release(tensor) -> None:
+    """Drop a torch tensor's storage in place (its ``Parameter`` object stays, now empty).
+
+    Called once the tensor's device copy exists, so host RAM is freed weight by weight.
+    """
+    import torch
+
+    tensor.data = torch.empty(0, dtype=tensor.dtype)
+
+
+def place_array(host: np.ndarray, sharding):
+    """``host`` on the devices of ``sharding``, each device receiving only its own slice.
+
+    Args:
+        host: NumPy array (any dtype JAX supports, ``ml_dtypes.bfloat16`` included).
+        sharding: a ``jax.sharding.Sharding`` (usually ``NamedSharding``).
+
+    Returns:
+        ``jax.Array`` of ``host.shape`` laid out as ``sharding``, ready (transfers done).
+    """
+    import jax
+
+    arr = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return arr.block_until_ready()
+
+
+def place_tensors(tensors: dict, shardings: dict, *, desc: str, release_host: bool = True,
+                  on_placed=None) -> dict:
+    """Stream torch tensors into their shardings, one at a time, with a progress bar.
+
+    Args:
+        tensors: {name: CPU torch tensor}.
+        shardings: {name: ``jax.sharding.Sharding``} for every name in ``tensors``.
+        desc: progress-bar label ("transformer", "VAE decoder").
+        release_host: free each torch tensor's storage once it is placed.
+        on_placed: optional ``f(name, jax.Array)`` called after each placement (tests and
+            benchmarks account memory there).
+
+    Returns:
+        {name: ``jax.Array``} in the order of ``tensors``.
+    """
+    from tqdm import tqdm
+
+    total = sum(int(math.prod(t.shape)) * t.element_size() for t in tensors.values())
+    out = {}
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, leave=False,
+              desc=f"placing {desc}", mininterval=1.0) as bar:
+        for name, tensor in tensors.items():
+            nbytes = int(math.prod(tensor.shape)) * tensor.element_size()
+            out[name] = place_array(host_array(tensor), shardings[name])
+            if release_host:
+                release(tensor)
+            if on_placed is not None:
+                on_placed(name, out[name])
+            bar.update(nbytes)
+    return out
+
+
+def per_device_bytes(arrays=None) -> dict:
+    """Bytes each device holds of ``arrays`` (default: every live ``jax.Array``).
+
+    Counts each array's shard shape on every device of its sharding, so a replicated array
+    counts fully on each device and a whole array committed to one device counts there only.
+
+    Returns:
+        {jax.Device: bytes}.
+    """
+    import jax
+
+    totals: dict = {}
+    for arr in jax.live_arrays() if arrays is None else arrays:
+        if arr.is_deleted():
+            continue
+        for device in arr.sharding.device_set:
+            totals[device] = totals.get(device, 0) + shard_bytes(arr)
+    return totals
+
+
+def shard_bytes(arr) -> int:
+    """Bytes one device holds of ``arr`` (a ``jax.Array`` or a ``ShapeDtypeStruct`` with a
+    sharding): its shard shape times the item size (the whole array where replicated)."""
+    return math.prod(arr.sharding.shard_shape(tuple(arr.shape))) * arr.dtype.itemsize
+
+
+def per_host_bytes(arrays) -> dict:
+    """Bytes of the distinct slices each process's devices hold of ``arrays``.
+
+    What a host must read from the checkpoint for its own devices: a slice two of its
+    devices share (replicated, or split only over other hosts' axes) counts once.
+    ``arrays`` may be ``jax.Array``s or ``ShapeDtypeStruct``s with shardings, so a dry run
+    can answer for a topology it does not have.
+
+    Returns:
+        ({process_index: bytes}, largest single slice in bytes).
+    """
+    totals: dict = {}
+    largest = 0
+    for arr in arrays:
+        itemsize = arr.dtype.itemsize
+        seen: dict = {}
+        for device, index in arr.sharding.devices_indices_map(tuple(arr.shape)).items():
+            bounds = tuple(s.indices(n)[:2] for s, n in zip(index, arr.shape, strict=True))
+            nbytes = math.prod(hi - lo for lo, hi in bounds) * itemsize
+            largest = max(largest, nbytes)
+            if bounds not in seen.setdefault(device.process_index, set()):
+                seen[device.process_index].add(bounds)
+                totals[device.process_index] = totals.get(device.process_index, 0) + nbytes
+    return totals, largest
+
+
+class SafetensorsReader:
+    """Slices of a diffusers component's tensors, read straight from its safetensors files.
+
+    ``read(name, index)`` returns only the requested slice (``safe_open(...).get_slice``
+    reads just those bytes from the memory-mapped file), so no host ever holds a whole
+    checkpoint, nor a whole tensor that its devices hold only part of. Handles a single
+    ``*.safetensors`` file and sharded checkpoints with a ``*.safetensors.index.json``.
+    Counts the bytes it returns (``bytes_read``).
+
+    Raises:
+        FileNotFoundError: the folder holds no safetensors file.
+    """
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        index = glob.glob(os.path.join(folder, "*.safetensors.index.json"))
+        if index:
+            with open(index[0]) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.file_of = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        else:
+            self.file_of = {}
+            for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+                with safe_open(path, framework="pt") as f:
+                    self.file_of.update({k: path for k in f.keys()})
+        if not self.file_of:
+            raise FileNotFoundError(f"no safetensors weights in {folder}")
+        self._handles: dict = {}
+        self.bytes_read = 0
+
+    def keys(self) -> set:
+        return set(self.file_of)
+
+    def _slice(self, name: str):
+        from safetensors import safe_open
+
+        path = self.file_of[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path].get_slice(name)
+
+    def read(self, name: str, index: tuple, dtype, fuse=None) -> np.ndarray:
+        """Tensor ``name`` at ``index`` (a tuple of slices), cast to torch ``dtype`` as
+        ``from_pretrained`` casts it, as a NumPy array (bf16 as ``ml_dtypes.bfloat16``).
+
+        ``fuse``: optional ``f(index) -> float32 torch tensor``, the slice's LoRA delta
+        (``engine.weights.lora.fusers``): added to the slice in float32 before the cast."""
+        sl = self._slice(name)
+        tensor = sl[index] if sl.get_shape() else self._handles[self.file_of[name]].get_tensor(
+            name)
+        if fuse is not None:
+            tensor = tensor.float() + fuse(index)
+        out = host_array(tensor.to(dtype))
+        self.bytes_read += out.nbytes
+        return out
+
+
+def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: dict, *,
+                           desc: str, stacked: dict | None = None, on_placed=None,
+                           fuse: dict | None = None) -> dict:
+    """Place weights whose values are read, slice by slice, from safetensors files.
+
+    Args:
+        reader: the component's ``SafetensorsReader``.
+        params: {name: torch tensor or meta tensor}: only shape and dtype are used (the
+            target dtype, e.g. bf16, while the file may hold float32).
+        shardings: {name: ``jax.sharding.Sharding``}.
+        desc: progress-bar label.
+        stacked: {name: [per-layer file names]} for weights stacked along a leading layer
+            axis (``--scan_layers``): slice ``index`` reads ``index[1:]`` of each layer
+            ``index[0]`` selects, and stacks them.
+        on_placed: optional ``f(name, jax.Array)`` after each weight.
+        fuse: optional {file tensor name: ``f(index) -> float32 delta``} (LoRAs,
+            ``engine.weights.lora.fusers``): each slice read gets its own slice of the delta, per
+            layer for stacked weights, so no host forms a whole fused weight its devices
+            split.
+
+    Returns:
+        {name: ``jax.Array``}. Each device receives only its own slice; slices shared by
+        several local devices (replicated weights) are read once.
+    """
+    import jax
+    from tqdm import tqdm
+
+    stacked, fuse = stacked or {}, fuse or {}
+    total = sum(int(math.prod(t.shape)) * t.element_size() for t in params.values())
+    out = {}
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, leave=False,
+              desc=f"placing {desc}", mininterval=1.0) as bar:
+        for name, t in params.items():
+            cache: dict = {}
+
+            def read(index, name=name, dtype=t.dtype, shape=tuple(t.shape), cache=cache):
+                key = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+                if key not in cache:
+                    if name in stacked:
+                        layers = range(len(stacked[name]))[index[0]]
+                        files = stacked[name]
+                        cache[key] = np.stack([reader.read(files[i], index[1:], dtype,
+                                                           fuse.get(files[i]))
+                                               for i in layers])
+                    else:
+                        cache[key] = reader.read(name, index, dtype, fuse.get(name))
+                return cache[key]
+
+            arr = jax.make_array_from_callback(tuple(t.shape), shardings[name], read)
+            out[name] = arr.block_until_ready()
+            cache.clear()
+            if on_placed is not None:
+                on_placed(name, out[name])
+            bar.update(int(math.prod(t.shape)) * t.element_size())
+    return out

@@ -1,0 +1,169 @@
+"""The model-family interface: ``ModelFamily`` and the helpers family modules share.
+
+A family module (``families/wan.py``, ...) builds one ``ModelFamily`` value; the package
+``families`` registers them. The engine receives that value and reads its fields; it never
+imports a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """What a model family provides. ``config`` below is an ``engine.run.config.RunConfig``;
+    ``cfg`` is the transformer's config.json as a dict; tensors are torch CPU tensors.
+
+    Identity and defaults:
+        name: human name ("Wan 2.1").
+        pipeline_classes: ``model_index.json`` ``_class_name`` values it runs.
+        defaults: flag defaults (prompt, negative_prompt, height, width, frames, fps,
+            num_inference_steps, guidance_scale, max_sequence_length).
+        shipped_configs: Hub ids whose configs ``configs/`` holds, for dry runs.
+        download_hint: the command that downloads real weights.
+        required_files: files a local checkpoint folder must hold.
+        components: {stage: pipeline components that stage loads}.
+        weight_folders: {component: checkpoint subfolders holding its safetensors}, for
+            the checkpoint check before loading (``engine.files.integrity``); each folder's model
+            class is its ``model_index.json`` entry, as ``from_pretrained`` reads it.
+    Sizes:
+        frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
+        pixel_multiple: height and width must be multiples of it (VAE x patch).
+        default_flow_shift(height, width) -> float, with the source it documents.
+        latent_shape(vae_cfg, height, width, frames) -> (1, C, F', h, w).
+        token_count(cfg, height, width, frames) -> video tokens per sample.
+        num_heads(cfg) -> attention heads (what tp must divide).
+        transformer_flops(cfg, config) -> analytic FLOPs of one step's model call(s).
+        self_attention_flops(cfg, config) -> the self-attention part of it.
+    Loading and encoding (CPU, before any device work):
+        load_pipeline(config, components) -> diffusers pipeline, transformer with meta weights.
+        empty_transformer(cfg, torch dtype) -> transformer with meta weights, run dtypes.
+        empty_vae(folder) -> VAE with meta weights (dry run).
+        encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
+        embedding_names: the names ``encode_prompts`` returns (staged files hold these).
+        check_embeddings(embeds, settings, cfg) -> error text or None.
+        prepare_latents(pipe, config) -> float32 initial noise from ``config.seed``.
+    The model call:
+        model_inputs(embeds, config) -> pytree of (batch, ...) tensors the step takes,
+            CFG pairs concatenated on the batch axis (placed over "dp").
+        abstract_model_inputs(cfg, config) -> same pytree as ``jax.ShapeDtypeStruct`` shapes
+            and dtypes (no sharding), for the dry run.
+        step_fn(jm, config) -> torch function (params, buffers, latents, timestep, inputs)
+            -> noise prediction, CFG combined (to be viewed as JAX and jitted).
+        sharding_rules(config) -> ((regex, spec), ...) for the transformer's state dict.
+    VAE decode:
+        is_vae_decode_weight(name) -> whether the decode reads this VAE weight.
+        vae_decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
+            ``engine.programs.vae_decode.ChunkedDecoder`` or an object with its interface
+            (``compile``, ``memory``, ``spatial``, call).
+    Engine details:
+        block_stack: ``engine.weights.scan_layers.BlockStack``: the transformer's block list, what a
+            block carries, where the video tokens are (scan, sequence parallelism).
+        checkpoint_defaults(model_id) -> {flag: value} the checkpoint's own configs set
+            (e.g. its guider's guidance_scale, its scheduler's shift as "flow_shift"); they
+            win over ``defaults``. May raise ``UsageError``.
+        check_flags(values) -> (flag, rule) a resolved flag value breaks, or None; values
+            are the resolved family flags and "model_id".
+        scheduler_sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for
+            the scheduler's own spacing.
+        timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
+        optional_folders: weight folders a checkpoint may leave out (``model_index.json``
+            entry absent or [null, null]), e.g. Wan 2.2 A14B's ``transformer_2``.
+    Image-to-video (``--image``, ``engine/files/image.py``):
+        image_mode(model_id) -> "none" (text-to-video only), "optional" (either, e.g.
+            TI2V-5B) or "required" (an image-to-video checkpoint).
+        encode_image(pipe, config, image, devices) -> {name: tensor}: the image conditioning
+            (image-encoder embeddings, condition latents), computed once per run after the
+            prompts and before the transformer is placed; ``image`` is an RGB PIL image,
+            ``devices`` the run's devices (for an on-device VAE encode). The tensors join
+            every video's embeddings: ``model_inputs`` gets them and the encode stage stores
+            them, so a staged denoise needs no image encoder.
+        image_names: the names ``encode_image`` returns.
+        image_size(model_id, engine.files.image.ImageInfo) -> (height, width) the pipeline gives a
+            video of this image when no --height/--width is given, or None (the flags' size).
+        finish_latents(latents, inputs) -> latents: applied to the final latents (a
+            ``jax.Array``, with the placed model inputs) before the decode; the identity
+            unless the pipeline edits them after its loop (TI2V-5B image-to-video).
+    Options the engine checks (what a family supports is a field, never a name test):
+        schedulers: the ``--scheduler`` values its pipeline runs; the first is the default.
+        supports_lora: whether ``--lora`` / ``--lora_2`` apply.
+        lora_state_dict(tensors) -> converted state dict: diffusers' LoRA key converter for
+            the family's transformer (a ``*LoraLoaderMixin.lora_state_dict``); read only when
+            ``supports_lora``.
+        supports_window: whether ``--window_size`` applies (self-attention over video tokens
+            only, in the flattened frames x height x width order).
+    """
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+    defaults: Mapping[str, Any]
+    shipped_configs: tuple[str, ...]
+    download_hint: str
+    required_files: tuple[str, ...]
+    components: Mapping[str, tuple[str, ...]]
+    weight_folders: Mapping[str, tuple[str, ...]]
+    frame_step: int
+    pixel_multiple: int
+    default_flow_shift: Callable
+    latent_shape: Callable
+    token_count: Callable
+    num_heads: Callable
+    transformer_flops: Callable
+    self_attention_flops: Callable
+    load_pipeline: Callable
+    empty_transformer: Callable
+    empty_vae: Callable
+    encode_prompts: Callable
+    embedding_names: tuple[str, ...]
+    check_embeddings: Callable
+    prepare_latents: Callable
+    model_inputs: Callable
+    abstract_model_inputs: Callable
+    step_fn: Callable
+    sharding_rules: Callable
+    is_vae_decode_weight: Callable
+    vae_decoder: Callable
+    block_stack: Any
+    checkpoint_defaults: Callable
+    check_flags: Callable
+    scheduler_sigmas: Callable
+    timestep_dtype: str
+    optional_folders: tuple[str, ...] = ()
+    image_mode: Callable = lambda model_id: "none"
+    encode_image: Callable | None = None
+    image_names: tuple[str, ...] = ()
+    image_size: Callable = lambda model_id, info: None
+    finish_latents: Callable = lambda latents, inputs: latents
+    schedulers: tuple[str, ...] = ("euler",)
+    supports_lora: bool = False
+    lora_state_dict: Callable = lambda tensors: _no_lora_loader()
+    supports_window: bool = False
+
+
+def empty_model(cls, cfg: dict, dtype):
+    """A diffusers model of class ``cls`` and config ``cfg`` with meta parameters (no RAM
+    for weights), in ``dtype`` except the parameters ``from_pretrained`` keeps in float32.
+    Buffers (RoPE tables) are real. The weights come later, streamed from the checkpoint
+    into their shards."""
+    import torch
+    from accelerate import init_empty_weights
+
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    with init_empty_weights():
+        model = cls.from_config(cfg).eval()
+    # torch's Module.to, not diffusers' override, which warns about the fp32-kept modules.
+    torch.nn.Module.to(model, dtype)
+    # from_pretrained keeps a parameter in float32 when any part of its dotted name is listed
+    # (module names such as "norm1", and parameters such as "scale_shift_table").
+    keep = set(model._keep_in_fp32_modules or [])
+    for name, param in model.named_parameters():
+        if keep.intersection(name.split(".")):
+            param.data = param.data.float()
+    return model
+
+
+def _no_lora_loader():
+    raise NotImplementedError("this family has no LoRA loader (ModelFamily.supports_lora)")
