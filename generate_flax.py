@@ -7,7 +7,7 @@ It reads as one generation, top to bottom:
     3. load                      family.load_pipeline (transformer with meta weights)
     4. encode on CPU             encode (text encoders, then freed)
     5. mesh                      resolve_mesh -> engine.run.mesh.make_mesh
-    6. place                     place_transformer, place_model_inputs, prepare_decode
+    6. place                     sharding.place_expert, place_model_inputs, prepare_decode
     7. compile                   engine.programs.step.compile_step, ChunkedDecoder.compile (AOT)
     8. warmup and timed runs     engine.programs.denoise.warmup / run_benchmark
     9. decode                    inside each timed run (the VAE decode program)
@@ -53,7 +53,9 @@ from engine.programs.denoise import Programs, set_timesteps, timestep_array
 from engine.programs.step import compile_step
 from engine.run import chips, runtime
 from engine.run.config import (
+    KernelSettings,
     RunConfig,
+    RunSettings,
     check_attention_options,
     check_numbers,
     check_size,
@@ -346,7 +348,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                   scheduler=resolve_scheduler(args.scheduler, family),
                   step_cache=step_cache.validate_cache_flags(args, values["num_inference_steps"]))
     flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + ("cache",)}
-    config = RunConfig(**{**flags, **values, **extras, "family": family_key,
+    config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
                           "flow_shift": flow_shift, "flow_shift_source": source,
                           "default_sources": sources})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
@@ -385,12 +387,12 @@ def _validate_model(args) -> str:
 
 
 def generate(config: RunConfig, devices=None, on_video=None):
-    """Run the stages ``config.stage`` selects; returns (frames or None, report).
+    """Run the stages ``config.run.stage`` selects; returns (frames or None, report).
 
     ``all`` runs everything in memory; ``encode`` / ``denoise`` / ``decode`` each load only
-    their own component and read/write intermediates in ``config.work_dir``. ``devices``
+    their own component and read/write intermediates in ``config.run.work_dir``. ``devices``
     (default: all of ``jax.devices()``) lets tests build smaller meshes. With many videos
-    (``config.videos``: --prompts_file / --seeds) everything is placed and compiled once and
+    (``config.run.videos``: --prompts_file / --seeds) everything is placed and compiled once and
     ``on_video(video, frames)`` is called as each video is done.
 
     frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``; the last video's). report:
@@ -400,15 +402,16 @@ def generate(config: RunConfig, devices=None, on_video=None):
     runtime.quiet_known_warnings()
     import jax
 
-    family, stage = FAMILIES[config.family], config.stage
-    cache_on = runtime.enable_compilation_cache(config.compilation_cache_dir)
+    family, stage = FAMILIES[config.model.family], config.run.stage
+    cache_on = runtime.enable_compilation_cache(config.run.compilation_cache_dir)
     cache_before = dict(runtime.CACHE_STATS)
     devices = jax.devices() if devices is None else list(devices)
     config, staged = staging.read_intermediates(config, family)
     chip = chips.chip_for_device_kind(devices[0].device_kind)
     config = config.resolve_block_sizes(chip.name if chip else None)
     mesh_shape = resolve_mesh(config, family, len(devices))
-    attention = default_attention_backend() if config.attention == "auto" else config.attention
+    attention = config.kernel.attention
+    attention = default_attention_backend() if attention == "auto" else attention
     report = dict(stage=stage, settings={**config.settings(), "attention": attention,
                                          **dataclasses.asdict(mesh_shape)},
                   versions=reporting.versions())
@@ -417,18 +420,18 @@ def generate(config: RunConfig, devices=None, on_video=None):
             attention, interpret=jax.default_backend() != "tpu")
     pipe = family.load_pipeline(config, family.components[stage])
     timings: dict = {}
-    video_list = config.videos or (None,)
+    video_list = config.run.videos or (None,)
     embeds = staged if stage == "denoise" else [None] * len(video_list)
     if stage in ("all", "encode"):
         embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
-        if config.image is not None:
+        if config.video.image is not None:
             embeds, timings["image_encode_s"] = encode_image(pipe, config, family, embeds,
                                                              devices)
     if stage == "encode":
         for video, video_embeds in zip(video_list, embeds, strict=True):
             staging.save_run_embeddings(for_video(config, video), video_embeds, video)
         return None, dict(report, timings=timings, videos=[
-            dataclasses.asdict(v) for v in config.videos])
+            dataclasses.asdict(v) for v in config.run.videos])
 
     mesh, fallbacks = make_mesh(mesh_shape, devices), Fallbacks()
     oom_hint = reporting.dry_run_command(config, devices, mesh_shape)
@@ -436,12 +439,12 @@ def generate(config: RunConfig, devices=None, on_video=None):
         for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged[0], attention,
         fallbacks, oom_hint, timings)
     with runtime.hardware_errors("running the warmup", oom_hint):
-        timings.update(denoise.warmup(programs, latents0, warmup_steps=config.warmup_steps,
-                                        num_inference_steps=config.num_inference_steps))
+        timings.update(denoise.warmup(programs, latents0, warmup_steps=config.run.warmup_steps,
+                                        num_inference_steps=config.video.num_inference_steps))
     frames, runs, programs, latents0 = run_videos(
         config, family, pipe, mesh, programs, latents0, (video_list, embeds, staged),
         oom_hint, on_video, report)
-    if config.profile_dir is not None:
+    if config.run.profile_dir is not None:
         report["profile"] = denoise.profile(config, programs, latents0)
     entries, flops, cfg = step_report(config, family, pipe, programs, runs)
     report.update(entries)
@@ -471,11 +474,11 @@ def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hi
                                                 programs, video_embeds, video_staged)
             with runtime.hardware_errors("running the timed generations", oom_hint):
                 latents, decoded, video_runs = denoise.run_benchmark(
-                    programs, latents0, num_iterations=config.num_iterations,
-                    num_inference_steps=config.num_inference_steps,
+                    programs, latents0, num_iterations=config.run.num_iterations,
+                    num_inference_steps=config.video.num_inference_steps,
                     desc="" if video is None else f"video {video.label}: ")
             runs += video_runs
-            if config.stage == "denoise":  # each video's latents as soon as they are done
+            if config.run.stage == "denoise":  # each video's latents as soon as they are done
                 staging.save_run_latents(for_video(config, video), latents, video)
             if decoded is not None:
                 frames = reporting.to_frames(pipe, decoded)
@@ -486,10 +489,10 @@ def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hi
                                  compilation_cache=runtime.cache_events_since(before)))
             before = dict(runtime.CACHE_STATS)
     except KeyboardInterrupt:
-        if not config.videos:
+        if not config.run.videos:
             raise
         report["interrupted"] = True
-    if config.videos:
+    if config.run.videos:
         report["videos"] = done
     return frames, runs, programs, latents0
 
@@ -500,7 +503,8 @@ def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | Non
     config or None)."""
     out = {}
     if programs.cache is not None:
-        out["cache"] = step_cache.cache_report(programs.cache, runs, config.num_inference_steps)
+        out["cache"] = step_cache.cache_report(programs.cache, runs,
+                                                config.video.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
     flops = None if programs.step is None else experts.flops_per_step(
         programs.step, lambda k: family.transformer_flops(dict(
@@ -526,7 +530,7 @@ def next_video(config, family, pipe, mesh, programs, embeds, staged):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    if config.stage == "decode":
+    if config.run.stage == "decode":
         return programs, placement.place_array(placement.host_array(staged),
                                                NamedSharding(mesh, P()))
     inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
@@ -535,12 +539,12 @@ def next_video(config, family, pipe, mesh, programs, embeds, staged):
 
 def resolve_mesh(config: RunConfig, family, n_devices: int):
     """The (dp, tp, sp) ``MeshShape`` for this run; raises ``UsageError`` naming the flag."""
-    cfg = None if config.stage == "decode" else read_component_config(config.model_id,
+    cfg = None if config.run.stage == "decode" else read_component_config(config.model.model_id,
                                                                       "transformer")
     return resolve_mesh_shape(
-        config.dp, config.tp, config.sp, n_devices, batch=config.batch,
+        config.layout.dp, config.layout.tp, config.layout.sp, n_devices, batch=config.video.batch,
         num_heads=family.num_heads(cfg) if cfg else None,
-        tokens=family.token_count(cfg, config.height, config.width, config.frames)
+        tokens=family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
         if cfg else None)
 
 
@@ -562,13 +566,13 @@ def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
     """The image conditioning (``family.encode_image``), computed once and joined to every
     video's embeddings: (embeds, seconds)."""
     t0 = time.perf_counter()
-    cond = family.encode_image(pipe, config, read_image(config.image), devices)
+    cond = family.encode_image(pipe, config, read_image(config.video.image), devices)
     return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
 def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fallbacks,
                      oom_hint: str, timings: dict):
-    """Place weights and inputs and AOT-compile what ``config.stage`` runs.
+    """Place weights and inputs and AOT-compile what ``config.run.stage`` runs.
 
     Returns (``denoise.Programs``, initial latents on the mesh, the placed transformer
     or None). Placement and compile seconds go into ``timings``.
@@ -578,8 +582,8 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
 
     replicated = NamedSharding(mesh, P())
     parts, placed = dict(timesteps_sharding=replicated), None
-    if config.stage in ("all", "denoise"):
-        install_attention(config, mesh, attention, fallbacks)
+    if config.run.stage in ("all", "denoise"):
+        install_attention(config.kernel, mesh, attention, fallbacks)
         with runtime.hardware_errors("placing the transformer weights", oom_hint):
             placed = sharding.place_expert(config, family, pipe.transformer, "transformer", mesh,
                                             fallbacks)
@@ -598,19 +602,20 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
                      sigmas=family.scheduler_sigmas, cache=cache, finish=family.finish_latents)
     else:
         latents0 = placement.place_array(placement.host_array(staged), replicated)
-    if config.stage in ("all", "decode"):
-        parts["vae_decode"] = prepare_decode(config, family, pipe, mesh, latents0, fallbacks,
+    if config.run.stage in ("all", "decode"):
+        parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh, latents0, fallbacks,
                                              oom_hint, timings)
     return Programs(**parts), latents0, placed
 
 
-def install_attention(config, mesh, attention: str, fallbacks) -> None:
-    """Route torch SDPA to ``attention`` (our Splash kernel, JAX's, or XLA) on ``mesh``."""
+def install_attention(kernel: KernelSettings, mesh, attention: str, fallbacks) -> None:
+    """Route torch SDPA to ``attention`` (our Splash kernel, JAX's, or XLA) on ``mesh``, with
+    the kernel flags' one ``AttentionOptions`` value."""
     import jax
     import torchax
 
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          options=config.attention_options(),
+                          options=kernel.options(),
                           interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
 
 
@@ -645,7 +650,7 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    set_timesteps(pipe.scheduler, config.num_inference_steps, family.scheduler_sigmas)
+    set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler_sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
     fn = family.step_fn(placed["module"], config)
     if config.step_cache.on:
@@ -658,7 +663,8 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
                                                               inputs)
     if second:
         return experts.ExpertStep(
-            compiled, [placed, second], (config.guidance_scale, config.guidance_scale_2),
+            compiled, [placed, second],
+            (config.video.guidance_scale, config.video.guidance_scale_2),
             inputs, boundary_ratio=pipe.config.boundary_ratio,
             num_train_timesteps=pipe.scheduler.config.num_train_timesteps,
             timesteps=pipe.scheduler.timesteps), None
@@ -666,14 +672,15 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     return (lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)), None
 
 
-def prepare_decode(config, family, pipe, mesh, latents0, fallbacks, oom_hint, timings):
+def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,
+                   timings):
     """Place the VAE's decode weights (replicated: a conv net's weights are small; its
     activations are what the decode shards) and AOT-compile its programs."""
     with runtime.hardware_errors("placing the VAE weights", oom_hint):
         placed = place_module(pipe.vae, mesh, include=family.is_vae_decode_weight,
                               desc="VAE decoder")
     timings["place_vae_s"] = placed["seconds"]
-    decoder = family.vae_decoder(placed, pipe.vae, mesh, tiling=config.vae_tiling,
+    decoder = family.vae_decoder(placed, pipe.vae, mesh, tiling=run.vae_tiling,
                                  fallbacks=fallbacks)
     with runtime.hardware_errors("compiling the VAE decode", oom_hint):
         timings["compile_vae_s"] = decoder.compile(latents0)
@@ -687,18 +694,18 @@ def prepare_decode(config, family, pipe, mesh, latents0, fallbacks, oom_hint, ti
 
 def main(argv=None) -> int:
     config = validate_args(parse_args(argv))  # on every host, before any host joins the others
-    logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.DEBUG if config.run.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     # Before any model loads: headers and sizes of the files this stage reads (configs only
     # for --dry_run) against the models their configs build (engine/files/integrity.py).
-    checked = integrity.check_checkpoint(config, FAMILIES[config.family])
-    if config.dry_run:
-        return run_dry(config, FAMILIES[config.family], checked)
-    runtime.start_distributed(config.coordinator_address, config.num_processes,
-                              config.process_id)
+    checked = integrity.check_checkpoint(config, FAMILIES[config.model.family])
+    if config.dry.dry_run:
+        return run_dry(config, FAMILIES[config.model.family], checked)
+    runtime.start_distributed(config.hosts.coordinator_address, config.hosts.num_processes,
+                              config.hosts.process_id)
 
     # One stamp for every file of the run; each video is written as soon as it is done.
-    stem = reporting.output_stem(config.output_dir) if runtime.is_writer() else None
+    stem = reporting.output_stem(config.run.output_dir) if runtime.is_writer() else None
     written = []
 
     def save(video, frames):
@@ -711,15 +718,16 @@ def main(argv=None) -> int:
     if not runtime.is_writer():  # process 0 writes and summarises for every host
         return 0
     devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
-    if config.stage in ("encode", "denoise"):  # their reports go in --work_dir
-        path = os.path.join(config.work_dir, f"{config.stage}_report.json")
+    if config.run.stage in ("encode", "denoise"):  # their reports go in --work_dir
+        path = os.path.join(config.run.work_dir, f"{config.run.stage}_report.json")
         reporting.save_report(report, path)
         reporting.print_summary(report["timings"], devices["kind"], devices["count"])
-        print(f"\nwrote {config.stage} intermediates and {path}")
+        print(f"\nwrote {config.run.stage} intermediates and {path}")
         return 0
-    if not config.videos:
+    if not config.run.videos:
         report = dict(video=os.path.basename(save(None, frames)[0]), **report)
-    written += reporting.save_run(report, config.output_dir, stem, plots=not config.no_plots)
+    written += reporting.save_run(report, config.run.output_dir, stem,
+                                  plots=not config.run.no_plots)
     reporting.print_summary(report["timings"], devices["kind"], devices["count"])
     print(f"\nwrote {', '.join(written)}")
     if report.get("interrupted"):

@@ -136,12 +136,13 @@ def main(argv=None) -> int:
 
         config = gf.validate_args(gf.parse_args(["--model_id", root, "--output_dir",
                                                  os.path.join(root, "out")]))
-        first = integrity.check_checkpoint(config, FAMILIES[config.family])
+        first = integrity.check_checkpoint(config, FAMILIES[config.model.family])
         first_s = time.perf_counter() - t0
         assert first["ran"] and sorted(first["components"]) == sorted(stats), first
         times = []
         for _ in range(args.repeats):
-            times.append(integrity.check_checkpoint(config, FAMILIES[config.family])["seconds"])
+            family = FAMILIES[config.model.family]
+            times.append(integrity.check_checkpoint(config, family)["seconds"])
         # diffusers and transformers are already imported (by the writer above); a run
         # imports them inside the check.
         print(f"check, first call in the process (flag validation + check): {first_s:.2f} s")

@@ -14,7 +14,8 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
-    """What a model family provides. ``config`` below is an ``engine.run.config.RunConfig``;
+    """What a model family provides. ``config`` below is an ``engine.run.config.RunConfig``
+    (read by group: ``config.video.height``, ``config.model.dtype``, ``config.layout.fsdp``);
     ``cfg`` is the transformer's config.json as a dict; tensors are torch CPU tensors.
 
     Identity and defaults:
@@ -45,7 +46,7 @@ class ModelFamily:
         encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
         embedding_names: the names ``encode_prompts`` returns (staged files hold these).
         check_embeddings(embeds, settings, cfg) -> error text or None.
-        prepare_latents(pipe, config) -> float32 initial noise from ``config.seed``.
+        prepare_latents(pipe, config) -> float32 initial noise from ``config.video.seed``.
     The model call:
         model_inputs(embeds, config) -> pytree of (batch, ...) tensors the step takes,
             CFG pairs concatenated on the batch axis (placed over "dp").

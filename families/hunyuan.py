@@ -146,19 +146,20 @@ def transformer_flops(cfg: dict, config) -> float:
     The 2-block token refiner on 1000 text tokens and the embedders are < 0.1% at 720p and
     are left out.
     """
-    s = token_count(cfg, config.height, config.width, config.frames)
-    seq = s + text_tokens(config.model_id)
+    s = token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    seq = s + text_tokens(config.model.model_id)
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     per_block = 8 * seq * d * d + 4 * seq * seq * d + 4 * cfg["mlp_ratio"] * seq * d * d
-    return float(per_block * cfg["num_layers"] * config.batch)
+    return float(per_block * cfg["num_layers"] * config.video.batch)
 
 
 def self_attention_flops(cfg: dict, config) -> float:
     """The 4*L^2*D joint-attention term of ``transformer_flops``, all blocks and passes."""
-    seq = token_count(cfg, config.height, config.width, config.frames) + text_tokens(
-        config.model_id)
+    video = config.video
+    seq = token_count(cfg, video.height, video.width, video.frames) + text_tokens(
+        config.model.model_id)
     return float(4 * seq * seq * cfg["attention_head_dim"] * cfg["num_attention_heads"]
-                 * cfg["num_layers"] * config.batch)
+                 * cfg["num_layers"] * config.video.batch)
 
 
 def empty_transformer(cfg: dict, dtype):
@@ -198,7 +199,7 @@ def load_pipeline(config, components):
     the others are None.
 
     The transformer comes with meta weights (``empty_transformer``), streamed later into
-    its device shards. Text encoders use ``config.dtype``; the VAE stays float32.
+    its device shards. Text encoders use ``config.model.dtype``; the VAE stays float32.
 
     Raises:
         GenerationError: the weights could not be found or read.
@@ -211,8 +212,8 @@ def load_pipeline(config, components):
         HunyuanVideo15Transformer3DModel,
     )
 
-    dtype = getattr(torch, config.dtype)
-    i2v = is_image_to_video(config.model_id)
+    dtype = getattr(torch, config.model.dtype)
+    i2v = is_image_to_video(config.model.model_id)
     if i2v and "text_encoder" in components:  # the encode stage also encodes the image
         components = (*components, "vae")
     skip = {"transformer": None} if "transformer" not in components else {}
@@ -220,28 +221,28 @@ def load_pipeline(config, components):
         skip.update(image_encoder=None, feature_extractor=None)
     if "vae" not in components:
         # The pipeline's __init__ reads vae.config (it cannot be None): meta weights, no RAM.
-        skip["vae"] = empty_vae(config.model_id)
+        skip["vae"] = empty_vae(config.model.model_id)
     if "text_encoder" not in components:
         skip.update({name: None for name in TEXT_COMPONENTS})
     try:
         if "transformer" in components:
             skip["transformer"] = empty_transformer(dict(
-                HunyuanVideo15Transformer3DModel.load_config(config.model_id,
+                HunyuanVideo15Transformer3DModel.load_config(config.model.model_id,
                                                              subfolder="transformer")), dtype)
         if "vae" in components:
             skip["vae"] = AutoencoderKLHunyuanVideo15.from_pretrained(
-                config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
+                config.model.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
         if i2v:  # imported only then: it pulls in transformers' SigLIP processor
             from diffusers import HunyuanVideo15ImageToVideoPipeline as cls
         else:
             cls = HunyuanVideo15Pipeline
-        pipe = cls.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True, **skip)
+        pipe = cls.from_pretrained(config.model.model_id, dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise GenerationError(
-            f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
+            f"--model_id={config.model.model_id!r}: could not load weights: {first_line(e)}") \
             from None
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-        pipe.scheduler.config, shift=config.flow_shift)
+        pipe.scheduler.config, shift=config.video.flow_shift)
     for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2,
               getattr(pipe, "image_encoder", None)):
         if m is not None:
@@ -266,11 +267,11 @@ def encode_prompts(pipe, config) -> dict:
     """
     import torch
 
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.model.dtype)
     out = {}
-    sides = [("", config.prompt)]
-    if config.use_cfg or config.stage == "encode":
-        sides.append(("negative_", config.negative_prompt or ""))
+    sides = [("", config.video.prompt)]
+    if config.video.use_cfg or config.run.stage == "encode":
+        sides.append(("negative_", config.video.negative_prompt or ""))
     with torch.no_grad():
         for side, prompt in sides:
             tensors = pipe.encode_prompt(prompt=prompt, device=torch.device("cpu"),
@@ -301,13 +302,14 @@ def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | No
 
 def prepare_latents(pipe, config):
     """Initial noise as ``HunyuanVideo15Pipeline.prepare_latents`` draws it: a CPU
-    ``torch.Generator`` seeded with ``config.seed``, in the transformer dtype. Returns a
+    ``torch.Generator`` seeded with ``config.video.seed``, in the transformer dtype. Returns a
     float32 CPU tensor (1, 32, (frames-1)/4+1, height/16, width/16)."""
     import torch
 
-    generator = torch.Generator("cpu").manual_seed(config.seed)
-    return pipe.prepare_latents(1, pipe.num_channels_latents, config.height, config.width,
-                                config.frames, getattr(torch, config.dtype),
+    generator = torch.Generator("cpu").manual_seed(config.video.seed)
+    return pipe.prepare_latents(1, pipe.num_channels_latents, config.video.height,
+                                config.video.width,
+                                config.video.frames, getattr(torch, config.model.dtype),
                                 torch.device("cpu"), generator).float()
 
 
@@ -319,8 +321,8 @@ def model_inputs(embeds: dict, config) -> dict:
     (B, 33, F', h, w) = [image latents on frame 0, first-frame mask], model dtype."""
     import torch
 
-    dtype = getattr(torch, config.dtype)
-    sides = ("", "negative_") if config.use_cfg else ("",)
+    dtype = getattr(torch, config.model.dtype)
+    sides = ("", "negative_") if config.video.use_cfg else ("",)
 
     def batch(name):
         return torch.cat([embeds[side + name] for side in sides])
@@ -372,16 +374,17 @@ def encode_image(pipe, config, image, devices) -> dict:
     import torch
 
     del devices
-    cpu, dtype = torch.device("cpu"), getattr(torch, config.dtype)
-    image = pipe.video_processor.resize(image, height=config.height, width=config.width,
+    cpu, dtype = torch.device("cpu"), getattr(torch, config.model.dtype)
+    image = pipe.video_processor.resize(image, height=config.video.height, width=config.video.width,
                                         resize_mode="crop")
     s = pipe.vae_scale_factor_spatial
-    shape = (1, pipe.num_channels_latents, (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.height // s, config.width // s)
+    shape = (1, pipe.num_channels_latents, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.video.height // s, config.video.width // s)
     with torch.no_grad():
         embeds = pipe.encode_image(image=image, batch_size=1, device=cpu, dtype=dtype)
         cond, mask = pipe.prepare_cond_latents_and_mask(
-            torch.zeros(shape, dtype=dtype), image, 1, config.height, config.width, dtype, cpu)
+            torch.zeros(shape, dtype=dtype), image, 1, config.video.height, config.video.width,
+            dtype, cpu)
     pipe.image_encoder = None  # SigLIP so400m: 1.7 GB in float32; done with it
     return {"image_embeds": embeds, "condition": torch.cat([cond, mask], dim=1)}
 
@@ -390,7 +393,7 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
     import jax
     import jax.numpy as jnp
 
-    b, dtype = config.batch, getattr(jnp, config.dtype)
+    b, dtype = config.video.batch, getattr(jnp, config.model.dtype)
     return {
         "encoder_hidden_states": jax.ShapeDtypeStruct((b, QWEN_TOKENS, cfg["text_embed_dim"]),
                                                       dtype),
@@ -398,11 +401,12 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
         "encoder_hidden_states_2": jax.ShapeDtypeStruct(
             (b, BYT5_TOKENS, cfg["text_embed_2_dim"]), dtype),
         "encoder_attention_mask_2": jax.ShapeDtypeStruct((b, BYT5_TOKENS), jnp.bool_),
-    } | ({} if not is_image_to_video(config.model_id) else {  # model_inputs' image inputs
+    } | ({} if not is_image_to_video(config.model.model_id) else {  # model_inputs' image inputs
         "image_embeds": jax.ShapeDtypeStruct((b, SIGLIP_TOKENS, cfg["image_embed_dim"]), dtype),
         "condition": jax.ShapeDtypeStruct(
-            (b, cfg["out_channels"] + 1, (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.height // VAE_SPATIAL_SCALE, config.width // VAE_SPATIAL_SCALE), dtype)})
+            (b, cfg["out_channels"] + 1, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.video.height // VAE_SPATIAL_SCALE,
+             config.video.width // VAE_SPATIAL_SCALE), dtype)})
 
 
 class KeyPaddingAttnProcessor:
@@ -533,7 +537,8 @@ def step_fn(jm, config):
     """
     import torch
 
-    dtype, cfg, scale = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
+    dtype = getattr(torch, config.model.dtype)
+    cfg, scale = config.video.use_cfg, config.video.guidance_scale
 
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
@@ -580,7 +585,7 @@ ROW_PARALLEL_RULES = (
 def sharding_rules(config) -> tuple:
     """The regex table for the transformer's state dict; ``--replicate_row_parallel`` drops
     the row-parallel rules (see ``families.wan.transformer_sharding_rules``)."""
-    if config.replicate_row_parallel:
+    if config.layout.replicate_row_parallel:
         return COLUMN_PARALLEL_RULES
     return COLUMN_PARALLEL_RULES + ROW_PARALLEL_RULES
 

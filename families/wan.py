@@ -236,19 +236,19 @@ def transformer_flops(cfg: dict, config) -> float:
         FFN: 4*S*D*Fd
     Embeddings and the output projection are < 0.1% at Wan sizes and are left out.
     """
-    s = token_count(cfg, config.height, config.width, config.frames)
-    t = config.max_sequence_length
+    s = token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    t = config.video.max_sequence_length
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     per_block = (8 * s * d * d + 4 * s * s * d + 4 * s * d * d + 4 * t * d * d
                  + 4 * s * t * d + 4 * s * d * cfg["ffn_dim"])
-    return float(per_block * cfg["num_layers"] * config.batch)
+    return float(per_block * cfg["num_layers"] * config.video.batch)
 
 
 def self_attention_flops(cfg: dict, config) -> float:
     """The 4*S^2*D scores-and-P.V term of ``transformer_flops``, all blocks and passes."""
-    s = token_count(cfg, config.height, config.width, config.frames)
+    s = token_count(cfg, config.video.height, config.video.width, config.video.frames)
     return float(4 * s * s * cfg["attention_head_dim"] * cfg["num_attention_heads"]
-                 * cfg["num_layers"] * config.batch)
+                 * cfg["num_layers"] * config.video.batch)
 
 
 def empty_transformer(cfg: dict, dtype):
@@ -276,7 +276,7 @@ def load_pipeline(config, components):
     The transformer (and a Wan 2.2 A14B's ``transformer_2``, loaded with it) comes with meta
     weights (``empty_transformer``): the engine streams its values from the checkpoint's
     safetensors straight into their device shards, so no host holds the whole 14B checkpoint.
-    The text encoder uses ``config.dtype``; the VAE stays float32 as in diffusers' Wan
+    The text encoder uses ``config.model.dtype``; the VAE stays float32 as in diffusers' Wan
     examples (a bf16 Wan VAE under torchax fails with a conv2d input/bias dtype mismatch).
 
     Raises:
@@ -285,10 +285,10 @@ def load_pipeline(config, components):
     import torch
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.model.dtype)
     # TI2V-5B with --image runs as diffusers does it: WanImageToVideoPipeline on its folder.
-    i2v = is_image_to_video(config.model_id) or (config.image is not None
-                                                 and is_ti2v(config.model_id))
+    i2v = is_image_to_video(config.model.model_id) or (config.video.image is not None
+                                                 and is_ti2v(config.model.model_id))
     # Image-to-video: the encode stage also runs the image encoder and the VAE encode.
     if i2v and "text_encoder" in components:
         components = (*components, "vae")
@@ -299,27 +299,28 @@ def load_pipeline(config, components):
         if i2v:
             skip.update(image_encoder=None, image_processor=None)
     experts = ("transformer", "transformer_2") if is_two_expert(
-        read_model_index(config.model_id)) else ("transformer",)
+        read_model_index(config.model.model_id)) else ("transformer",)
     if len(experts) == 2 and "transformer" not in components:
         skip["transformer_2"] = None
     try:
         if "transformer" in components:
             for name in experts:
                 skip[name] = empty_transformer(dict(WanTransformer3DModel.load_config(
-                    config.model_id, subfolder=name)), dtype)
+                    config.model.model_id, subfolder=name)), dtype)
         if "vae" in components:
             skip["vae"] = AutoencoderKLWan.from_pretrained(
-                config.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
+                config.model.model_id, subfolder="vae", dtype=torch.float32, use_safetensors=True)
         if i2v:  # imported only then: it pulls in transformers' CLIP processor (a warning)
             from diffusers import WanImageToVideoPipeline as cls
         else:
             cls = WanPipeline
-        pipe = cls.from_pretrained(config.model_id, dtype=dtype, use_safetensors=True, **skip)
+        pipe = cls.from_pretrained(config.model.model_id, dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise GenerationError(
-            f"--model_id={config.model_id!r}: could not load weights: {first_line(e)}") \
+            f"--model_id={config.model.model_id!r}: could not load weights: {first_line(e)}") \
             from None
-    pipe.scheduler = make_scheduler(pipe.scheduler.config, config.scheduler, config.flow_shift)
+    pipe.scheduler = make_scheduler(pipe.scheduler.config, config.video.scheduler,
+                                    config.video.flow_shift)
     # eval() only: torchax treats parameters with requires_grad=False as buffers, which would
     # hide them from the sharding rules.
     for m in (pipe.transformer, getattr(pipe, "transformer_2", None), pipe.vae,
@@ -361,12 +362,13 @@ def encode_prompts(pipe, config) -> dict:
 
     with torch.no_grad():
         pos, neg = pipe.encode_prompt(
-            prompt=config.prompt,
-            negative_prompt=config.negative_prompt,
-            do_classifier_free_guidance=config.use_cfg or config.stage == "encode",
-            max_sequence_length=config.max_sequence_length,
+            prompt=config.video.prompt,
+            negative_prompt=config.video.negative_prompt,
+            do_classifier_free_guidance=config.video.use_cfg or config.run.stage == "encode",
+            max_sequence_length=config.video.max_sequence_length,
             device=torch.device("cpu"),
-            dtype=getattr(torch, config.dtype),  # the transformer's dtype, as WanPipeline casts
+            # the transformer's dtype, as WanPipeline casts
+            dtype=getattr(torch, config.model.dtype),
         )
     pipe.text_encoder = None  # UMT5-XXL is ~11 GB in bf16; nothing needs it after this.
     return {"prompt_embeds": pos} if neg is None else {"prompt_embeds": pos,
@@ -391,7 +393,7 @@ def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | No
 def prepare_latents(pipe, config):
     """Initial noise exactly as ``WanPipeline.prepare_latents`` and
     ``WanImageToVideoPipeline.prepare_latents`` draw it: ``randn_tensor`` of the latent shape
-    with a CPU ``torch.Generator`` seeded with ``config.seed``, before anything else. Returns
+    with a CPU ``torch.Generator`` seeded with ``config.video.seed``, before anything else. Returns
     a float32 CPU tensor (1, z_dim, (frames-1)/4+1, height/s, width/s), s = 8 (16 for the
     Wan 2.2 VAE).
 
@@ -402,11 +404,11 @@ def prepare_latents(pipe, config):
     import torch
     from diffusers.utils.torch_utils import randn_tensor
 
-    generator = torch.Generator("cpu").manual_seed(config.seed)
+    generator = torch.Generator("cpu").manual_seed(config.video.seed)
     cfg = dict(pipe.transformer.config)
     s = spatial_scale_for(cfg)
-    shape = (1, cfg["out_channels"], (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.height // s, config.width // s)
+    shape = (1, cfg["out_channels"], (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.video.height // s, config.video.width // s)
     return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
                         dtype=torch.float32)
 
@@ -437,14 +439,15 @@ def encode_image(pipe, config, image, devices) -> dict:
     out = {}
     with torch.no_grad():
         if getattr(pipe, "image_encoder", None) is not None:
-            out["image_embeds"] = pipe.encode_image(image, cpu).to(getattr(torch, config.dtype))
+            out["image_embeds"] = pipe.encode_image(image, cpu).to(
+                getattr(torch, config.model.dtype))
             pipe.image_encoder = None  # CLIP ViT-H is 1.3 GB in float32; done with it
-        video = pipe.video_processor.preprocess(image, height=config.height,
-                                                width=config.width).to(cpu, torch.float32)
+        video = pipe.video_processor.preprocess(image, height=config.video.height,
+                                                width=config.video.width).to(cpu, torch.float32)
         # prepare_latents also draws noise; its generator only feeds that (the encode takes
         # the posterior mode), so any seed gives the same condition.
-        args = (video, 1, pipe.vae.config.z_dim, config.height, config.width, config.frames,
-                torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
+        args = (video, 1, pipe.vae.config.z_dim, config.video.height, config.video.width,
+                config.video.frames, torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
         pipe.vae.encode = DeviceEncode(pipe.vae, devices)
         try:
             if pipe.config.expand_timesteps:  # TI2V-5B: the image alone (one frame)
@@ -459,16 +462,16 @@ def encode_image(pipe, config, image, devices) -> dict:
 def model_inputs(embeds: dict, config) -> dict:
     """{"encoder_hidden_states": (B, T, text_dim)} in the model dtype, B = 2 with CFG
     ([cond, uncond], as ``WanPipeline`` orders its two calls), and "guidance_scale": (B,)
-    float32, every entry ``config.guidance_scale``: the CFG scale is an argument of the step
+    float32, every entry ``config.video.guidance_scale``: the CFG scale is an argument of the step
     program, not a constant compiled into it, so a two-expert model's second scale
     (``--guidance_scale_2``) runs the same program (``engine.programs.experts``)."""
     import torch
 
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.model.dtype)
     pos = embeds["prompt_embeds"]
-    x = torch.cat([pos, embeds["negative_prompt_embeds"]]) if config.use_cfg else pos
+    x = torch.cat([pos, embeds["negative_prompt_embeds"]]) if config.video.use_cfg else pos
     out = {"encoder_hidden_states": x.to(dtype),
-           "guidance_scale": torch.full((x.shape[0],), config.guidance_scale,
+           "guidance_scale": torch.full((x.shape[0],), config.video.guidance_scale,
                                         dtype=torch.float32)}
     # Image-to-video: the same condition and image embeddings for both CFG passes, as
     # WanImageToVideoPipeline passes them; one row per pass so they split over dp too.
@@ -490,23 +493,24 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
     import jax
     import jax.numpy as jnp
 
-    dtype = getattr(jnp, config.dtype)
+    dtype = getattr(jnp, config.model.dtype)
     out = {"encoder_hidden_states": jax.ShapeDtypeStruct(
-        (config.batch, config.max_sequence_length, cfg["text_dim"]), dtype),
-        "guidance_scale": jax.ShapeDtypeStruct((config.batch,), jnp.float32)}
+        (config.video.batch, config.video.max_sequence_length, cfg["text_dim"]), dtype),
+        "guidance_scale": jax.ShapeDtypeStruct((config.video.batch,), jnp.float32)}
     extra = cfg["in_channels"] - cfg["out_channels"]
     if extra:  # image-to-video: mask + condition channels (model_inputs)
         s = spatial_scale_for(cfg)
         out["condition"] = jax.ShapeDtypeStruct(
-            (config.batch, extra, (config.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.height // s, config.width // s), dtype)
+            (config.video.batch, extra, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+             config.video.height // s, config.video.width // s), dtype)
     if cfg.get("image_dim"):
         out["encoder_hidden_states_image"] = jax.ShapeDtypeStruct(
-            (config.batch, CLIP_TOKENS, cfg["image_dim"]), dtype)
-    if not extra and config.image is not None:  # TI2V-5B with --image
+            (config.video.batch, CLIP_TOKENS, cfg["image_dim"]), dtype)
+    if not extra and config.video.image is not None:  # TI2V-5B with --image
         s = spatial_scale_for(cfg)
         out[wan_ti2v.NAME] = jax.ShapeDtypeStruct(
-            (config.batch, cfg["out_channels"], 1, config.height // s, config.width // s),
+            (config.video.batch, cfg["out_channels"], 1, config.video.height // s,
+             config.video.width // s),
             jnp.float32)
     return out
 
@@ -518,7 +522,7 @@ def step_fn(jm, config):
     With CFG, cond and uncond run as one batch-2 call; the guidance combination is done in the
     model dtype, exactly as ``WanPipeline`` does it. The scale is ``inputs["guidance_scale"]``
     (traced; see ``model_inputs``); callers passing only the embeddings get
-    ``config.guidance_scale`` as a constant.
+    ``config.video.guidance_scale`` as a constant.
 
     The timestep is the scalar ``t`` of the step, expanded over the batch, also for a
     ``expand_timesteps`` checkpoint (TI2V-5B): in text-to-video ``WanPipeline`` builds the
@@ -532,7 +536,8 @@ def step_fn(jm, config):
     """
     import torch
 
-    dtype, cfg, constant = getattr(torch, config.dtype), config.use_cfg, config.guidance_scale
+    dtype = getattr(torch, config.model.dtype)
+    cfg, constant = config.video.use_cfg, config.video.guidance_scale
 
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
@@ -601,7 +606,7 @@ def transformer_sharding_rules(*, replicate_row_parallel: bool = False) -> tuple
 
 
 def sharding_rules(config) -> tuple:
-    return transformer_sharding_rules(replicate_row_parallel=config.replicate_row_parallel)
+    return transformer_sharding_rules(replicate_row_parallel=config.layout.replicate_row_parallel)
 
 
 # The VAE decode reads only these weights; the encoder (~0.2 GB float32) stays on the host.

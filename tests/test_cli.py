@@ -150,15 +150,16 @@ def test_block_sizes_default_per_chip_and_flags_win(tiny_checkpoint):
     topologies = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "tpu7x": "tpu7x:2x2x1"}
     assert set(csa.DEFAULT_BLOCK_SIZES) == set(topologies)
     for chip, blocks in csa.DEFAULT_BLOCK_SIZES.items():  # a dry run knows its chip
-        assert config("--dry_run", "--topology", topologies[chip]).block_sizes() == blocks
+        assert config("--dry_run", "--topology", topologies[chip]).kernel.block_sizes() == blocks
     v6e = csa.DEFAULT_BLOCK_SIZES["v6e"]
-    got = config("--dry_run", "--topology", "v6e:2x4", "--bq", "2048").block_sizes()
+    got = config("--dry_run", "--topology", "v6e:2x4", "--bq", "2048").kernel.block_sizes()
     assert got == csa.BlockSizes(2048, v6e.block_kv, v6e.block_kv_compute)
     # A real run resolves once it sees its devices: off TPU (no chip), BlockSizes().
     unresolved = config()
-    assert (unresolved.bq, unresolved.bkv, unresolved.bkv_compute) == (None, None, None)
-    assert unresolved.resolve_block_sizes(None).block_sizes() == csa.BlockSizes()
-    assert config("--dry_run", "--topology", "v5p:2x2x1").block_sizes() == csa.BlockSizes()
+    assert (unresolved.kernel.bq, unresolved.kernel.bkv, unresolved.kernel.bkv_compute) == (
+        None, None, None)
+    assert unresolved.resolve_block_sizes(None).kernel.block_sizes() == csa.BlockSizes()
+    assert config("--dry_run", "--topology", "v5p:2x2x1").kernel.block_sizes() == csa.BlockSizes()
 
 
 def test_missing_model_folder_says_how_to_get_weights(tmp_path):

@@ -108,16 +108,18 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     frames and fps the family's; a flag still wins."""
     config = generate_flax.validate_args(generate_flax.parse_args(
         ["--model_id", hunyuan_checkpoint]))
-    assert config.family == "hunyuanvideo1.5"
-    assert (config.guidance_scale, config.flow_shift, config.flow_shift_source) == (
+    assert config.model.family == "hunyuanvideo1.5"
+    video = config.video
+    assert (video.guidance_scale, video.flow_shift, video.flow_shift_source) == (
         6.0, 9.0, "checkpoint")
-    assert (config.frames, config.height, config.width, config.fps) == (121, 720, 1280, 24)
+    assert (video.frames, video.height, video.width, video.fps) == (121, 720, 1280, 24)
     with open(os.path.join(hunyuan_checkpoint, "guider", "guider_config.json")) as f:
         guider = json.load(f)
     copy = _with_guider(hunyuan_checkpoint, tmp_path, {**guider, "guidance_scale": 3.5})
     config = generate_flax.validate_args(generate_flax.parse_args(
         ["--model_id", copy, "--flow_shift", "7"]))
-    assert (config.guidance_scale, config.flow_shift, config.flow_shift_source) == (
+    video = config.video
+    assert (video.guidance_scale, video.flow_shift, video.flow_shift_source) == (
         3.5, 7.0, "flag")
 
 

@@ -23,7 +23,7 @@ def test_valid_checkpoints_pass_without_a_warning(request, which, caplog, tmp_pa
     model_id = request.getfixturevalue(which)
     config = _config(model_id, "--output_dir", str(tmp_path))
     with caplog.at_level(logging.WARNING):
-        result = integrity.check_checkpoint(config, FAMILIES[config.family])
+        result = integrity.check_checkpoint(config, FAMILIES[config.model.family])
     assert not caplog.records, caplog.text
     assert result["ran"] and result["weights"] and result["seconds"] > 0
     comps = result["components"]
@@ -53,7 +53,7 @@ def test_dry_run_checks_the_shipped_real_configs(model_id, tmp_path):
     """Configs only (no weights): the real 14B / 8.3B configs parse and their models build."""
     config = _config(model_id, "--dry_run", "--topology", "v6e:2x4", "--output_dir",
                      str(tmp_path))
-    result = integrity.check_checkpoint(config, FAMILIES[config.family])
+    result = integrity.check_checkpoint(config, FAMILIES[config.model.family])
     assert result["ran"] and not result["weights"]
     # A two-expert model's transformer_2 config is checked too (Wan 2.2 A14B).
     experts = ["transformer", "transformer_2"] if "A14B" in model_id else ["transformer"]

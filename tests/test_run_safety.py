@@ -179,5 +179,5 @@ def test_flow_shift_defaults_by_resolution(tiny_checkpoint, size, given, want):
     if given is not None:
         argv += ["--flow_shift", str(given)]
     args = gf.validate_args(gf.parse_args(argv))
-    assert args.flow_shift == want
-    assert args.flow_shift_source == ("flag" if given is not None else "resolution")
+    assert args.video.flow_shift == want
+    assert args.video.flow_shift_source == ("flag" if given is not None else "resolution")

@@ -105,11 +105,12 @@ def test_two_expert_defaults_and_refusals(two_expert_checkpoint, tiny_checkpoint
 
     config = generate_flax.validate_args(generate_flax.parse_args(
         ["--model_id", two_expert_checkpoint]))
-    assert (config.num_inference_steps, config.height, config.width, config.frames,
-            config.fps) == (40, 720, 1280, 81, 16)
-    assert (config.guidance_scale, config.guidance_scale_2, config.flow_shift) == \
+    video = config.video
+    assert (video.num_inference_steps, video.height, video.width, video.frames,
+            video.fps) == (40, 720, 1280, 81, 16)
+    assert (video.guidance_scale, video.guidance_scale_2, video.flow_shift) == \
         (4.0, 3.0, 12.0)
-    assert "sample_shift 12.0" in config.default_sources["flow_shift"]
+    assert "sample_shift 12.0" in config.video.default_sources["flow_shift"]
     with pytest.raises(UsageError, match=r"--guidance_scale_2=2.0: needs a two-expert"):
         generate_flax.validate_args(generate_flax.parse_args(
             ["--model_id", tiny_checkpoint, "--guidance_scale_2", "2"]))

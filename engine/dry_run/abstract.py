@@ -33,16 +33,16 @@ def abstract_transformer(config, family, cfg: dict, mesh) -> dict:
     import torch
     from torchax import interop
 
-    transformer = family.empty_transformer(cfg, getattr(torch, config.dtype))
-    if config.scan_layers:
+    transformer = family.empty_transformer(cfg, getattr(torch, config.model.dtype))
+    if config.layout.scan_layers:
         scan_layers.scan_blocks(transformer, stack=family.block_stack)
-    axes = residual_token_axes(mesh, config.megatron_sp)
+    axes = residual_token_axes(mesh, config.layout.megatron_sp)
     if axes:
         add_sequence_parallel_hooks(transformer, mesh, stack=family.block_stack, axes=axes)
     jm = interop.JittableModule(transformer)
     specs, counts, _ = module_sharding_specs(
         transformer, {k: v.shape for k, v in jm.params.items()}, family.sharding_rules(config),
-        mesh, fsdp=config.fsdp)
+        mesh, fsdp=config.layout.fsdp)
     return dict(module=jm, specs=specs, rule_counts=counts,
                 params=abstract_arrays(jm.params, mesh, specs),
                 buffers=abstract_arrays(jm.buffers, mesh))
@@ -68,7 +68,8 @@ def abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
     from jax.sharding import PartitionSpec as P
 
     rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    shape = family.latent_shape(vae_cfg, config.height, config.width, config.frames)
+    video = config.video
+    shape = family.latent_shape(vae_cfg, video.height, video.width, video.frames)
     latents = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
     inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=over_dp),
                           family.abstract_model_inputs(cfg, config))

@@ -578,7 +578,7 @@ def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
     from torchax import interop
     from torchax.ops import mappings
 
-    vae_cfg = read_component_config(config.model_id, "vae")
+    vae_cfg = read_component_config(config.model.model_id, "vae")
     latents, t, inputs = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     seen = []
 
@@ -617,7 +617,7 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     args = _block_inputs(unrolled, family, cfg, mesh, placed)
     batch, tokens = args[0].shape[:2]
     stack = family.block_stack
-    axes = sharding_mod.residual_token_axes(mesh, config.megatron_sp)
+    axes = sharding_mod.residual_token_axes(mesh, config.layout.megatron_sp)
     shards = math.prod(mesh.shape[a] for a in axes)
 
     def sharding(x):
@@ -823,7 +823,7 @@ METHOD = ("attention: our kernel's cycles per grid step and per q block, fitted 
 
 
 def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: str) -> dict:
-    """Estimated seconds per denoising step on ``config.topology``, with its breakdown.
+    """Estimated seconds per denoising step on ``config.dry.topology``, with its breakdown.
 
     One block is compiled here at the real per-chip shapes with the kernel stubbed out; the
     kernel's cycles per grid step come from a subprocess (the profile flag must be set
@@ -845,7 +845,7 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
                  kernel_calls=calls)
     kernels = {}
     if calls:
-        request = dict(topology=config.topology, kernel_calls=calls)
+        request = dict(topology=config.dry.topology, kernel_calls=calls)
         env = dict(os.environ)
         env.pop("LIBTPU_INIT_ARGS", None)  # the worker sets its own flags
         proc = subprocess.run([sys.executable, "-m", "engine.dry_run.estimate"],

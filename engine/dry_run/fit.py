@@ -107,7 +107,7 @@ def _topology(topology: str):
 def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
               layers: int) -> dict:
     latents, t, inputs = abstract_inputs
-    print(f"compiling the transformer step ({layers} blocks) for {config.topology}...",
+    print(f"compiling the transformer step ({layers} blocks) for {config.dry.topology}...",
           flush=True)
     t0 = time.perf_counter()
     try:
@@ -126,7 +126,7 @@ def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
     latents, t, inputs = abstract_inputs
     settings = config.step_cache
     print(f"compiling the {settings.kind} full and cached step programs for "
-          f"{config.topology}...", flush=True)
+          f"{config.dry.topology}...", flush=True)
     t0 = time.perf_counter()
     try:
         lowered = step_cache.compile_cache_programs(
@@ -146,7 +146,7 @@ def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
                                     + time.perf_counter() - t1, capacity))
         except Exception as e:  # the compiler reports real OOMs as errors
             rows.append(_oom_row(label, e, time.perf_counter() - t1, capacity))
-    cache = dict(step_cache.cache_report(lowered, [], config.num_inference_steps),
+    cache = dict(step_cache.cache_report(lowered, [], config.video.num_inference_steps),
                  kept_specs=[str(s) for s in step_cache.kept_specs(lowered.kept_shapes, mesh)])
     return rows, cache
 
@@ -154,10 +154,10 @@ def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
 def _vae_rows(config, decoder, latents, capacity: int) -> list:
     t0 = time.perf_counter()
     try:
-        if config.dry_run_skip_vae:
+        if config.dry.dry_run_skip_vae:
             raise _Skipped
-        print(f"compiling the VAE decode for {config.topology}"
-              + (" (slow: 5-70 s per 3D conv)" if config.dry_run_exact_convs else "") + "...",
+        print(f"compiling the VAE decode for {config.dry.topology}"
+              + (" (slow: 5-70 s per 3D conv)" if config.dry.dry_run_exact_convs else "") + "...",
               flush=True)
         seconds = decoder.compile(latents)
         mem = decoder.memory()
@@ -181,10 +181,11 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    mode = family.image_mode(config.model_id)
-    if config.dry_run_skip_vae or mode == "none" or (mode == "optional" and not config.image):
+    mode = family.image_mode(config.model.model_id)
+    if config.dry.dry_run_skip_vae or mode == "none" or (
+            mode == "optional" and not config.video.image):
         return []
-    print(f"compiling the VAE encode for {config.topology}...", flush=True)
+    print(f"compiling the VAE encode for {config.dry.topology}...", flush=True)
     t0 = time.perf_counter()
     try:
         mesh = vae_encode.mesh_for(devices)
@@ -194,8 +195,8 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
                  for kind in ("params", "buffers")}
         encoder = vae_encode.ChunkedEncoder(dict(module=jv, **parts), mesh, vae, abstract=True)
         # An "optional" checkpoint (TI2V-5B) encodes the image alone, one frame.
-        frames = 1 if mode == "optional" else config.frames
-        shape = (1, 3, frames, config.height, config.width)
+        frames = 1 if mode == "optional" else config.video.frames
+        shape = (1, 3, frames, config.video.height, config.video.width)
         video = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=encoder.spatial(
             shape) or NamedSharding(mesh, P()))
         seconds = encoder.compile(video)
@@ -248,7 +249,7 @@ def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
 
 
 def dry_run(config, family) -> tuple[int, dict]:
-    """Compile the denoising step and the VAE decode for ``config.topology`` without a TPU.
+    """Compile the denoising step and the VAE decode for ``config.dry.topology`` without a TPU.
 
     Returns:
         (exit code: 0 fits / 3 does not fit, report dict with a per-chip table).
@@ -256,24 +257,24 @@ def dry_run(config, family) -> tuple[int, dict]:
     Raises:
         UsageError: unknown topology, or a mesh the topology cannot hold.
     """
-    runtime.use_deviceless_tpu(config.topology, fast_convs=not config.dry_run_exact_convs)
+    runtime.use_deviceless_tpu(config.dry.topology, fast_convs=not config.dry.dry_run_exact_convs)
     runtime.configure_jax_platform()
     runtime.quiet_known_warnings()
     import torchax
 
-    devices, chip = _topology(config.topology)
+    devices, chip = _topology(config.dry.topology)
     capacity = chip.usable_hbm_bytes  # per JAX device (a v7x chip is 2 devices)
-    folder = model_config_dir(config.model_id)
-    cfg = read_component_config(config.model_id, "transformer")
-    vae_cfg = read_component_config(config.model_id, "vae")
-    if config.dry_run_layers:
-        cfg["num_layers"] = min(config.dry_run_layers, cfg["num_layers"])
-    tokens = family.token_count(cfg, config.height, config.width, config.frames)
-    shape = resolve_mesh_shape(config.dp, config.tp, config.sp, len(devices),
-                               batch=config.batch, num_heads=family.num_heads(cfg),
+    folder = model_config_dir(config.model.model_id)
+    cfg = read_component_config(config.model.model_id, "transformer")
+    vae_cfg = read_component_config(config.model.model_id, "vae")
+    if config.dry.dry_run_layers:
+        cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
+    tokens = family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    shape = resolve_mesh_shape(config.layout.dp, config.layout.tp, config.layout.sp, len(devices),
+                               batch=config.video.batch, num_heads=family.num_heads(cfg),
                                tokens=tokens)
     mesh = make_mesh(shape, devices)
-    attention = "splash" if config.attention == "auto" else config.attention
+    attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           options=config.attention_options(), interpret=False)
     placed = abstract_transformer(config, family, cfg, mesh)
@@ -286,19 +287,19 @@ def dry_run(config, family) -> tuple[int, dict]:
     else:
         rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity,
                           cfg["num_layers"])]
-    decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.vae_tiling, abstract=True)
+    decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling, abstract=True)
     rows += _vae_rows(config, decoder, latents, capacity)
     rows += _encode_rows(config, family, vae, devices, capacity)
-    video = 3 * config.frames * config.height * config.width * 4 // (
+    video = 3 * config.video.frames * config.video.height * config.video.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
-    n_experts = expert_count(read_model_index(config.model_id))
+    n_experts = expert_count(read_model_index(config.model.model_id))
     _add_resident(rows, placed, vae_placed, inputs, video, n_experts)
     fits = all(r["fits"] for r in rows)
     report = dict(
-        dry_run=True, topology=config.topology, devices=len(devices),
+        dry_run=True, topology=config.dry.topology, devices=len(devices),
         chips=chips.count_chips(devices), fits=fits,
         libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
-        vae_checked=not config.dry_run_skip_vae,
+        vae_checked=not config.dry.dry_run_skip_vae,
         settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
         mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
         experts_resident=n_experts,
@@ -308,31 +309,31 @@ def dry_run(config, family) -> tuple[int, dict]:
         hosts=_hosts(placed, vae_placed, n_experts))
     if cache is not None:
         report["cache"] = cache
-    if config.lora or config.lora_2:
+    if config.model.lora or config.model.lora_2:
         # transformer_2 has the first expert's tree and specs (one program serves both).
         report["loras"] = [dict(x.report(), expert=loras.component,
                                 replicated_weights=lora.touched_replicated(
                                     x, placed["specs"], family.block_stack))
-                           for loras in (config.lora, config.lora_2) if loras
+                           for loras in (config.model.lora, config.model.lora_2) if loras
                            for x in loras]
-    if config.estimate:
+    if config.dry.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
         if cache is not None:
             report["estimate"]["cache"] = estimate_schedule(
                 report["estimate"]["seconds_per_step"], config.step_cache,
-                config.num_inference_steps, read_component_config(
-                    config.model_id, "transformer")["num_layers"])
+                config.video.num_inference_steps, read_component_config(
+                    config.model.model_id, "transformer")["num_layers"])
     return (0 if fits else EXIT_DOES_NOT_FIT), report
 
 
 def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
     """``--estimate``: the step time from libtpu's static model (``engine.dry_run.estimate``), for
     the real block count whatever ``--dry_run_layers`` compiled."""
-    print(f"estimating the step time for {config.topology} (one block, and the kernel on a "
+    print(f"estimating the step time for {config.dry.topology} (one block, and the kernel on a "
           "tiny grid with libtpu's static profile)...", flush=True)
     try:
         return estimate.estimate(config, family, read_component_config(
-            config.model_id, "transformer"), mesh, shape, chip, attention)
+            config.model.model_id, "transformer"), mesh, shape, chip, attention)
     except ValueError as e:
         raise UsageError(f"--estimate: {e}") from None
     except RuntimeError as e:
@@ -396,10 +397,10 @@ def run_dry(config, family, checked: dict) -> int:
     code, report = dry_run(config, family)
     report["checkpoint_check"] = checked
     print_dry_run(report)
-    stem = reporting.output_stem(config.output_dir)
-    written = [] if config.no_plots else reporting.save_picture(
-        dry_run_hbm, report, os.path.join(config.output_dir, f"{stem}_dry_run_hbm.png"))
-    path = os.path.join(config.output_dir, f"{stem}_dry_run.json")
+    stem = reporting.output_stem(config.run.output_dir)
+    written = [] if config.run.no_plots else reporting.save_picture(
+        dry_run_hbm, report, os.path.join(config.run.output_dir, f"{stem}_dry_run_hbm.png"))
+    path = os.path.join(config.run.output_dir, f"{stem}_dry_run.json")
     reporting.save_report(report, path)
     print(f"wrote {', '.join([*written, path])}")
     return code

@@ -307,7 +307,7 @@ def components_to_check(family, stage: str, dry_run: bool) -> tuple[str, ...]:
 
 
 def check_checkpoint(config, family) -> dict:
-    """Check every component ``config.stage`` loads (configs only for ``--dry_run``)
+    """Check every component ``config.run.stage`` loads (configs only for ``--dry_run``)
     before any model loads; logs one warning per component with unexpected tensors.
 
     Returns:
@@ -319,27 +319,27 @@ def check_checkpoint(config, family) -> dict:
         UsageError: one line, ``--model_id='...': <subfolder>/<file>: <rule>`` (exit 2).
     """
     t0 = time.perf_counter()
-    root = model_config_dir(config.model_id) if config.dry_run else config.model_id
+    root = model_config_dir(config.model.model_id) if config.dry.dry_run else config.model.model_id
     if root is None or not looks_local(root):
         return dict(ran=False, reason="Hub id: its files download when the pipeline loads")
-    index = read_model_index(config.model_id)
+    index = read_model_index(config.model.model_id)
     out = {}
-    for sub in components_to_check(family, config.stage, config.dry_run):
+    for sub in components_to_check(family, config.run.stage, config.dry.dry_run):
         spec = index.get(sub)
         if sub in family.optional_folders and not (isinstance(spec, list) and all(spec)):
             continue  # e.g. Wan's transformer_2: [null, null] unless the model has two experts
         if not (isinstance(spec, list) and len(spec) == 2 and all(spec)):
-            raise UsageError(f"--model_id={config.model_id!r}: model_index.json: no "
+            raise UsageError(f"--model_id={config.model.model_id!r}: model_index.json: no "
                              f"[library, class] for {sub!r}")
         try:
             out[sub] = check_component(os.path.join(root, sub), *spec,
-                                       weights=not config.dry_run)
+                                       weights=not config.dry.dry_run)
         except CheckpointError as e:
-            raise CheckpointError(f"--model_id={config.model_id!r}: {sub}/{e}") from None
+            raise CheckpointError(f"--model_id={config.model.model_id!r}: {sub}/{e}") from None
         extra = out[sub]["unexpected"]
         if extra:
             log.warning("%s: %d tensor(s) in the checkpoint that %s does not use, ignored as "
                         "from_pretrained ignores them: %s", sub, len(extra), spec[1],
                         ", ".join(extra[:SHOWN]) + (", ..." if len(extra) > SHOWN else ""))
-    return dict(ran=True, weights=not config.dry_run, seconds=time.perf_counter() - t0,
+    return dict(ran=True, weights=not config.dry.dry_run, seconds=time.perf_counter() - t0,
                 components=out)

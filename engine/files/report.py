@@ -190,14 +190,15 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
         processes=[dict(index=i, devices=[d.id for d in devices if d.process_index == i])
                    for i in range(jax.process_count())],
         compilation_cache=None if cache is None else dict(
-            dir=config.compilation_cache_dir,
+            dir=config.run.compilation_cache_dir,
             **{k: v - cache[k] for k, v in runtime.CACHE_STATS.items()}),
         timings=summary, fallbacks=fallbacks.items)
     if placed is not None:
         out.update(
-            tokens=family.token_count(cfg, config.height, config.width, config.frames),
-            layout=dict(replicate_row_parallel=config.replicate_row_parallel, fsdp=config.fsdp,
-                        megatron_sp=config.megatron_sp,
+            tokens=family.token_count(cfg, config.video.height, config.video.width,
+                                      config.video.frames),
+            layout=dict(replicate_row_parallel=config.layout.replicate_row_parallel,
+                        fsdp=config.layout.fsdp, megatron_sp=config.layout.megatron_sp,
                         sequence_parallel=mesh_shape.sp > 1),
             sharding_rule_matches=placed["rule_counts"],
             # Streamed from the safetensors files: what this host (process 0) read, against
@@ -211,8 +212,8 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
 def dry_run_command(config, devices, mesh_shape=None) -> str:
     """The ``--dry_run`` command that predicts this run's per-chip HBM without a TPU."""
     topology = chips.topology_name(devices) or "<chip>:<AxB>"
-    flags = [f"--model_id {config.model_id}", f"--height {config.height}",
-             f"--width {config.width}", f"--frames {config.frames}"]
+    flags = [f"--model_id {config.model.model_id}", f"--height {config.video.height}",
+             f"--width {config.video.width}", f"--frames {config.video.frames}"]
     if mesh_shape is not None:
         flags += [f"--{k} {v}" for k, v in dataclasses.asdict(mesh_shape).items()]
     return f"python generate_flax.py {' '.join(flags)} --dry_run --topology {topology}"

@@ -150,22 +150,22 @@ def _check_video(path: str, settings: dict, video, keys) -> None:
 def read_intermediates(config, family):
     """(config with the recorded settings, [embeddings or latents per video]) for
     ``--stage denoise`` / ``decode``; (config, [None per video]) otherwise. One entry per
-    video of ``config.videos`` (one for a single video). Checked before any weights load.
+    video of ``config.run.videos`` (one for a single video). Checked before any weights load.
 
     Raises:
         UsageError: a file missing, damaged, made for another model or size, or (many
             videos) for another prompt or seed than its entry's.
     """
-    videos = config.videos or (None,)
-    if config.stage == "denoise":
-        cfg = read_component_config(config.model_id, "transformer")
+    videos = config.run.videos or (None,)
+    if config.run.stage == "denoise":
+        cfg = read_component_config(config.model.model_id, "transformer")
         out = []
         for video in videos:
-            folder = video_dir(config.work_dir, video)
+            folder = video_dir(config.run.work_dir, video)
             embeds, settings = load_embeddings(
                 folder, family.embedding_names,
                 check=lambda e, s: family.check_embeddings(
-                    e, {**s, "model_id": config.model_id}, cfg),
+                    e, {**s, "model_id": config.model.model_id}, cfg),
                 optional=family.image_names)  # image-to-video: the image conditioning
             _check_video(os.path.join(folder, EMBEDDINGS_FILE), settings, video,
                          ("prompt", "negative_prompt"))
@@ -173,13 +173,13 @@ def read_intermediates(config, family):
         return config.replace(prompt=settings.get("prompt"),
                               negative_prompt=settings.get("negative_prompt"),
                               max_sequence_length=settings.get("max_sequence_length")), out
-    if config.stage == "decode":
-        vae_cfg = read_component_config(config.model_id, "vae", download=True)
+    if config.run.stage == "decode":
+        vae_cfg = read_component_config(config.model.model_id, "vae", download=True)
         out = []
         for video in videos:
-            folder = video_dir(config.work_dir, video)
+            folder = video_dir(config.run.work_dir, video)
             latents, settings = load_latents(
-                folder, vae_cfg, config.model_id,
+                folder, vae_cfg, config.model.model_id,
                 lambda s: family.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
             _check_video(os.path.join(folder, LATENTS_FILE), settings, video,
                          ("prompt", "negative_prompt", "seed"))
@@ -192,10 +192,10 @@ def save_run_embeddings(config, embeds: dict, video=None) -> None:
     """``--stage encode``: the embeddings and the settings the later stages need, in
     ``video_dir`` (process 0 writes)."""
     if runtime.is_writer():
-        save_embeddings(video_dir(config.work_dir, video), embeds, dict(
-            prompt=config.prompt, negative_prompt=config.negative_prompt,
-            model_id=config.model_id, max_sequence_length=config.max_sequence_length,
-            dtype=config.dtype))
+        save_embeddings(video_dir(config.run.work_dir, video), embeds, dict(
+            prompt=config.video.prompt, negative_prompt=config.video.negative_prompt,
+            model_id=config.model.model_id, max_sequence_length=config.video.max_sequence_length,
+            dtype=config.model.dtype))
 
 
 def save_run_latents(config, latents, video=None) -> None:
@@ -203,5 +203,5 @@ def save_run_latents(config, latents, video=None) -> None:
     the gather; process 0 writes)."""
     latents_cpu = runtime.torch_from_jax(latents)  # every process takes part in the gather
     if runtime.is_writer():
-        save_latents(video_dir(config.work_dir, video), latents_cpu, config.settings(),
-                     read_component_config(config.model_id, "vae", download=True))
+        save_latents(video_dir(config.run.work_dir, video), latents_cpu, config.settings(),
+                     read_component_config(config.model.model_id, "vae", download=True))

@@ -136,8 +136,8 @@ def video_files(output_dir: str, stem: str, video: Video | None, save_frames: bo
 def save_video(config, frames, stem: str, video: Video | None = None) -> list[str]:
     """Write one video's mp4 (and lossless frames with --save_frames), atomically; returns
     the paths written."""
-    files = video_files(config.output_dir, stem, video, config.save_frames)
-    reporting.save_video(frames, files["video"], config.fps)
+    files = video_files(config.run.output_dir, stem, video, config.run.save_frames)
+    reporting.save_video(frames, files["video"], config.video.fps)
     if files["frames"]:
         reporting.save_frames(frames, files["frames"])
     return [p for p in files.values() if p]

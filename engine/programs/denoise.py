@@ -313,9 +313,9 @@ def _files_under(root: str) -> list[str]:
 
 def profile(config, programs, latents0) -> dict:
     """``--profile_dir``: trace one steady-state step (``profile_step``) and say where."""
-    out = profile_step(config.profile_dir, programs, latents0,
-                       num_inference_steps=config.num_inference_steps)
+    out = profile_step(config.run.profile_dir, programs, latents0,
+                       num_inference_steps=config.video.num_inference_steps)
     print(f"profile of denoising step {out['traced_step']} ({out['seconds']:.3f} s traced) in "
-          f"{config.profile_dir}: open with TensorBoard/XProf, or perfetto_trace.json.gz in "
+          f"{config.run.profile_dir}: open with TensorBoard/XProf, or perfetto_trace.json.gz in "
           "ui.perfetto.dev")
     return out

@@ -528,7 +528,7 @@ def flops_per_step(full_flops: float, config, cfg: dict) -> float:
     settings = config.step_cache
     if settings is None or not settings.on:
         return full_flops
-    schedule = settings.schedule(config.num_inference_steps)
+    schedule = settings.schedule(config.video.num_inference_steps)
     cached = sum(schedule)
     share = settings.cached_share(cfg["num_layers"])
     return full_flops * (len(schedule) - cached + cached * share) / len(schedule)

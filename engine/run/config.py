@@ -24,17 +24,27 @@ from engine.run.errors import fail
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """Every flag of ``generate_flax.py`` after validation, with family defaults filled in.
-
-    ``family`` is the model family's key (``families.FAMILIES``); ``flow_shift_source`` says
-    whether ``flow_shift`` came from the flag or the family's default. ``dp``/``tp``/``sp`` are
-    the flags as given (None = chosen from the device count; the chosen ``MeshShape`` travels
-    separately).
-    """
+class ModelSettings:
+    """What is loaded: ``--model_id`` and its family's key (``families.FAMILIES``), the run
+    dtype, and the LoRA sets (``engine.weights.lora.LoraSet``; None only in a configuration
+    built by hand without LoRAs) fused into ``transformer`` and ``transformer_2``."""
 
     model_id: str
     family: str
+    dtype: str
+    lora: Any = None
+    lora_2: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoSettings:
+    """What is generated, as the pipeline's ``__call__`` takes it: prompts, size, steps, CFG,
+    the scheduler and its ``flow_shift`` (``flow_shift_source``: "flag", "checkpoint" or
+    "resolution"), the seed, and the conditioning image (``engine.files.image.ImageInfo``).
+    ``guidance_scale_2`` is a two-expert model's low-noise CFG scale, else None;
+    ``default_sources`` is {flag: where its default came from} for the flags left unset,
+    when the family records sources (Wan 2.2)."""
+
     prompt: str
     negative_prompt: str
     height: int
@@ -46,59 +56,11 @@ class RunConfig:
     flow_shift: float
     flow_shift_source: str
     seed: int
-    warmup_steps: int
-    num_iterations: int
-    output_dir: str
-    dtype: str
     max_sequence_length: int
-    attention: str
-    bq: int | None
-    bkv: int | None
-    bkv_compute: int | None
-    window_size: int | None
-    k_smoothing: bool
-    compilation_cache_dir: str
-    stage: str
-    work_dir: str
-    dry_run: bool
-    topology: str | None
-    dry_run_layers: int | None
-    dry_run_skip_vae: bool
-    dry_run_exact_convs: bool
-    estimate: bool
-    vae_tiling: bool
-    scan_layers: bool
-    replicate_row_parallel: bool
-    fsdp: bool
-    megatron_sp: bool
-    profile_dir: str | None
-    verbose: bool
-    save_frames: bool
-    coordinator_address: str | None
-    num_processes: int | None
-    process_id: int | None
-    dp: int | None
-    tp: int | None
-    sp: int | None
-    step_cache: Any = None  # engine.programs.step_cache.CacheSettings
-    prompts_file: str | None = None
-    seeds: str | None = None
-    no_plots: bool = False
-    videos: tuple = ()  # engine.files.videos.Video per video of --prompts_file / --seeds
-    # --lora: an engine.weights.lora.LoraSet (the files loaded and matched before any model
-    # loads); None only for a configuration built by hand without LoRAs.
-    lora: Any = None
-    # --lora_2: the same for a two-expert checkpoint's transformer_2.
-    lora_2: Any = None
-    # "unipc" or "euler" (--scheduler, resolved to the family's default).
     scheduler: str = "unipc"
-    # Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale; None otherwise.
     guidance_scale_2: float | None = None
-    # {flag: where its default came from} for the flags the user left unset, when the
-    # checkpoint's family records sources (Wan 2.2).
-    default_sources: Any = None
-    # --image: engine.files.image.ImageInfo (path, size, sha256) of an image-to-video run.
     image: Any = None
+    default_sources: Any = None
 
     @property
     def use_cfg(self) -> bool:
@@ -110,17 +72,136 @@ class RunConfig:
         """The transformer's batch: [cond, uncond] with CFG, else [cond]."""
         return 2 if self.use_cfg else 1
 
-    def block_sizes(self):
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSettings:
+    """How the weights and activations lie on the mesh: ``dp``/``tp``/``sp`` as given (None =
+    chosen from the device count; the chosen ``MeshShape`` travels separately), the scanned
+    block stack, and the sharding options."""
+
+    dp: int | None
+    tp: int | None
+    sp: int | None
+    scan_layers: bool
+    replicate_row_parallel: bool
+    fsdp: bool
+    megatron_sp: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """The attention backend (``attention``: auto, splash, stock_splash or xla) and our
+    kernel's flags; ``options()`` is the one value the kernel takes."""
+
+    attention: str
+    bq: int | None
+    bkv: int | None
+    bkv_compute: int | None
+    window_size: int | None
+    k_smoothing: bool
+
+    def block_sizes(self) -> BlockSizes:
         """``custom_splash_attention.BlockSizes`` of --bq/--bkv/--bkv_compute, once
-        ``resolve_block_sizes`` has filled the ones not given."""
+        ``RunConfig.resolve_block_sizes`` has filled the ones not given."""
         return BlockSizes(block_q=self.bq, block_kv=self.bkv, block_kv_compute=self.bkv_compute)
 
-    def attention_options(self) -> AttentionOptions:
+    def options(self) -> AttentionOptions:
         """The model attention's one value (``custom_splash_attention.AttentionOptions``):
         the resolved blocks, --k_smoothing, and --window_size as a ``LocalMask``."""
         w = self.window_size
         return AttentionOptions(block_sizes=self.block_sizes(), k_smoothing=self.k_smoothing,
                                 mask=None if w is None else LocalMask(w))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """The process's work and its outputs: the stage and its folders, the benchmark protocol
+    (warmup, timed iterations, profile), the persistent compile cache, the videos of
+    --prompts_file / --seeds (``engine.files.videos.Video``s), what is written, and the VAE
+    decode's tiling."""
+
+    stage: str
+    work_dir: str
+    output_dir: str
+    warmup_steps: int
+    num_iterations: int
+    compilation_cache_dir: str
+    profile_dir: str | None
+    verbose: bool
+    save_frames: bool
+    vae_tiling: bool
+    no_plots: bool = False
+    prompts_file: str | None = None
+    seeds: str | None = None
+    videos: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunSettings:
+    """``--dry_run`` and its options: the topology compiled for, how much of it, and
+    ``--estimate``."""
+
+    dry_run: bool
+    topology: str | None
+    dry_run_layers: int | None
+    dry_run_skip_vae: bool
+    dry_run_exact_convs: bool
+    estimate: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSettings:
+    """The multi-host flags for ``jax.distributed.initialize`` (None: found by JAX)."""
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+
+
+# RunConfig's groups, in the order reports list their settings.
+GROUPS = (("model", ModelSettings), ("video", VideoSettings), ("layout", LayoutSettings),
+          ("kernel", KernelSettings), ("run", RunSettings), ("dry", DryRunSettings),
+          ("hosts", HostSettings))
+_GROUP_OF = {f.name: group for group, cls in GROUPS for f in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every flag of ``generate_flax.py`` after validation, with family defaults filled in,
+    in the groups that stages read: a stage's signature names the group it needs.
+
+    model: ``ModelSettings``; video: ``VideoSettings``; layout: ``LayoutSettings``; kernel:
+    ``KernelSettings``; run: ``RunSettings``; dry: ``DryRunSettings``; hosts:
+    ``HostSettings``; step_cache: ``engine.programs.step_cache.CacheSettings`` (None: off).
+    Build one from flat flag values with ``from_flags``; ``replace`` takes flat names too.
+    """
+
+    model: ModelSettings
+    video: VideoSettings
+    layout: LayoutSettings
+    kernel: KernelSettings
+    run: RunSettings
+    dry: DryRunSettings
+    hosts: HostSettings
+    step_cache: Any = None
+
+    @classmethod
+    def from_flags(cls, **values) -> RunConfig:
+        """A configuration from flat values (flag names, as ``settings`` lists them).
+
+        Raises:
+            TypeError: a name no group has, or a required one missing.
+        """
+        unknown = sorted(set(values) - set(_GROUP_OF) - {"step_cache"})
+        if unknown:
+            raise TypeError(f"RunConfig: expected flag names, got {unknown}")
+        groups = {g: c(**{k: v for k, v in values.items() if _GROUP_OF.get(k) == g})
+                  for g, c in GROUPS}
+        return cls(**groups, step_cache=values.get("step_cache"))
+
+    def attention_options(self):
+        """``kernel.options()``: the value the kernel takes."""
+        return self.kernel.options()
 
     def resolve_block_sizes(self, chip: str | None) -> RunConfig:
         """This config with --bq/--bkv/--bkv_compute not given taken from ``chip``'s
@@ -130,13 +211,14 @@ class RunConfig:
             UsageError: the resulting blocks break a ``BlockSizes`` rule (naming the flag).
         """
         default = default_block_sizes(chip)
-        given = dict(bq=self.bq, bkv=self.bkv, bkv_compute=self.bkv_compute)
+        k = self.kernel
+        given = dict(bq=k.bq, bkv=k.bkv, bkv_compute=k.bkv_compute)
         values = dict(bq=default.block_q, bkv=default.block_kv,
                       bkv_compute=default.block_kv_compute)
-        values.update({k: v for k, v in given.items() if v is not None})
+        values.update({name: v for name, v in given.items() if v is not None})
         out = self.replace(**values)
         try:
-            out.block_sizes()
+            out.kernel.block_sizes()
         except BlockSizesError as e:
             flag = {"block_q": "bq", "block_kv": "bkv", "block_kv_compute": "bkv_compute"}[
                 e.field]
@@ -147,14 +229,32 @@ class RunConfig:
         return out
 
     def replace(self, **changes) -> RunConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``: flat flag names (``seed=3``) or whole groups
+        (``video=...``)."""
+        groups = {k: v for k, v in changes.items() if k in dict(GROUPS) or k == "step_cache"}
+        for group, _ in GROUPS:
+            flat = {k: v for k, v in changes.items() if _GROUP_OF.get(k) == group}
+            if flat:
+                groups[group] = dataclasses.replace(groups.get(group, getattr(self, group)),
+                                                    **flat)
+        unknown = set(changes) - set(groups) - set(_GROUP_OF)
+        if unknown:
+            raise TypeError(f"RunConfig.replace: expected flag or group names, got "
+                            f"{sorted(unknown)}")
+        return dataclasses.replace(self, **groups)
 
     def settings(self) -> dict:
-        """The configuration as a plain dict, for reports and intermediates: a LoRA set as
-        its [[path, scale], ...] (its tensors are not settings)."""
-        out = dataclasses.asdict(self.replace(lora=None, lora_2=None))
-        out.update(lora=self.lora.specs() if self.lora else [],
-                   lora_2=self.lora_2.specs() if self.lora_2 else [])
+        """The configuration as one flat dict of flag names, for reports and intermediates: a
+        LoRA set as its [[path, scale], ...] (its tensors are not settings)."""
+        out = {}
+        for group, _ in GROUPS:
+            out.update(dataclasses.asdict(getattr(self, group)) if group != "model" else
+                       dataclasses.asdict(dataclasses.replace(self.model, lora=None,
+                                                              lora_2=None)))
+        out["step_cache"] = (None if self.step_cache is None
+                             else dataclasses.asdict(self.step_cache))
+        out.update(lora=self.model.lora.specs() if self.model.lora else [],
+                   lora_2=self.model.lora_2.specs() if self.model.lora_2 else [])
         return out
 
 

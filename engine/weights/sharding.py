@@ -213,15 +213,15 @@ def _checkpoint_reader(module, folder: str, params: dict):
 def place_expert(config, family, module, component: str, mesh, fallbacks) -> dict:
     """Stream one transformer of the pipeline (``component``: "transformer", or a two-expert
     model's "transformer_2") from its own safetensors into the family's shardings, with that
-    component's LoRA set (``config.lora`` / ``config.lora_2``) fused into each slice.
+    component's LoRA set (``config.model.lora`` / ``config.model.lora_2``) fused into each slice.
 
     Returns ``place_transformer``'s dict plus "loras": the fused files' report entries.
     """
-    loras = config.lora if component == "transformer" else config.lora_2
+    loras = config.model.lora if component == "transformer" else config.model.lora_2
     placed = place_transformer(
         module, mesh, family.sharding_rules(config),
-        checkpoint=component_folder(config.model_id, component), fsdp=config.fsdp,
-        scan=config.scan_layers, megatron_sp=config.megatron_sp, fallbacks=fallbacks,
+        checkpoint=component_folder(config.model.model_id, component), fsdp=config.layout.fsdp,
+        scan=config.layout.scan_layers, megatron_sp=config.layout.megatron_sp, fallbacks=fallbacks,
         stack=family.block_stack, loras=loras)
     placed["loras"] = loras.report() if loras else []
     return placed
