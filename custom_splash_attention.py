@@ -849,7 +849,6 @@ def splash_attention(
             the wrong form or shape.
     """
     options = attention_options(options, **shorthand)
-    _check_shapes(q, k, v)
     return _splash_attention(q, k, v, options, scale=scale, segment_ids=segment_ids,
                              interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
                              real_keys_before=real_keys_before)

@@ -60,8 +60,10 @@ def layer(module: str) -> tuple[int, str]:
     raise AssertionError(f"expected a module of the layered code, got {module!r}")
 
 
-def imports(tree: ast.AST, module: str, known: set[str]) -> list[tuple[str, int, bool]]:
-    """(imported project module, line, at module top) for every import in ``tree``."""
+def imports(tree: ast.AST, module: str, known: set[str],
+            package: bool = False) -> list[tuple[str, int, bool]]:
+    """(imported project module, line, at module top) for every import in ``tree``;
+    ``package``: ``module`` is a package's ``__init__`` (relative imports start there)."""
     top = {id(n) for n in getattr(tree, "body", ())}
     out = []
     for node in ast.walk(tree):
@@ -70,9 +72,9 @@ def imports(tree: ast.AST, module: str, known: set[str]) -> list[tuple[str, int,
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: resolve against this module's package
-                package = module.split(".")[: -node.level] if not module.endswith(
-                    "__init__") else module.split(".")
-                base = ".".join([*package, base] if base else package)
+                parts = module.split(".")
+                parts = parts[: len(parts) - node.level + (1 if package else 0)]
+                base = ".".join([*parts, base] if base else parts)
             # "from engine.files import report" imports the module engine.files.report;
             # "from engine.run.errors import fail" imports engine.run.errors.
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
@@ -88,7 +90,8 @@ def imports(tree: ast.AST, module: str, known: set[str]) -> list[tuple[str, int,
 def graph() -> dict[str, list[tuple[str, int, bool]]]:
     mods = project_modules()
     known = set(mods)
-    return {m: imports(ast.parse(p.read_text()), m, known) for m, p in mods.items()}
+    return {m: imports(ast.parse(p.read_text()), m, known, p.name == "__init__.py")
+            for m, p in mods.items()}
 
 
 def test_modules_are_all_layered():
@@ -230,3 +233,12 @@ def test_script_fits_its_budget():
     n = len((ROOT / "generate_flax.py").read_text().splitlines())
     assert n <= MAX_SCRIPT_LINES, f"generate_flax.py: expected <= {MAX_SCRIPT_LINES} lines, " \
                                   f"got {n}"
+
+
+def test_relative_imports_resolve_to_modules():
+    known = {"engine.files", "engine.files.report", "engine.run.errors"}
+    src = "from . import report\nfrom ..run.errors import fail\n"
+    assert [t for t, _, _ in imports(ast.parse(src), "engine.files.staging", known)] == [
+        "engine.files.report", "engine.run.errors"]
+    assert [t for t, _, _ in imports(ast.parse("from . import report\n"), "engine.files",
+                                     known, package=True)] == ["engine.files.report"]

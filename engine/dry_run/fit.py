@@ -151,6 +151,16 @@ def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
     return rows, cache
 
 
+def _peak_row(name: str, mem: dict, capacity: int, seconds: float) -> dict:
+    """The per-chip row of a chunked VAE program set (``ChunkedDecoder``/``ChunkedEncoder``
+    ``memory()``): its peak program against the chip's usable HBM."""
+    return dict(program=f"{name} ({mem['programs']} programs, peak)",
+                argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
+                temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
+                capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
+                flops=None, compile_s=seconds)
+
+
 def _vae_rows(config, decoder, latents, capacity: int) -> list:
     t0 = time.perf_counter()
     try:
@@ -161,11 +171,7 @@ def _vae_rows(config, decoder, latents, capacity: int) -> list:
               flush=True)
         seconds = decoder.compile(latents)
         mem = decoder.memory()
-        return [dict(program=f"VAE decode ({mem['programs']} programs, peak)",
-                     argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
-                     temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
-                     capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
-                     flops=None, compile_s=seconds)]
+        return [_peak_row("VAE decode", mem, capacity, seconds)]
     except _Skipped:
         return []
     except Exception as e:
@@ -201,11 +207,7 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
             shape) or NamedSharding(mesh, P()))
         seconds = encoder.compile(video)
         mem = encoder.memory()
-        return [dict(program=f"VAE encode ({mem['programs']} programs, peak)",
-                     argument_bytes=mem["argument_bytes"], output_bytes=mem["output_bytes"],
-                     temp_bytes=mem["temp_bytes"], total_bytes=mem["peak_bytes"],
-                     capacity_bytes=capacity, fits=mem["peak_bytes"] <= capacity,
-                     flops=None, compile_s=seconds)]
+        return [_peak_row("VAE encode", mem, capacity, seconds)]
     except Exception as e:
         return [_oom_row("VAE encode", e, time.perf_counter() - t0, capacity)]
 
@@ -276,7 +278,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          options=config.attention_options(), interpret=False)
+                          options=config.kernel.options(), interpret=False)
     placed = abstract_transformer(config, family, cfg, mesh)
     vae, vae_placed = abstract_vae(family, folder, mesh)
     inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)

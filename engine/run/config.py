@@ -199,10 +199,6 @@ class RunConfig:
                   for g, c in GROUPS}
         return cls(**groups, step_cache=values.get("step_cache"))
 
-    def attention_options(self):
-        """``kernel.options()``: the value the kernel takes."""
-        return self.kernel.options()
-
     def resolve_block_sizes(self, chip: str | None) -> RunConfig:
         """This config with --bq/--bkv/--bkv_compute not given taken from ``chip``'s
         defaults (``custom_splash_attention.DEFAULT_BLOCK_SIZES``; chip None = off TPU).

@@ -235,10 +235,6 @@ class LoraSet:
         """[[path, scale], ...] as the run's settings record them."""
         return [[x.path, x.scale] for x in self.loras]
 
-    def fusers(self) -> dict:
-        """{weight or bias name: f(index) -> float32 delta of that slice}: see ``fusers``."""
-        return fusers(self.loras)
-
     def report(self) -> list:
         return [x.report() for x in self.loras]
 
