@@ -235,11 +235,16 @@ def hlo_multipliers(hlo_text: str) -> dict:
             for name, *_ in insts}
 
 
-def _type_bytes(text: str) -> float:
-    """Bytes of every array type such as ``bf16[2,128]{1,0}`` in ``text``."""
+def _type_bytes(text: str, *, hbm_only: bool = False) -> float:
+    """Bytes of every array type such as ``bf16[2,128]{1,0}`` in ``text``.
+
+    ``hbm_only``: skip arrays whose layout names an on-chip memory space (``S(1)``, VMEM,
+    where XLA's memory-space assignment prefetches weights and keeps small buffers;
+    ``S(2)``, SMEM): reading or writing them is no HBM traffic."""
     total = 0.0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]", text):
-        if dtype in _DTYPE_BYTES:
+    for dtype, dims, layout in re.findall(
+            r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\](\{[^}]*\})?", text):
+        if dtype in _DTYPE_BYTES and not (hbm_only and re.search(r"S\([1-9]", layout)):
             total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
     return total
 
@@ -319,16 +324,29 @@ def collectives(hlo_text: str) -> list[dict]:
 
 
 def hlo_op_bytes(hlo_text: str) -> dict:
-    """{instruction name: (opcode, bytes of its operands and result)}: the HBM traffic of
-    each op if nothing stays in on-chip memory (per-device shapes; tile padding and
-    in-fusion slicing not modelled, so a fused dynamic-slice counts its whole operand)."""
+    """{instruction name: (opcode, HBM bytes of its operands and result)}: the HBM traffic of
+    each op if nothing else stays on chip (per-device shapes; tile padding and in-fusion
+    slicing not modelled, so a fused dynamic-slice counts its whole operand).
+
+    Arrays that XLA placed in on-chip memory (``S(1)``/``S(2)`` layouts) are not counted. An
+    async ``*-start`` (``copy-start``; ``async-start`` of a slice: XLA's memory-space
+    assignment prefetching a weight into VMEM in slices) moves its payload once: its result
+    tuple holds the operand again (aliased), so its bytes are the result's minus the
+    operands'. Counting them whole charged a 52 MB weight prefetched in 13 slices as 1.4 GB
+    (Wan 14B, one dp2 x sp4 block on v6e: 160 slice-starts, ~14 GB of 37 GB).
+    """
     out = {}
     for insts in hlo_computations(hlo_text).values():
         types = {name: result for name, result, _, _ in insts}
         for name, result, opcode, rest in insts:
-            operands = re.findall(r"%([\w.\-]+)", _operand_list(rest))
-            out[name] = (opcode, _type_bytes(result) + sum(
-                _type_bytes(types.get(o, "")) for o in operands))
+            operands = [types.get(o, "") for o in re.findall(r"%([\w.\-]+)",
+                                                               _operand_list(rest))]
+            if opcode.endswith("-start"):
+                payload = _type_bytes(result) - sum(_type_bytes(t) for t in operands)
+                out[name] = (opcode, max(payload, 0.0))
+                continue
+            out[name] = (opcode, _type_bytes(result, hbm_only=True) + sum(
+                _type_bytes(t, hbm_only=True) for t in operands))
     return out
 
 
