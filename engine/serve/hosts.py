@@ -23,6 +23,7 @@ from engine.run.errors import GenerationError, first_line
 PREFIX = "generate_flax_serve"
 POLL_MS = 5_000  # each wait on the store; the loop goes on until a message or an error
 OUTCOME_TIMEOUT_MS = 600_000  # process 0 waits this long for another process's outcome
+CHUNK_BYTES = 1 << 20  # an image's bytes per key: well under gRPC's 4 MB message limit
 
 
 def _client():
@@ -44,10 +45,17 @@ class HandOff:
     def __init__(self, num_processes: int):
         self.num_processes, self.seq = num_processes, 0
 
-    def send(self, message: dict) -> int:
-        """Publish ``message`` ({"job": {"id", "settings"}} or {"stop": True})
-        as the next in order; returns its sequence number."""
+    def send(self, message: dict, image: bytes | None = None) -> int:
+        """Publish ``message`` ({"job": {"id", "settings"}} or {"stop": True}) as the next
+        in order, with an image-to-video job's ``input_reference`` bytes (in chunks of
+        ``CHUNK_BYTES``, under keys written before the message); returns its sequence
+        number."""
         self.seq += 1
+        if image is not None:
+            chunks = [image[i:i + CHUNK_BYTES] for i in range(0, len(image), CHUNK_BYTES)]
+            for i, chunk in enumerate(chunks):
+                _client().key_value_set_bytes(f"{PREFIX}/image/{self.seq}/{i}", chunk)
+            message = dict(message, image_chunks=len(chunks))
         _client().key_value_set(f"{PREFIX}/job/{self.seq}", json.dumps(message))
         return self.seq
 
@@ -94,8 +102,13 @@ def follow(run, process_id: int) -> None:
         message = json.loads(text)
         if message.get("stop"):
             return
+        job = message["job"]
+        if "image_chunks" in message:  # written before the message: no wait
+            job["image"] = b"".join(
+                _client().blocking_key_value_get_bytes(f"{PREFIX}/image/{seq}/{i}", POLL_MS)
+                for i in range(message["image_chunks"]))
         try:
-            run(message["job"])
+            run(job)
             outcome = "ok"
         except Exception as e:  # reported to process 0, which decides
             outcome = f"{type(e).__name__}: {first_line(e)}"
