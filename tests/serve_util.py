@@ -41,8 +41,9 @@ def env(devices: int = 1, **extra) -> dict:
 class Server:
     """A ``generate_flax.py --serve`` process; its log goes to ``log``."""
 
-    def __init__(self, argv, out, *, port=None, environ=None, log=None):
+    def __init__(self, argv, out, *, port=None, environ=None, log=None, err=None):
         self.port = port or free_port()
+        self.err = err  # stderr's own file (default: with stdout in ``log``)
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = str(out)
         self.log = str(log or f"{out}.server.log")
@@ -52,9 +53,9 @@ class Server:
         self.proc = None
 
     def start(self) -> Server:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, cwd=ROOT)
+        with open(self.log, "ab") as log, open(self.err or os.devnull, "ab") as err:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=err if self.err
+                                         else subprocess.STDOUT, env=self.env, cwd=ROOT)
         return self
 
     def wait_ready(self, timeout: float = 300) -> dict:

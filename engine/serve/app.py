@@ -244,6 +244,8 @@ def serve(config, family, stages: warm.Stages) -> int:
     """
     import uvicorn
 
+    if runtime.in_multi_process_run():  # a peer's death: one line, not JAX's fatal log
+        hosts.filter_stderr(runtime.process_index())
     if runtime.in_multi_process_run() and not runtime.is_writer():
         model = warm.build(config, family, stages)
         hosts.follow(lambda job: model.run(job, lambda _: None), runtime.process_index())

@@ -9,7 +9,8 @@ collective, so that:
 - process 0 gone (crash, ``kill -9``): the store goes with it, the next wait fails, and the
   process ends with a one-line error instead of waiting forever;
 - another process gone: JAX's heartbeat (``engine.run.runtime.DISTRIBUTED_HEARTBEAT_TIMEOUT_S``)
-  ends the run on every process, as in a CLI run;
+  ends the run on every process, as in a CLI run; its fatal log becomes one error line
+  (``filter_stderr``);
 - a job that fails on some processes only: process 0 compares every process's outcome after
   each job (``HandOff.outcomes``) and ends the server with a one-line error.
 """
@@ -17,6 +18,9 @@ collective, so that:
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from engine.run.errors import GenerationError, first_line
 
@@ -113,3 +117,21 @@ def follow(run, process_id: int) -> None:
         except Exception as e:  # reported to process 0, which decides
             outcome = f"{type(e).__name__}: {first_line(e)}"
         _client().key_value_set(f"{PREFIX}/done/{seq}/{process_id}", outcome)
+
+
+def filter_stderr(process_id: int) -> None:
+    """Run this process's stderr (file descriptor 2, so C++ logs too) through
+    ``engine.serve.fatal_log``: JAX's fatal coordination-service log, when another process
+    dies, becomes one ``generate_flax.py: error: process N: ...`` line. The filter is a
+    child process (it must outlive an ``abort()`` of this one to print the line); it ends
+    when this process's end closes the pipe."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fatal_log.py")
+    read, write = os.pipe()
+    real = os.dup(2)
+    subprocess.Popen([sys.executable, script, str(process_id)], stdin=read, stdout=real,
+                     close_fds=True)
+    os.close(read)
+    os.close(real)
+    sys.stderr.flush()
+    os.dup2(write, 2)
+    os.close(write)
