@@ -28,6 +28,7 @@ PREFIX = "generate_flax_serve"
 POLL_MS = 5_000  # each wait on the store; the loop goes on until a message or an error
 OUTCOME_TIMEOUT_MS = 600_000  # process 0 waits this long for another process's outcome
 CHUNK_BYTES = 1 << 20  # an image's bytes per key: well under gRPC's 4 MB message limit
+_FILTERS: list = []  # the stderr filter process: it ends after this one (kept, not reaped)
 
 
 def _client():
@@ -128,8 +129,8 @@ def filter_stderr(process_id: int) -> None:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fatal_log.py")
     read, write = os.pipe()
     real = os.dup(2)
-    subprocess.Popen([sys.executable, script, str(process_id)], stdin=read, stdout=real,
-                     close_fds=True)
+    _FILTERS.append(subprocess.Popen([sys.executable, script, str(process_id)], stdin=read,
+                                     stdout=real, close_fds=True))
     os.close(read)
     os.close(real)
     sys.stderr.flush()
