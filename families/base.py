@@ -76,12 +76,15 @@ class ModelFamily:
     Image-to-video (``--image``, ``engine/files/image.py``):
         image_mode(model_id) -> "none" (text-to-video only), "optional" (either, e.g.
             TI2V-5B) or "required" (an image-to-video checkpoint).
-        encode_image(pipe, config, image, devices) -> {name: tensor}: the image conditioning
-            (image-encoder embeddings, condition latents), computed once per run after the
-            prompts and before the transformer is placed; ``image`` is an RGB PIL image,
-            ``devices`` the run's devices (for an on-device VAE encode). The tensors join
-            every video's embeddings: ``model_inputs`` gets them and the encode stage stores
-            them, so a staged denoise needs no image encoder.
+        encode_image(pipe, config, image, devices, resident=None) -> {name: tensor}: the
+            image conditioning (image-encoder embeddings, condition latents), computed once
+            per run after the prompts and before the transformer is placed; ``image`` is an
+            RGB PIL image, ``devices`` the run's devices (for an on-device VAE encode). The
+            tensors join every video's embeddings: ``model_inputs`` gets them and the encode
+            stage stores them, so a staged denoise needs no image encoder. It frees its
+            encoders after the call; ``resident``, a dict the caller keeps across calls
+            (``--serve``: one image per job), keeps them (the image encoder in host RAM,
+            placed device encoders in the dict) for the next call.
         image_names: the names ``encode_image`` returns.
         image_size(model_id, engine.files.image.ImageInfo) -> (height, width) the pipeline gives a
             video of this image when no --height/--width is given, or None (the flags' size).

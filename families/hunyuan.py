@@ -370,13 +370,15 @@ def image_size(model_id: str, info) -> tuple[int, int]:
         .calculate_default_height_width(height=height, width=width, target_size=target)
 
 
-def encode_image(pipe, config, image, devices) -> dict:
+def encode_image(pipe, config, image, devices, resident: dict | None = None) -> dict:
     """The image conditioning of ``HunyuanVideo15ImageToVideoPipeline``, by its own
-    functions, once per run, then frees the image encoder: the image resized and cropped to
-    the video size, its SigLIP ``last_hidden_state`` ("image_embeds", (1, 729, 1152)) and
-    its one-frame VAE encode on the host, scaled, on latent frame 0 beside a first-frame mask
-    ("condition", (1, 33, F', h, w)), both in the model dtype as the pipeline casts them. One
-    frame at 720p is about 5e12 FLOPs: seconds on a host CPU (``devices`` unused)."""
+    functions: the image resized and cropped to the video size, its SigLIP
+    ``last_hidden_state`` ("image_embeds", (1, 729, 1152)) and its one-frame VAE encode on
+    the host, scaled, on latent frame 0 beside a first-frame mask ("condition", (1, 33, F',
+    h, w)), both in the model dtype as the pipeline casts them. One frame at 720p is about
+    5e12 FLOPs: seconds on a host CPU (``devices`` unused). Frees the image encoder after
+    the call unless ``resident`` is given (a dict the caller keeps across calls: the
+    server; nothing is placed, so nothing goes in it)."""
     import torch
 
     del devices
@@ -391,7 +393,8 @@ def encode_image(pipe, config, image, devices) -> dict:
         cond, mask = pipe.prepare_cond_latents_and_mask(
             torch.zeros(shape, dtype=dtype), image, 1, config.video.height, config.video.width,
             dtype, cpu)
-    pipe.image_encoder = None  # SigLIP so400m: 1.7 GB in float32; done with it
+    if resident is None:
+        pipe.image_encoder = None  # SigLIP so400m: 1.7 GB in float32; done with it
     return {"image_embeds": embeds, "condition": torch.cat([cond, mask], dim=1)}
 
 

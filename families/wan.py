@@ -416,9 +416,10 @@ def prepare_latents(pipe, config):
 IMAGE_NAMES = ("image_embeds", "condition", wan_ti2v.NAME)
 
 
-def encode_image(pipe, config, image, devices) -> dict:
-    """The image conditioning of ``WanImageToVideoPipeline``, by its own functions, once per
-    run, then frees the image encoder.
+def encode_image(pipe, config, image, devices, resident: dict | None = None) -> dict:
+    """The image conditioning of ``WanImageToVideoPipeline``, by its own functions; frees the
+    image encoder and the placed VAE encoder after the call, unless ``resident`` (a dict the
+    caller keeps across calls: the server) keeps them for the next call.
 
     Returns:
         "condition": (1, 4 + z_dim, F', h, w) float32: the first-frame mask (4 channels) and
@@ -431,7 +432,9 @@ def encode_image(pipe, config, image, devices) -> dict:
     The VAE encode of the whole conditioning video (TI2V-5B: of the image) runs on
     ``devices`` (``engine.programs.vae_encode``: chunked, width-sharded; about 3.8e14 FLOPs at
     720p x 81, minutes on a CPU; 34 s for TI2V-5B's one 704x1280 frame on a 2-core host), standing
-    in for ``vae.encode`` inside diffusers' own ``prepare_latents``.
+    in for ``vae.encode`` inside diffusers' own ``prepare_latents``; with ``resident`` its
+    ``DeviceEncode`` (weights placed once, one compiled program set per video shape) is
+    ``resident["vae_encode"]``.
     """
     import torch
 
@@ -441,14 +444,18 @@ def encode_image(pipe, config, image, devices) -> dict:
         if getattr(pipe, "image_encoder", None) is not None:
             out["image_embeds"] = pipe.encode_image(image, cpu).to(
                 getattr(torch, config.model.dtype))
-            pipe.image_encoder = None  # CLIP ViT-H is 1.3 GB in float32; done with it
+            if resident is None:  # CLIP ViT-H is 1.3 GB in float32; done with it
+                pipe.image_encoder = None
         video = pipe.video_processor.preprocess(image, height=config.video.height,
                                                 width=config.video.width).to(cpu, torch.float32)
         # prepare_latents also draws noise; its generator only feeds that (the encode takes
         # the posterior mode), so any seed gives the same condition.
         args = (video, 1, pipe.vae.config.z_dim, config.video.height, config.video.width,
                 config.video.frames, torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
-        pipe.vae.encode = DeviceEncode(pipe.vae, devices)
+        encode = (resident or {}).get("vae_encode") or DeviceEncode(pipe.vae, devices)
+        if resident is not None:
+            resident["vae_encode"] = encode
+        pipe.vae.encode = encode
         try:
             if pipe.config.expand_timesteps:  # TI2V-5B: the image alone (one frame)
                 out[wan_ti2v.NAME] = pipe.prepare_latents(*args)[1]

@@ -50,3 +50,10 @@ def ti2v_checkpoint(tmp_path_factory):
     """A tiny random Wan 2.2 TI2V-5B-style checkpoint (48 channels, the Wan 2.2 VAE,
     ``expand_timesteps``): text-to-video, and image-to-video with --image."""
     return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-ti2v", "--ti2v")
+
+
+@pytest.fixture(scope="session")
+def i2v_checkpoint(tmp_path_factory):
+    """A tiny random Wan 2.1 I2V-style checkpoint (``WanImageToVideoPipeline``, CLIP image
+    encoder, 36 input channels): image-to-video only."""
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-i2v", "--i2v")

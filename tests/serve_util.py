@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ SHAPE = ["--height", "64", "--width", "64", "--frames", "5"]
 SETTINGS = [*SHAPE, "--num_inference_steps", "2", "--warmup_steps", "1", "--dtype", "float32",
             "--attention", "xla", "--save_frames"]
 PROMPT = "a red fox in the snow"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 def free_port() -> int:
@@ -38,8 +41,9 @@ def env(devices: int = 1, **extra) -> dict:
 class Server:
     """A ``generate_flax.py --serve`` process; its log goes to ``log``."""
 
-    def __init__(self, argv, out, *, port=None, environ=None, log=None):
+    def __init__(self, argv, out, *, port=None, environ=None, log=None, err=None):
         self.port = port or free_port()
+        self.err = err  # stderr's own file (default: with stdout in ``log``)
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = str(out)
         self.log = str(log or f"{out}.server.log")
@@ -49,9 +53,9 @@ class Server:
         self.proc = None
 
     def start(self) -> Server:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, cwd=ROOT)
+        with open(self.log, "ab") as log, open(self.err or os.devnull, "ab") as err:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=err if self.err
+                                         else subprocess.STDOUT, env=self.env, cwd=ROOT)
         return self
 
     def wait_ready(self, timeout: float = 300) -> dict:
@@ -127,3 +131,23 @@ def cli_frames(checkpoint: str, out, seeds, *flags, devices: int = 1, prompt: st
             return frames
 
     return Pending
+
+
+def chromium():
+    """Headless Chromium (Debian's ``chromium`` and ``chromium-driver``, the driver's path
+    given, so selenium downloads nothing); skips without them, except under CI."""
+    import pytest
+
+    if not os.path.exists(CHROMEDRIVER):
+        if os.environ.get("CI"):
+            pytest.fail("chromium-driver is not installed (.ci/run installs it)")
+        pytest.skip("needs Debian's chromium and chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--autoplay-policy=no-user-gesture-required"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)

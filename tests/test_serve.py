@@ -16,14 +16,22 @@ import numpy as np
 import psutil
 import pytest
 from openai import OpenAI
-from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env, server_frames, wait_done
+from serve_util import (
+    KEY,
+    PROMPT,
+    SETTINGS,
+    Server,
+    chromium,
+    cli_frames,
+    env,
+    server_frames,
+    wait_done,
+)
 
 NAN_PROMPT = "__force_nan__"
 CLIENT_SEED = 7
 LOAD_SEEDS = list(range(100, 124))  # 24 requests: 6 clients x 4
 PAGE_SEED = 11
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
@@ -213,22 +221,11 @@ def test_delete(served):
 
 
 def test_web_page_in_headless_chromium(served, tmp_path):
-    if not os.path.exists(CHROMEDRIVER):
-        if os.environ.get("CI"):
-            pytest.fail("chromium-driver is not installed (.ci/run installs it)")
-        pytest.skip("needs Debian's chromium and chromium-driver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    driver = chromium()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     server, want = served
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--autoplay-policy=no-user-gesture-required"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     try:
         driver.get(server.url + "/")
         driver.find_element(By.ID, "key").send_keys(KEY)

@@ -5,10 +5,10 @@ are one line before any model loads."""
 import glob
 import hashlib
 import os
+import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import jax
@@ -125,6 +125,122 @@ def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
         + [f"{i}{ext}" for i in ids for ext in (".mp4", ".frames.safetensors")])
 
 
+def _pair(checkpoint, out, log, cache) -> list[Server]:
+    """Two processes x 4 CPU devices serving ``checkpoint``, stderr in its own file each."""
+    address, port, servers = f"127.0.0.1:{free_port()}", free_port(), []
+    for pid in range(2):
+        servers.append(Server(["--model_id", checkpoint, *MH_FLAGS, "--coordinator_address",
+                               address, "--num_processes", "2", "--process_id", str(pid),
+                               "--compilation_cache_dir", str(cache)],
+                              out, port=port, environ=env(4), log=f"{log}{pid}.log",
+                              err=f"{log}{pid}.err").start())
+    return servers
+
+
+def _one_error_line(server: Server, pid: int) -> str:
+    """The survivor's stderr holds exactly one error line, last, and no traceback or JAX
+    fatal log (its filter prints the line just after the process ends: waited for)."""
+    t0 = time.monotonic()
+    while True:
+        with open(server.err, errors="replace") as f:
+            text = f.read()
+        lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip()]
+        if lines and lines[-1].startswith("generate_flax.py: error:") or \
+                time.monotonic() - t0 > 10:
+            break
+        time.sleep(0.1)
+    errors = [x for x in lines if "error" in x.lower()]
+    assert len(errors) == 1 and errors[0] == lines[-1], text[-3000:]
+    for word in ("Traceback", "Check failure", "Terminating process"):
+        assert word not in text, (word, text[-3000:])
+    assert not re.search(r"[EF]\d{4} \d\d:\d\d:\d\d", text), text[-3000:]  # JAX's logs
+    assert errors[0].startswith(f"generate_flax.py: error: process {pid}: "), errors[0]
+    return errors[0]
+
+
+def _exits_within(server: Server, since: float, limit: float = 60) -> int:
+    try:
+        return server.proc.wait(timeout=max(0.1, limit - (time.monotonic() - since)))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {limit} s after the other process died: {server.tail()}")
+
+
+def test_a_dead_process_ends_the_server_in_one_line(tiny_checkpoint_8h, tmp_path):
+    """``kill -9`` of process 1 while the server is idle ends process 0 (JAX's heartbeat,
+    ``DISTRIBUTED_HEARTBEAT_TIMEOUT_S``), and of process 0 during a job ends process 1 (the
+    coordination service is gone): each within 60 s, with one error line on stderr and a
+    nonzero exit status. The second pair starts (on the first's compilation cache) while
+    the first waits for the heartbeat."""
+    cache = tmp_path / "jax-cache"
+    idle = _pair(tiny_checkpoint_8h, tmp_path / "idle", tmp_path / "idle-p", cache)
+    busy = []
+    try:
+        idle[0].wait_ready()
+        busy = _pair(tiny_checkpoint_8h, tmp_path / "busy", tmp_path / "busy-p", cache)
+        idle[1].proc.send_signal(signal.SIGKILL)
+        idle_killed = time.monotonic()
+        busy[0].wait_ready()
+        with busy[0].client(key=None) as c:
+            job = c.post("/v1/videos", json={"prompt": PROMPT, "seed": 1,
+                                             "num_inference_steps": 1000}).json()["id"]
+            while c.get(f"/v1/videos/{job}").json()["progress"] < 1:
+                assert time.monotonic() - idle_killed < 120, busy[0].tail()
+                time.sleep(0.05)
+        busy[0].proc.send_signal(signal.SIGKILL)
+        busy_killed = time.monotonic()
+        codes = [_exits_within(busy[1], busy_killed), _exits_within(idle[0], idle_killed)]
+    finally:
+        for s in idle + busy:
+            if s.proc.poll() is None:
+                s.proc.kill()
+                s.proc.wait()
+    assert all(code != 0 for code in codes), codes
+    _one_error_line(busy[1], 1)
+    assert "(stopped sending heartbeats): 1" in _one_error_line(idle[0], 0)
+
+
+# What JAX 0.10.2 printed on process 0 when process 1 was killed (abridged stack trace).
+FATAL_LOG = """\
+placing VAE decoder buffers: 0.00B [00:00, ?B/s]
+E1124 19:18:28.400000    6520 coordination_service.cc:612] Task /job:jax_worker/replica:0/task:1 \
+heartbeat timeout. The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error. \
+[type.googleapis.com/tensorflow.CoordinationServiceError='']
+E1124 19:18:28.403465    6528 coordination_service_agent.cc:289] Polled an error from \
+coordination service (this can be an error from this or another task).
+F1124 19:18:28.403584    6528 client.h:80] Terminating process because the JAX distributed \
+service detected fatal errors. This most likely indicates that another task died. \
+absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error.
+RPC: /xla.coordination.CoordinationService/PollForError
+*** Check failure stack trace: ***
+    @     0x7f7daad040ee  xla::CoordinationServiceAgent::SetError()
+    @     0x7f7db62a71f5  (unknown)
+"""
+
+
+def test_fatal_log_filter():
+    """``engine.serve.fatal_log`` on a real capture: JAX's records and stack trace go, the
+    other lines stay, and the end of the stream owes one line with the status; not when
+    the process printed its own error line."""
+    from engine.serve.fatal_log import Filter
+
+    state = Filter("0")
+    kept = [x for x in (state.feed(line) for line in FATAL_LOG.splitlines()) if x]
+    assert kept == ["placing VAE decoder buffers: 0.00B [00:00, ?B/s]"]
+    assert state.end() == ("generate_flax.py: error: process 0: another process of the run "
+                           "is gone (JAX's coordination service: UNAVAILABLE: The following "
+                           "tasks are unhealthy (stopped sending heartbeats): 1)")
+    state = Filter("1")
+    assert state.feed("generate_flax.py: error: process 1: lost process 0") is not None
+    for line in FATAL_LOG.splitlines():
+        state.feed(line)
+    assert state.end() is None
+    assert Filter("0").end() is None  # a clean exit owes nothing
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--serve_sizes", "64x64"], ["--serve_sizes", "needs --serve"]),
     (["--serve", "--serve_sizes", "64x60"], ["--serve_sizes", "multiples of 16"]),
@@ -148,21 +264,18 @@ def test_bad_serve_flags(tiny_checkpoint, tmp_path, flags, words):
         assert word in line, line
 
 
-def test_image_to_video_checkpoints_are_refused_at_start(tmp_path):
-    """Per-request images are not served yet: an image-to-video checkpoint, or one --image
-    for every job, is a usage error before any model loads (docs/serving.md)."""
-    checkpoint = tmp_path / "tiny-i2v"
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"),
-                    "--i2v", "--output", str(checkpoint)], check=True, capture_output=True,
-                   env=env(1))
+def test_image_to_video_serve_flags(i2v_checkpoint, tmp_path):
+    """An image-to-video checkpoint serves without --image (each job sends its own
+    ``input_reference``); one --image for every job is a usage error before any model
+    loads."""
+    argv = ["--model_id", i2v_checkpoint, "--serve", "--output_dir", str(tmp_path / "out")]
+    config = gf.validate_args(gf.parse_args(argv))
+    assert config.serve is not None and config.video.image is None
     image = os.path.join(ROOT, "tests", "data", "first_frame.png")
-    for flags, words in ((["--serve"], ["--model_id", "image-to-video", "cannot be served"]),
-                         (["--serve", "--image", image], ["--image", "--serve"])):
-        with pytest.raises(UsageError) as e:
-            gf.validate_args(gf.parse_args(["--model_id", str(checkpoint), *flags,
-                                            "--output_dir", str(tmp_path / "out")]))
-        for word in words:
-            assert word in str(e.value), str(e.value)
+    with pytest.raises(UsageError) as e:
+        gf.validate_args(gf.parse_args([*argv, "--image", image]))
+    for word in ("--image", "--serve"):
+        assert word in str(e.value), str(e.value)
 
 
 def test_busy_port_is_one_line_before_loading(tiny_checkpoint, tmp_path, capsys):

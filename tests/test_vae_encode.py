@@ -58,7 +58,28 @@ def test_chunked_encode_equals_diffusers(case, n_devices):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert np.abs(want).max() > 0.05  # a real encode, not zeros
     # Wan 2.1: first frame, first chunk, later chunks
-    assert len(encode.encoder.programs) == programs
+    assert len(encode.encoders[shape].programs) == programs
+
+
+def test_one_device_encode_serves_many_calls_and_shapes():
+    """The server's case: one ``DeviceEncode`` kept across jobs places the weights once
+    (placing frees the module's host copies) and encodes a second video of the same shape
+    and a third of another shape on them, each equal to diffusers' encode of a fresh VAE
+    with the same weights."""
+    vae, reference = wan21_vae(), wan21_vae()
+    encode = vae_encode.DeviceEncode(vae, jax.devices()[:1])
+    g = torch.Generator().manual_seed(2)
+    for shape in ((1, 3, 1, 16, 32), (1, 3, 1, 16, 32), (1, 3, 1, 32, 16)):
+        x = torch.rand(*shape, generator=g) * 2 - 1
+        with torch.no_grad():
+            want = reference.encode(x).latent_dist.mode().numpy()
+        np.testing.assert_allclose(encode(x).latent_dist.mode().numpy(), want, atol=1e-5,
+                                   rtol=0)
+    assert sorted(encode.encoders) == [(1, 3, 1, 16, 32), (1, 3, 1, 32, 16)]
+    assert encode.seconds["compile_s"] > 0  # the new shape compiled; the repeat did not
+    # The host copies are gone (placing freed them): only the placed weights can serve.
+    assert all(p.numel() == 0 for n, p in vae.named_parameters()
+               if vae_encode.is_encode_weight(n))
 
 
 def test_encode_shards_the_width_on_every_device(vae):

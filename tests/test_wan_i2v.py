@@ -20,13 +20,6 @@ STEPS, SHIFT, SEED = 3, 5.0, 4
 
 
 @pytest.fixture(scope="session")
-def i2v_checkpoint(tmp_path_factory):
-    from conftest import _build
-
-    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-i2v", "--i2v")
-
-
-@pytest.fixture(scope="session")
 def i2v_two_expert_checkpoint(tmp_path_factory):
     from conftest import _build
 

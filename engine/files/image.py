@@ -80,7 +80,8 @@ def check_for_model(args, family, values: dict | None = None) -> ImageInfo | Non
     is "none" (text-to-video only), "optional" (TI2V-5B: either), or "required" (an
     image-to-video checkpoint). ``--stage denoise`` / ``decode`` need no image (the encode
     stage stored the image conditioning with the prompt embeddings), nor does ``--dry_run``
-    (it compiles with abstract inputs).
+    (it compiles with abstract inputs), nor does ``--serve`` (each job sends its own,
+    ``engine.serve.uploads``).
 
     A family whose pipeline sizes the video from the image (``family.image_size``:
     HunyuanVideo-1.5's aspect-ratio bucket) sets ``values["height"]`` / ``["width"]`` here
@@ -93,7 +94,8 @@ def check_for_model(args, family, values: dict | None = None) -> ImageInfo | Non
     path, model_id = args.image, args.model_id
     mode = family.image_mode(model_id)
     if path is None:
-        if mode == "required" and args.stage in ("all", "encode") and not args.dry_run:
+        if mode == "required" and args.stage in ("all", "encode") and not args.dry_run \
+                and not getattr(args, "serve", False):  # --serve: each job sends its own
             fail("--image", None, f"--model_id={model_id!r} is an image-to-video checkpoint: "
                  "give the first frame with --image PATH (PNG, JPEG or WebP)")
         return None
@@ -114,3 +116,14 @@ def read_image(info: ImageInfo):
     from diffusers.utils import load_image
 
     return load_image(info.path)
+
+
+def decode_image(data: bytes):
+    """A checked image's bytes (``check_image``'s rules) as ``read_image`` gives its file:
+    an RGB ``PIL.Image.Image``, EXIF orientation applied (diffusers' ``load_image``)."""
+    import io
+
+    from diffusers.utils import load_image
+    from PIL import Image
+
+    return load_image(Image.open(io.BytesIO(data)))

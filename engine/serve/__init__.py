@@ -8,7 +8,10 @@ loaded, placed and compiled model, with a web page at ``/``:
     model      the warm model: load once, compile per (size, frames) bucket, warm up, run a job
     jobs       the job store (stdlib ``sqlite3`` under --output_dir): nothing accepted is lost
     requests   a request's fields checked against the served buckets (OpenAI error shape)
+    uploads    input_reference: an image-to-video job's first frame, checked and stored
     hosts      multi-host hand-off: process 0 takes HTTP and gives each job to the others
+    fatal_log  a multi-host process's stderr filter: JAX's fatal log on a peer's death -> one
+               error line
     worker     one job at a time on the mesh, in arrival order
     app        the FastAPI app and ``serve`` (uvicorn)
 

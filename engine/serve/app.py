@@ -13,7 +13,6 @@ import errno
 import hmac
 import os
 import socket
-import tempfile
 import threading
 import time
 
@@ -22,10 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.files.image import check_image
 from engine.run import runtime
-from engine.run.errors import GenerationError, UsageError, fail, first_line
-from engine.serve import hosts
+from engine.run.errors import GenerationError, fail, first_line
+from engine.serve import hosts, uploads
 from engine.serve import model as warm
 from engine.serve import requests as checks
 from engine.serve.jobs import ID_PATTERN, JobStore, new_id
@@ -58,6 +56,9 @@ def video_object(job: dict) -> dict:
                seconds=s["seconds"], size=s["size"], remixed_from_video_id=None,
                **{k: s[k] for k in ("negative_prompt", "num_frames", "num_inference_steps",
                                     "guidance_scale", "guidance_scale_2", "seed", "fps")})
+    image = s.get("input_reference")
+    out["input_reference"] = None if image is None else {
+        k: image[k] for k in ("format", "width", "height", "sha256")}
     if job["error"]:
         out["error"] = dict(code="generation_failed", message=job["error"])
     if job["result"]:
@@ -109,9 +110,14 @@ def create_app(state: State) -> FastAPI:
         if state.served is None:
             raise ApiError(503, "the model is loading; GET /health says when it is ready",
                            None, "loading", "server_error")
-        fields = await _read_body(request, state.served)
-        settings = checks.check(checks.parse(fields), state.served)
-        job = state.store.add(settings, new_id())
+        fields, image, name = await _read_body(request)
+        info = None if image is None else uploads.check(image, name)
+        settings = checks.check(checks.parse(fields), state.served, info)
+        job_id = new_id()
+        if info is not None:  # on disk before the job is committed: a restart finds it
+            settings["input_reference"] = dict(
+                info, file=uploads.save(state.store.folder, job_id, image, info))
+        job = state.store.add(settings, job_id)
         state.wake.set()
         return video_object(job)
 
@@ -155,7 +161,9 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         if not state.store.delete(video_id):
             raise ApiError(409, f"video_id={video_id!r}: is running; delete it when it is "
                            "done", "video_id", "in_progress")
-        for name in (job["result"] or {}).get("files", []):
+        image = job["settings"].get("input_reference")
+        for name in [*(job["result"] or {}).get("files", []), *([image["file"]] if image
+                                                                  else [])]:
             path = os.path.join(state.store.folder, name)
             if os.path.exists(path):
                 os.remove(path)
@@ -182,13 +190,14 @@ def _errors(app: FastAPI) -> None:
                                      f"{e.detail}", None, "not_found").body(), e.status_code)
 
 
-async def _read_body(request: Request, served) -> dict:
-    """The request's fields, from JSON or a form (multipart or urlencoded).
+async def _read_body(request: Request) -> tuple[dict, bytes | None, str | None]:
+    """The request's fields from JSON or a form (multipart or urlencoded), and its
+    ``input_reference`` image as (bytes, name) or (None, None): a multipart file, or in JSON
+    a reference object (``engine.serve.uploads``).
 
     Raises:
         ApiError: 413 over ``MAX_UPLOAD_BYTES``; 400 for a body that is neither, and for an
-            ``input_reference``: checked to be an image, then refused (per-request images
-            are not served yet: docs/serving.md).
+            ``input_reference`` in another shape.
     """
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_UPLOAD_BYTES:
@@ -202,38 +211,25 @@ async def _read_body(request: Request, served) -> dict:
             refuse("body", first_line(e), "not valid JSON")
         if not isinstance(fields, dict):
             refuse("body", type(fields).__name__, "expected a JSON object")
-        if "input_reference" in fields:
-            refuse("input_reference", "(in JSON)", "send the image as a multipart/form-data "
-                   "file field")
-        return fields
+        if "input_reference" not in fields:
+            return fields, None, None
+        ref = fields.pop("input_reference")
+        return fields, uploads.from_reference(ref), "(image_url)"
     if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
         refuse("Content-Type", kind, "expected application/json or multipart/form-data")
     form = await request.form(max_files=1, max_fields=32)
     fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
-    upload = form.get("input_reference")
-    fields.pop("input_reference", None)
-    if upload is not None and not isinstance(upload, str):
-        data = await upload.read(MAX_UPLOAD_BYTES + 1)
-        if len(data) > MAX_UPLOAD_BYTES:
-            refuse("input_reference", upload.filename, f"at most {MAX_UPLOAD_BYTES} bytes",
-                   413, "too_large")
-        _check_image(data, upload.filename)
-        refuse("input_reference", upload.filename,
-               f"{served.model!r} is a text-to-video model" if served.image_mode == "none"
-               else "per-request images are not served yet (docs/serving.md)")
-    return fields
-
-
-def _check_image(data: bytes, filename) -> None:
-    """A 400 unless PIL reads ``data`` whole as PNG, JPEG or WebP (``check_image``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "upload")
-        with open(path, "wb") as f:
-            f.write(data)
-        try:
-            check_image(path, "input_reference")
-        except UsageError as e:
-            refuse("input_reference", filename, str(e).split(": ", 1)[-1])
+    upload = fields.pop("input_reference", None) or form.get("input_reference")
+    if isinstance(upload, str):
+        refuse("input_reference", upload[:40], "a string is not an image; send a file field, "
+               "or JSON {\"image_url\": \"data:image/png;base64,...\"}")
+    if upload is None:
+        return fields, None, None
+    data = await upload.read(MAX_UPLOAD_BYTES + 1)
+    if len(data) > MAX_UPLOAD_BYTES:
+        refuse("input_reference", upload.filename, f"at most {MAX_UPLOAD_BYTES} bytes",
+               413, "too_large")
+    return fields, data, upload.filename
 
 
 def serve(config, family, stages: warm.Stages) -> int:
@@ -248,6 +244,8 @@ def serve(config, family, stages: warm.Stages) -> int:
     """
     import uvicorn
 
+    if runtime.in_multi_process_run():  # a peer's death: one line, not JAX's fatal log
+        hosts.filter_stderr(runtime.process_index())
     if runtime.in_multi_process_run() and not runtime.is_writer():
         model = warm.build(config, family, stages)
         hosts.follow(lambda job: model.run(job, lambda _: None), runtime.process_index())

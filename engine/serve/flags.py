@@ -11,7 +11,7 @@ from engine.run.errors import fail
 API_KEY_ENV = "GENERATE_FLAX_API_KEY"
 FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames")
 # What --serve cannot combine with: each runs a different protocol than one job at a time
-# (--image: one picture for every job; per-request images are not served yet).
+# (--image: one picture for every job; a served job sends its own as input_reference).
 _EXCLUSIVE = (("stage", "all", "--stage"), ("dry_run", False, "--dry_run"),
               ("prompts_file", None, "--prompts_file"), ("seeds", None, "--seeds"),
               ("profile_dir", None, "--profile_dir"), ("image", None, "--image"))
@@ -81,9 +81,6 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
         if getattr(args, name) != allowed:
             fail(flag, getattr(args, name), "cannot be combined with --serve (a server runs "
                  "whole generations, one job at a time)")
-    if family.image_mode(args.model_id) == "required":
-        fail("--model_id", args.model_id, "an image-to-video checkpoint cannot be served yet "
-             "(each job's image needs the VAE encoder kept placed; docs/serving.md)")
     if not 1 <= args.port <= 65535:
         fail("--port", args.port, "must be a TCP port in 1..65535")
     if api_key is not None and not api_key.strip():

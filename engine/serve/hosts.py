@@ -9,7 +9,8 @@ collective, so that:
 - process 0 gone (crash, ``kill -9``): the store goes with it, the next wait fails, and the
   process ends with a one-line error instead of waiting forever;
 - another process gone: JAX's heartbeat (``engine.run.runtime.DISTRIBUTED_HEARTBEAT_TIMEOUT_S``)
-  ends the run on every process, as in a CLI run;
+  ends the run on every process, as in a CLI run; its fatal log becomes one error line
+  (``filter_stderr``);
 - a job that fails on some processes only: process 0 compares every process's outcome after
   each job (``HandOff.outcomes``) and ends the server with a one-line error.
 """
@@ -17,12 +18,17 @@ collective, so that:
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from engine.run.errors import GenerationError, first_line
 
 PREFIX = "generate_flax_serve"
 POLL_MS = 5_000  # each wait on the store; the loop goes on until a message or an error
 OUTCOME_TIMEOUT_MS = 600_000  # process 0 waits this long for another process's outcome
+CHUNK_BYTES = 1 << 20  # an image's bytes per key: well under gRPC's 4 MB message limit
+_FILTERS: list = []  # the stderr filter process: it ends after this one (kept, not reaped)
 
 
 def _client():
@@ -44,10 +50,17 @@ class HandOff:
     def __init__(self, num_processes: int):
         self.num_processes, self.seq = num_processes, 0
 
-    def send(self, message: dict) -> int:
-        """Publish ``message`` ({"job": {"id", "settings"}} or {"stop": True})
-        as the next in order; returns its sequence number."""
+    def send(self, message: dict, image: bytes | None = None) -> int:
+        """Publish ``message`` ({"job": {"id", "settings"}} or {"stop": True}) as the next
+        in order, with an image-to-video job's ``input_reference`` bytes (in chunks of
+        ``CHUNK_BYTES``, under keys written before the message); returns its sequence
+        number."""
         self.seq += 1
+        if image is not None:
+            chunks = [image[i:i + CHUNK_BYTES] for i in range(0, len(image), CHUNK_BYTES)]
+            for i, chunk in enumerate(chunks):
+                _client().key_value_set_bytes(f"{PREFIX}/image/{self.seq}/{i}", chunk)
+            message = dict(message, image_chunks=len(chunks))
         _client().key_value_set(f"{PREFIX}/job/{self.seq}", json.dumps(message))
         return self.seq
 
@@ -94,9 +107,32 @@ def follow(run, process_id: int) -> None:
         message = json.loads(text)
         if message.get("stop"):
             return
+        job = message["job"]
+        if "image_chunks" in message:  # written before the message: no wait
+            job["image"] = b"".join(
+                _client().blocking_key_value_get_bytes(f"{PREFIX}/image/{seq}/{i}", POLL_MS)
+                for i in range(message["image_chunks"]))
         try:
-            run(message["job"])
+            run(job)
             outcome = "ok"
         except Exception as e:  # reported to process 0, which decides
             outcome = f"{type(e).__name__}: {first_line(e)}"
         _client().key_value_set(f"{PREFIX}/done/{seq}/{process_id}", outcome)
+
+
+def filter_stderr(process_id: int) -> None:
+    """Run this process's stderr (file descriptor 2, so C++ logs too) through
+    ``engine.serve.fatal_log``: JAX's fatal coordination-service log, when another process
+    dies, becomes one ``generate_flax.py: error: process N: ...`` line. The filter is a
+    child process (it must outlive an ``abort()`` of this one to print the line); it ends
+    when this process's end closes the pipe."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fatal_log.py")
+    read, write = os.pipe()
+    real = os.dup(2)
+    _FILTERS.append(subprocess.Popen([sys.executable, script, str(process_id)], stdin=read,
+                                     stdout=real, close_fds=True))
+    os.close(read)
+    os.close(real)
+    sys.stderr.flush()
+    os.dup2(write, 2)
+    os.close(write)

@@ -17,6 +17,7 @@ from typing import Any
 
 from custom_splash_attention import default_attention_backend
 from engine.files import report as reporting
+from engine.files.image import decode_image
 from engine.programs import denoise
 from engine.run import chips, runtime
 from engine.run.errors import fail
@@ -51,8 +52,9 @@ class Served:
 
     variable_guidance: the CFG scale is a traced input of the step (any value on the same
         side of 1); else only ``guidance_scale`` as served. fixed_steps: step caching's
-        schedule was checked for ``num_inference_steps`` only. image_mode: "none" or
-        "optional" (``ModelFamily.image_mode``; "required" is refused at start).
+        schedule was checked for ``num_inference_steps`` only. image_mode:
+        ``ModelFamily.image_mode``: "required" (image-to-video: every job sends
+        ``input_reference``), "none" or "optional" (served as text-to-video).
     """
 
     model: str
@@ -107,6 +109,10 @@ class WarmModel:
         self.config, self.family, self.stages, self.pipe = config, family, stages, pipe
         self.mesh, self.devices, self.oom_hint = mesh, devices, oom_hint
         self.encoders = {k: getattr(pipe, k, None) for k in ENCODERS}
+        self.image_mode = family.image_mode(config.model.model_id)
+        # The image encoder and the placed VAE encoder, kept by the family's encode_image
+        # for every job (families/base.py ``encode_image``'s ``resident``).
+        self.resident: dict = {}
         self.buckets: dict[str, Bucket] = {}
         self.timings: dict = {}
         self.served: Served | None = None
@@ -119,12 +125,21 @@ class WarmModel:
         embeds, seconds = self.stages.encode(self.pipe, config, self.family, [None])
         return embeds[0], {"text_encode_s": seconds}
 
+    def encode_image(self, config, image) -> tuple[dict, dict]:
+        """(the image conditioning of ``image``, an RGB PIL image, at this config's shape,
+        {"image_encode_s": seconds}), on encoders placed once (``self.resident``)."""
+        t0 = time.perf_counter()
+        cond = self.family.encode_image(self.pipe, config, image, self.devices,
+                                        resident=self.resident)
+        return cond, {"image_encode_s": time.perf_counter() - t0}
+
     def run(self, job: dict, on_progress: Callable[[int], None]):
-        """Generate ``job`` (its "id" and "settings": ``engine.serve.requests.check``'s)
-        on its bucket's programs.
+        """Generate ``job`` (its "id" and "settings": ``engine.serve.requests.check``'s;
+        "image": the ``input_reference`` bytes of an image-to-video job) on its bucket's
+        programs.
 
         Returns (frames (F, H, W, 3) float32 in [0, 1], the job's config, timings: text
-        encode, denoise_s, s_per_step, step_seconds, vae_decode_s, total_s).
+        and image encode, denoise_s, s_per_step, step_seconds, vae_decode_s, total_s).
         ``on_progress(percent)`` follows the denoising steps (the decode is the last part).
 
         Raises:
@@ -140,6 +155,10 @@ class WarmModel:
         embeds, timings = self.encode(config)
         steps = config.video.num_inference_steps
         with runtime.hardware_errors("running a job", self.oom_hint):
+            if job.get("image") is not None:
+                cond, seconds = self.encode_image(config, decode_image(job["image"]))
+                embeds = {**embeds, **cond}
+                timings.update(seconds)
             inputs, latents0 = self.stages.place_model_inputs(config, self.family, self.pipe,
                                                               embeds, self.mesh)
             if os.environ.get(NAN_HOOK_ENV) == s["prompt"]:
@@ -207,16 +226,21 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
         if embeds is None:  # one prompt encode serves every bucket
             embeds, enc = model.encode(config)
             timings.update(enc)
+        bucket_embeds = embeds
+        if model.image_mode == "required":  # the image encode compiled for this shape too
+            cond, enc = model.encode_image(config, _warmup_image(config))
+            timings.update(enc)
+            bucket_embeds = {**embeds, **cond}
         if first is None:
             programs, latents0, placed = model.stages.prepare_programs(
-                config, model.family, model.pipe, model.mesh, embeds, None, attention,
+                config, model.family, model.pipe, model.mesh, bucket_embeds, None, attention,
                 fallbacks, model.oom_hint, timings)
             first = programs
             experts = getattr(programs.step, "experts", None)  # two experts: both placed
             second = experts[1] if experts else None
         else:
             inputs, latents0 = model.stages.place_model_inputs(
-                config, model.family, model.pipe, embeds, model.mesh)
+                config, model.family, model.pipe, bucket_embeds, model.mesh)
             with runtime.hardware_errors("compiling the transformer step", model.oom_hint):
                 step, cache = model.stages.compile_transformer(
                     config, model.family, model.pipe, placed, model.mesh, latents0, inputs,
@@ -238,6 +262,14 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
         model.buckets[key] = Bucket(config=config, programs=programs, timings=timings)
         print(f"bucket {key}: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()
                                             if k.endswith("_s")), flush=True)
+
+
+def _warmup_image(config):
+    """A grey frame of the bucket's size: any image compiles and warms up the image encode
+    (the programs depend on the shape only)."""
+    from PIL import Image
+
+    return Image.new("RGB", (config.video.width, config.video.height), (128, 128, 128))
 
 
 def _served(config, family, model: WarmModel) -> Served:

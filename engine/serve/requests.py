@@ -79,13 +79,15 @@ def parse(fields: dict) -> VideoRequest:
         refuse(field, err.get("input"), err["msg"].split(",")[0].lower())
 
 
-def check(req: VideoRequest, served) -> dict:
+def check(req: VideoRequest, served, image: dict | None = None) -> dict:
     """The job's settings (every field resolved; an unseeded job gets a seed here, so a
-    restart regenerates the same video) from the request and the ``Served`` model.
+    restart regenerates the same video) from the request, its checked ``input_reference``
+    (``engine.serve.uploads.check``'s dict, or None) and the ``Served`` model.
 
     Raises:
         ApiError: 400 naming the field, the value and the rule.
     """
+    _image(image, served)
     prompt = req.prompt
     if not prompt.strip():
         refuse("prompt", prompt, "must not be empty")
@@ -113,6 +115,19 @@ def check(req: VideoRequest, served) -> dict:
                 else _number("seed", req.seed, 0, 0, MAX_SEED),
                 fps=_number("fps", req.fps, served.fps, 1, MAX_FPS),
                 model=served.model)
+
+
+def _image(image: dict | None, served) -> None:
+    """An image-to-video model needs ``input_reference``; the others refuse it (TI2V-5B's
+    image-to-video takes another pipeline and step program than the one served)."""
+    if image is None and served.image_mode == "required":
+        refuse("input_reference", None, f"required: {served.model!r} is an image-to-video "
+               "model; send the first frame as a multipart file (PNG, JPEG or WebP)")
+    if image is not None and served.image_mode != "required":
+        refuse("input_reference", f"{image['format']} {image['width']}x{image['height']}",
+               f"{served.model!r} is a text-to-video model" if served.image_mode == "none"
+               else f"{served.model!r} is served as text-to-video only (its image-to-video "
+               "runs another pipeline and step program)")
 
 
 def _number(field: str, value, default, low, high):

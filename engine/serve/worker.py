@@ -16,7 +16,7 @@ import time
 from engine.files import videos
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
-from engine.serve import hosts
+from engine.serve import hosts, uploads
 from engine.serve.jobs import JobStore
 
 
@@ -67,7 +67,13 @@ class Worker:
         """Run ``job`` to completed or failed. Raises only what must end the server."""
         job_id = job["id"]
         self.store.start(job_id)
-        seq = self.handoff.send(hosts.job_message(job)) if self.handoff else None
+        try:
+            job = dict(job, image=uploads.load(self.store.folder, job["settings"]))
+        except OSError as e:  # its input_reference was removed: this job only
+            self.store.fail(job_id, f"input_reference: {first_line(e)}")
+            return
+        seq = self.handoff.send(hosts.job_message(job), job["image"]) if self.handoff \
+            else None
         t0 = time.time()
         last = [-1]
 
