@@ -204,6 +204,20 @@ def test_vmem_prefetches_and_on_chip_operands_are_not_hbm_traffic():
     assert summary["bytes"] == (4194304 + 4) + (act + 4) + act
 
 
+def test_a_killed_profile_worker_is_one_line_naming_the_blocks():
+    calls = [dict(block_sizes=[4736, 2048, 1024]), dict(block_sizes=[4736, 512, 512])]
+    msg = estimate.worker_failure(-9, "", calls)
+    assert msg == ("--estimate: the kernel-profiling subprocess failed: killed by SIGKILL (most "
+                   "likely out of host memory: libtpu's profile of blocks 4736/2048/1024, "
+                   "4736/512/512 needs more RAM than is free; smaller --bq/--bkv profile in "
+                   "less)")
+    # What the worker said wins; a plain nonzero exit with nothing said names its status.
+    assert estimate.worker_failure(1, "a\nb\nValueError: bad", calls).endswith(
+        "failed: a | b | ValueError: bad")
+    assert estimate.worker_failure(3, "", calls).endswith("failed: exit 3")
+    assert "\n" not in msg
+
+
 def _all_gather(groups: str) -> str:
     return f"""\
 HloModule m

@@ -53,6 +53,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -816,6 +817,25 @@ def call_cycles(call: dict, cost: dict) -> float:
             + cost["per_q_block"] * batch * heads * q_blocks)
 
 
+def worker_failure(returncode: int, stderr: str, calls: list) -> str:
+    """The one-line reason the kernel-profiling subprocess failed: its last stderr lines, or,
+    killed by a signal with nothing to say (Linux's out-of-memory killer sends SIGKILL),
+    which signal and the blocks it was profiling. libtpu's profile of HunyuanVideo-1.5's
+    kernel with segment ids at 4736/2048/1024 held 20 GB of host RAM on this project's
+    24 GB machine; smaller blocks profile in less."""
+    said = " | ".join(stderr.strip().splitlines()[-5:])
+    if returncode < 0 and not said:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() \
+            else str(-returncode)
+        blocks = sorted({"/".join(str(b) for b in c["block_sizes"]) for c in calls})
+        said = (f"killed by {name}" + (" (most likely out of host memory: libtpu's profile of "
+                                       f"blocks {', '.join(blocks)} needs more RAM than is "
+                                       "free; smaller --bq/--bkv profile in less)"
+                                       if name == "SIGKILL" else ""))
+    return "--estimate: the kernel-profiling subprocess failed: " + (said or
+                                                                     f"exit {returncode}")
+
+
 def profile_worker(request: dict) -> dict:
     """The profiled half of ``estimate``, in its own process (``main``): the cost model
     (``kernel_cost``) of each distinct kernel configuration in ``request["kernel_calls"]``."""
@@ -960,8 +980,7 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
                               input=json.dumps(request), capture_output=True, text=True,
                               cwd=PROJECT_ROOT, env=env)
         if proc.returncode != 0:
-            raise RuntimeError("--estimate: the kernel-profiling subprocess failed: "
-                               + " | ".join(proc.stderr.strip().splitlines()[-5:]))
+            raise RuntimeError(worker_failure(proc.returncode, proc.stderr, calls))
         kernels = json.loads(proc.stdout.strip().splitlines()[-1])
     chips_in_mesh = mesh_shape.dp * mesh_shape.tp * mesh_shape.sp
     out = combine(block, kernels, chip=chip, layers=cfg["num_layers"],
