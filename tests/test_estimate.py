@@ -195,7 +195,7 @@ def test_vmem_prefetches_and_on_chip_operands_are_not_hbm_traffic():
     act = 18900 * 128 * 2
     # The async slice moves its 4 MiB slice once. Its operand and its tuple (which holds the
     # operand again) once counted 52 MB + 52 MB + 4 MiB: 26x the slice, 1.4 GB per weight
-    # prefetched in 13 slices (~0.24 s/step of phantom HBM time for Wan 14B on v6e-8).
+    # prefetched in 13 slices (~0.24 s/step of phantom HBM time for Wan 14B at dp2 x sp4 on v6e-8).
     assert ops["slice-start.1"][1] == 4194304 + 4  # + the s32 context scalar
     assert ops["copy-start.1"][1] == act + 4  # one copy of the activation (+ u32)
     # The fusion reads its VMEM operands (S(1)) on chip: only its HBM result counts.
