@@ -48,7 +48,7 @@ from engine.files.checkpoint import (
     read_component_config,
 )
 from engine.files.image import check_for_model, read_image
-from engine.programs import denoise, experts, step_cache, transformer_step
+from engine.programs import denoise, experts, parking, step_cache, transformer_step
 from engine.programs.denoise import Programs, set_timesteps, timestep_array
 from engine.run import chips, runtime
 from engine.run.config import (
@@ -99,6 +99,7 @@ DEFAULTS = dict(
     bq=None,
     bkv=None,
     bkv_compute=None,
+    park_weights="auto",
 )
 FAMILY_FLAGS = ("prompt", "negative_prompt", "height", "width", "frames", "fps",
                 "num_inference_steps", "guidance_scale", "max_sequence_length")
@@ -229,6 +230,9 @@ def _add_run_flags(g) -> None:
     g.add_argument("--vae_tiling", action="store_true",
                    help="decode with diffusers' spatial tiling in one program instead of the "
                         "default frame-chunked decode")
+    g.add_argument("--park_weights", choices=parking.MODES, default=d["park_weights"],
+                   help="shard the transformer's replicated weights over every device while "
+                        "the VAE decodes (auto: when the decode would not fit beside them)")
     g.add_argument("--verbose", action="store_true", help="debug logging (e.g. unsharded weights)")
 
 
@@ -453,6 +457,7 @@ def generate(config: RunConfig, devices=None, on_video=None):
         oom_hint, on_video, report)
     if config.run.profile_dir is not None:
         report["profile"] = denoise.profile(config, programs, latents0)
+    report["park_weights"] = getattr(programs.vae_decode, "decision", None)
     entries, flops, cfg = step_report(config, family, pipe, programs, runs)
     report.update(entries)
     report.update(reporting.run_report(config, family, cfg, devices, mesh_shape, placed,
@@ -614,6 +619,11 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
     if config.run.stage in ("all", "decode"):
         parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh, latents0, fallbacks,
                                              oom_hint, timings)
+        if placed is not None:  # --park_weights: the transformer's weights, while it decodes
+            chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
+            parts["vae_decode"] = parking.ParkingDecoder(
+                parts["vae_decode"], [placed, *([second] if second else [])],
+                config.run.park_weights, chip and chip.usable_hbm_bytes)
     return Programs(**parts), latents0, placed
 
 

@@ -32,7 +32,7 @@ from engine.files.checkpoint import (
 )
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
-from engine.programs import step_cache, vae_encode
+from engine.programs import parking, step_cache, vae_encode
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, runtime
@@ -219,24 +219,36 @@ def _leaves(tree) -> list:
 
 
 def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
-                  experts: int = 1) -> None:
+                  experts: int = 1, park_weights: str = "off") -> dict:
     """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
     weights while the transformer runs; the decoded chunks and their concatenation are held
     too. With two experts (Wan 2.2 A14B) both stay resident: the step program's arguments
     are one expert's weights, the other's are kept. The compiler sees one program at a time,
-    so add what the others keep."""
+    so add what the others keep. With ``park_weights`` (``engine.programs.parking``, the same
+    rule a run applies) the decode keeps the transformer weights parked: sharded over every
+    device. Returns the parking decision, dict(parked, mode, weights_bytes_per_device,
+    parked_bytes_per_device)."""
     step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
+    now, parked = parking.weights_bytes([placed] * experts)
     resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
                                                      *vae_placed["buffers"].values()])
                 + (experts - 1) * step_weights,
                 "VAE decode": experts * step_weights + _per_chip_bytes(_leaves(inputs))
                 + 2 * video_bytes,
                 "VAE encode": 0}  # image-to-video: before anything else is placed
+    decision = dict(parked=False, mode=park_weights, weights_bytes_per_device=now,
+                    parked_bytes_per_device=parked)
     for r in rows:
         r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
         if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
             r["total_bytes"] += r["resident_bytes"]
+            if r["program"].startswith("VAE decode") and parking.should_park(
+                    park_weights, r["total_bytes"], now - parked, r["capacity_bytes"]):
+                r["resident_bytes"] -= now - parked
+                r["total_bytes"] -= now - parked
+                r["weights_parked"] = decision["parked"] = True
             r["fits"] = r["fits"] and r["total_bytes"] <= r["capacity_bytes"]
+    return decision
 
 
 def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
@@ -277,8 +289,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     tokens = family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
     shape = resolve_mesh_shape(config.layout.dp, config.layout.tp, config.layout.sp, len(devices),
                                batch=config.video.batch, num_heads=family.num_heads(cfg),
-                               tokens=tokens,
-                               prefer_sp=chip.name in chips.ULYSSES_DEFAULT_CHIPS)
+                               tokens=tokens, prefer_sp=chip.name in chips.ULYSSES_DEFAULT_CHIPS)
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
@@ -299,7 +310,8 @@ def dry_run(config, family) -> tuple[int, dict]:
     video = 3 * config.video.frames * config.video.height * config.video.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
     n_experts = expert_count(read_model_index(config.model.model_id))
-    _add_resident(rows, placed, vae_placed, inputs, video, n_experts)
+    parked = _add_resident(rows, placed, vae_placed, inputs, video, n_experts,
+                           config.run.park_weights)
     fits = all(r["fits"] for r in rows)
     report = dict(
         dry_run=True, topology=config.dry.topology, devices=len(devices),
@@ -308,7 +320,7 @@ def dry_run(config, family) -> tuple[int, dict]:
         vae_checked=not config.dry.dry_run_skip_vae,
         settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
         mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
-        experts_resident=n_experts,
+        experts_resident=n_experts, park_weights=parked,
         per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
         analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
@@ -386,6 +398,11 @@ def print_dry_run(report: dict) -> None:
               f"{x['matched_weights']} weights fused "
               f"into their slices at placement, no step-time cost; replicated weights it "
               f"touches: {', '.join(rep) if rep else 'none'}")
+    park = report.get("park_weights") or {}
+    if park.get("parked"):
+        print(f"--park_weights {park['mode']}: while the VAE decodes, the transformer weights "
+              f"are sharded over every device ({park['weights_bytes_per_device'] / 2**30:.2f} "
+              f"-> {park['parked_bytes_per_device'] / 2**30:.2f} GiB per device)")
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"
           + (f"; {report['experts_resident']} experts resident"
              if report.get("experts_resident", 1) > 1 else ""))

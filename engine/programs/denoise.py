@@ -248,6 +248,7 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
             t1 = time.perf_counter()
             video = decode(programs.vae_decode, latents)
             run["vae_decode_s"] = time.perf_counter() - t1
+            run.update(getattr(programs.vae_decode, "last", None) or {})  # --park_weights
         run["total_s"] = time.perf_counter() - t0
         runs.append(run)
         parts = []

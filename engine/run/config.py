@@ -119,7 +119,7 @@ class RunSettings:
     """The process's work and its outputs: the stage and its folders, the benchmark protocol
     (warmup, timed iterations, profile), the persistent compile cache, the videos of
     --prompts_file / --seeds (``engine.files.videos.Video``s), what is written, and the VAE
-    decode's tiling."""
+    decode's tiling and ``--park_weights`` (``engine.programs.parking``)."""
 
     stage: str
     work_dir: str
@@ -132,6 +132,7 @@ class RunSettings:
     save_frames: bool
     vae_tiling: bool
     no_plots: bool = False
+    park_weights: str = "auto"
     prompts_file: str | None = None
     seeds: str | None = None
     videos: tuple = ()

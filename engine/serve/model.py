@@ -252,6 +252,8 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
                                               fallbacks=fallbacks)
             with runtime.hardware_errors("compiling the VAE decode", model.oom_hint):
                 timings["compile_vae_s"] = decode.compile(latents0)
+            if hasattr(first.vae_decode, "with_decoder"):  # the same --park_weights
+                decode = first.vae_decode.with_decoder(decode)
             programs = dataclasses.replace(first, step=step, cache=cache, vae_decode=decode,
                                            embeds=inputs)
         with runtime.hardware_errors("running the warmup", model.oom_hint):

@@ -1,0 +1,176 @@
+"""``--park_weights``: shard the transformer's replicated weights over every device while the
+VAE decodes, and gather them back afterwards.
+
+Why: a layout that replicates the weights over some mesh axes (Ulysses ``sp``, ``dp``) keeps
+a whole copy on each chip. Wan 14B at dp2 x sp4 on v6e-8 holds 26.7 GiB of weights per chip;
+its 720p x 81 step fits in 31.25 GiB, but the VAE decode beside those weights needs 32.3
+(``--dry_run``). The transformer does nothing during the decode, so its weights need not be
+whole there: parked, each chip keeps 1/8 of every weight (3.3 GiB).
+
+Parking is a local slice (each device keeps its part of a copy it already holds: no
+interconnect traffic); the way back is one all-gather per weight over the interconnect
+(about 23 GiB received per chip at 14B over 8 chips, ~0.06 s at v6e's 400 GB/s ICI egress:
+an estimate, not a measurement). Both are timed inside the decode (``vae_decode_s``), and
+``park_s`` / ``restore_s`` are reported per run.
+
+The placed dicts (``placed["params"]``, ``placed["buffers"]``) are changed in place, so every
+program bound to them (the step, the step cache, both experts of a two-expert model) sees the
+restored arrays on its next call. Each weight moves on its own (``jax.device_put``, then the
+old copy is deleted), so at most one weight is held twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+MODES = ("auto", "on", "off")
+
+
+def parked_spec(spec, shape: tuple, mesh):
+    """``spec`` with every mesh axis it leaves unused (size > 1) added to one dimension.
+
+    The dimension is the largest one whose size divides by its current shards times the
+    unused axes' product; with none (a small 1-D bias, an odd shape), ``spec`` is returned
+    unchanged and the weight stays as it is.
+
+    Args:
+        spec: the weight's ``PartitionSpec``.
+        shape: the weight's global shape.
+        mesh: the run's ``jax.sharding.Mesh``.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    axes_of = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
+    used = {a for axes in axes_of for a in axes}
+    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    if not free:
+        return spec
+    extra = math.prod(mesh.shape[a] for a in free)
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[d] % (math.prod(mesh.shape[a] for a in axes_of[d]) * extra) == 0:
+            entries[d] = axes_of[d] + free
+            return P(*entries)
+    return spec
+
+
+def weights_bytes(weights: list) -> tuple[int, int]:
+    """(bytes per device now, bytes per device parked) of the placed weights ``weights``
+    (dicts with ``params`` and ``buffers``: ``jax.Array``s or sharded ``ShapeDtypeStruct``s),
+    the largest over devices. Works deviceless (``--dry_run``)."""
+    from jax.sharding import NamedSharding
+
+    now = parked = 0
+    for placed in weights:
+        for group in ("params", "buffers"):
+            for arr in placed[group].values():
+                sh = arr.sharding
+                n = arr.dtype.itemsize
+                now += math.prod(sh.shard_shape(tuple(arr.shape))) * n
+                target = NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
+                parked += math.prod(target.shard_shape(tuple(arr.shape))) * n
+    return now, parked
+
+
+def should_park(mode: str, need_bytes: int, saved_bytes: int, capacity: int | None) -> bool:
+    """Whether to park: ``on`` always, ``off`` never; ``auto`` when the decode's peak beside
+    the resident weights (``need_bytes`` per device) exceeds ``capacity`` (the chip's usable
+    HBM per device; None, e.g. on CPU, never parks) and parking saves something."""
+    if mode == "on":
+        return True
+    if mode == "off" or capacity is None or saved_bytes <= 0:
+        return False
+    return need_bytes > capacity
+
+
+class ParkingDecoder:
+    """A VAE decoder (``ChunkedDecoder`` or a family's) that parks ``weights`` while it runs.
+
+    Args:
+        decoder: ``latents -> video`` with ``compile`` / ``memory`` (delegated to).
+        weights: the placed transformer dicts (one, or both experts'), changed in place.
+        mode: ``auto`` / ``on`` / ``off`` (``--park_weights``).
+        capacity: usable HBM bytes per device (``chips.Chip.usable_hbm_bytes``), or None.
+
+    ``decision`` (after the first call): dict(parked, mode, weights_bytes_per_device,
+    parked_bytes_per_device, decode_peak_bytes, capacity_bytes). ``last``: the last call's
+    dict(park_s, restore_s) when it parked, else {}.
+    """
+
+    def __init__(self, decoder, weights: list, mode: str, capacity: int | None):
+        if mode not in MODES:
+            raise ValueError(f"park_weights: expected one of {MODES}, got {mode!r}")
+        self.decoder, self.weights, self.mode, self.capacity = decoder, weights, mode, capacity
+        self.decision: dict | None = None
+        self.last: dict = {}
+
+    def __getattr__(self, name):  # compile, memory, placed, spatial: the decoder's
+        if name == "decoder":
+            raise AttributeError(name)
+        return getattr(self.decoder, name)
+
+    def with_decoder(self, decoder) -> ParkingDecoder:
+        """The same parking around another decoder (another shape's programs)."""
+        return ParkingDecoder(decoder, self.weights, self.mode, self.capacity)
+
+    def decide(self) -> dict:
+        """Decide once, from the decode's compiled peak and the weights' bytes per device:
+        what ``--dry_run`` adds up too (``engine.dry_run.fit``)."""
+        if self.decision is None:
+            now, parked = weights_bytes(self.weights)
+            peak = self.decoder.memory()["peak_bytes"]
+            park = should_park(self.mode, now + peak, now - parked, self.capacity)
+            self.decision = dict(parked=park, mode=self.mode, weights_bytes_per_device=now,
+                                 parked_bytes_per_device=parked, decode_peak_bytes=peak,
+                                 capacity_bytes=self.capacity)
+            if park:
+                print(f"--park_weights {self.mode}: the transformer weights go from "
+                      f"{now / 2**30:.2f} to {parked / 2**30:.2f} GiB per device while the "
+                      f"VAE decodes (its peak {peak / 2**30:.2f} GiB)", flush=True)
+        return self.decision
+
+    def __call__(self, latents):
+        if not self.decide()["parked"]:
+            self.last = {}
+            return self.decoder(latents)
+        t0 = time.perf_counter()
+        homes = _move(self.weights, None)
+        t1 = time.perf_counter()
+        try:
+            video = self.decoder(latents)
+            video.block_until_ready()
+        finally:
+            t2 = time.perf_counter()
+            _move(self.weights, homes)
+            self.last = dict(park_s=t1 - t0, restore_s=time.perf_counter() - t2)
+        return video
+
+
+def _move(weights: list, homes: dict | None) -> dict:
+    """Park every weight (``homes`` None; returns each moved weight's original sharding), or
+    put each back at its ``homes`` sharding. One weight at a time, its old buffer donated."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    moved = {}
+    for i, placed in enumerate(weights):
+        for group in ("params", "buffers"):
+            arrays = placed[group]
+            for name, arr in list(arrays.items()):
+                key = (i, group, name)
+                if homes is None:
+                    sh = arr.sharding
+                    target = NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape),
+                                                                sh.mesh))
+                    if target.is_equivalent_to(sh, arr.ndim):
+                        continue
+                    moved[key] = sh
+                elif key in homes:
+                    target = homes[key]
+                else:
+                    continue
+                arrays[name] = jax.block_until_ready(jax.device_put(arr, target, donate=True))
+                if not arr.is_deleted():  # donate is a hint JAX may ignore; the copy is ours
+                    arr.delete()
+    return moved

@@ -1,0 +1,114 @@
+"""--park_weights: the transformer's replicated weights are sharded over every device while the
+VAE decodes, and put back exactly afterwards (``engine.programs.parking``)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import generate_flax as gf
+from engine.dry_run import fit as dry_run
+from engine.programs import parking
+from engine.run.mesh import MeshShape, make_mesh
+from engine.weights import placement
+
+
+def test_parked_spec_adds_the_unused_axes_to_a_dimension_they_divide():
+    mesh = make_mesh(MeshShape(2, 2, 2))
+    # Replicated: dp and sp go to the largest dimension.
+    assert parking.parked_spec(P(), (32, 64), mesh) == P(None, ("dp", "tp", "sp"))
+    # tp-sharded rows: the free axes join the dimension that still divides by 2 x 4.
+    assert parking.parked_spec(P("tp", None), (64, 12), mesh) == P(("tp", "dp", "sp"), None)
+    assert parking.parked_spec(P(None, "tp"), (12, 64), mesh) == P(None, ("tp", "dp", "sp"))
+    # Nothing divides by 4 beside tp's 2 (6 = 2 x 3; 12 / (2 x 4) is not whole): unchanged.
+    assert parking.parked_spec(P(None, "tp"), (6, 12), mesh) == P(None, "tp")
+    assert parking.parked_spec(P(), (7,), mesh) == P()
+    # Size-1 axes are not "free": dp2 x tp1 x sp4 adds dp and sp only.
+    mesh = make_mesh(MeshShape(2, 1, 4))
+    assert parking.parked_spec(P(), (40, 64, 32), mesh) == P(None, ("dp", "sp"), None)
+
+
+def test_should_park_rule():
+    assert parking.should_park("on", 0, 0, None)
+    assert not parking.should_park("off", 10, 5, 1)
+    assert not parking.should_park("auto", 10, 5, None)  # CPU: no capacity known
+    assert parking.should_park("auto", 11, 5, 10)
+    assert not parking.should_park("auto", 10, 5, 10)  # fits exactly
+    assert not parking.should_park("auto", 11, 0, 10)  # nothing to save (all sharded)
+
+
+def test_decode_sees_one_eighth_of_the_weights_and_they_come_back_equal():
+    mesh = make_mesh(MeshShape(2, 1, 4))
+    replicated = NamedSharding(mesh, P())
+    host_a = np.arange(40 * 64 * 32, dtype=np.float32).reshape(40, 64, 32)
+    host_b = np.linspace(0, 1, 7, dtype=np.float32)
+    weights = {"params": {"a": jax.device_put(host_a, replicated),
+                          "b": jax.device_put(host_b, replicated)},
+               "buffers": {}}
+    before = weights["params"]["a"]
+    seen = {}
+
+    class Decoder:
+        def memory(self):
+            return dict(peak_bytes=0)
+
+        def __call__(self, z):
+            seen.update(placement.per_device_bytes())  # every live array, per device
+            return z * 2
+
+    z = jax.device_put(np.ones(3, np.float32), jax.devices()[0])
+    decoder = parking.ParkingDecoder(Decoder(), [weights], "on", None)
+    np.testing.assert_array_equal(np.asarray(decoder(z)), 2 * np.ones(3))
+    # While decoding each device held 1/8 of "a" and all of the 7-float bias, nothing more
+    # (the whole copies were deleted), plus z on device 0.
+    one = host_a.nbytes // 8 + host_b.nbytes
+    assert sorted(seen.values()) == [one] * 7 + [one + z.nbytes]
+    assert before.is_deleted()
+    assert decoder.decision["parked"] and decoder.decision["parked_bytes_per_device"] == one
+    assert set(decoder.last) == {"park_s", "restore_s"}
+    for name, host in (("a", host_a), ("b", host_b)):
+        assert weights["params"][name].sharding.is_equivalent_to(replicated, host.ndim)
+        np.testing.assert_array_equal(np.asarray(weights["params"][name]), host)
+    # auto on a device of unknown HBM (CPU) never parks.
+    decoder = parking.ParkingDecoder(Decoder(), [weights], "auto", None)
+    decoder(z)
+    assert not decoder.decision["parked"] and decoder.last == {}
+    with pytest.raises(ValueError, match="park_weights: expected one of"):
+        parking.ParkingDecoder(Decoder(), [weights], "sometimes", None)
+
+
+def test_dry_run_parks_only_where_the_decode_would_not_fit():
+    mesh = make_mesh(MeshShape(2, 1, 4))
+
+    def struct(shape, spec):
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec))
+
+    placed = dict(params={"w": struct((64, 32), P())}, buffers={})  # 8 KiB, replicated
+    vae = dict(params={}, buffers={})
+    for capacity, parked in ((9000, True), (9000 + 2048, False)):
+        rows = [dict(program="VAE decode (3 programs, peak)", total_bytes=1000, fits=True,
+                     capacity_bytes=capacity)]
+        decision = dry_run._add_resident(rows, placed, vae, {}, 0, 1, "auto")
+        assert decision["parked"] is parked
+        assert rows[0]["total_bytes"] == 1000 + (1024 if parked else 8192)
+        assert rows[0]["fits"]
+
+
+def test_parked_decode_frames_equal_the_unparked_run(tiny_checkpoint_8h):
+    # dp2 x sp4 replicates every weight over sp; the decode runs with them parked, and a
+    # second timed run (the weights put back) must give the same frames again.
+    flags = ["--model_id", tiny_checkpoint_8h, "--height", "64", "--width", "96", "--frames",
+             "9", "--num_inference_steps", "2", "--warmup_steps", "1", "--dtype", "float32",
+             "--attention", "xla", "--compilation_cache_dir", "none", "--dp", "2", "--tp", "1",
+             "--sp", "4"]
+    out = {}
+    for mode, iterations in (("off", 1), ("on", 2)):
+        args = gf.validate_args(gf.parse_args([*flags, "--park_weights", mode,
+                                               "--num_iterations", str(iterations)]))
+        out[mode] = gf.generate(args)
+    (frames_off, _), (frames_on, report) = out["off"], out["on"]
+    np.testing.assert_array_equal(frames_on, frames_off)
+    assert report["settings"]["park_weights"] == "on"
+    assert all("restore_s" in run for run in report["timings"]["runs"])
+    assert report["park_weights"]["parked"]
