@@ -807,6 +807,7 @@ def splash_attention(
     interpret: bool = False,
     vmem_limit_bytes: int | None = None,
     real_keys_before: int = 0,
+    valid_kv_len: int | None = None,
     **shorthand,
 ) -> jax.Array:
     """Softmax attention with the Pallas TPU flash kernel (forward only).
@@ -843,18 +844,24 @@ def splash_attention(
             their keys iff its id is 1); blocks that can hold other ids keep the exact
             compare. 0 (default): every block compares. A broken promise is not detected
             (ids are data) and gives wrong results. Ignored with ``window_size``.
+        valid_kv_len: static int in [1, kv_len], or None (every key): keys at positions
+            >= ``valid_kv_len`` are padding. The result equals attention over
+            ``k[:, :, :valid_kv_len]`` and ``v[...]`` without copying them: the grid covers
+            only the valid keys and the last block masks its tail by position, as for any
+            length the blocks do not divide (no segment ids, no per-block id compare).
+            Sequence parallelism's tail padding of the token axis uses it.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
 
     Raises:
-        ValueError: shapes disagree, ``window_size`` is negative, or ``segment_ids`` has
-            the wrong form or shape.
+        ValueError: shapes disagree, ``window_size`` is negative, ``valid_kv_len`` is out of
+            range, or ``segment_ids`` has the wrong form or shape.
     """
     options = attention_options(options, **shorthand)
     return _splash_attention(q, k, v, options, scale=scale, segment_ids=segment_ids,
                              interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-                             real_keys_before=real_keys_before)
+                             real_keys_before=real_keys_before, valid_kv_len=valid_kv_len)
 
 
 def _splash_attention(
@@ -869,6 +876,7 @@ def _splash_attention(
     q_offset=None,
     vmem_limit_bytes: int | None = None,
     real_keys_before: int = 0,
+    valid_kv_len: int | None = None,
 ) -> jax.Array:
     """``splash_attention`` with ``q_offset``: the global position of q's first row.
 
@@ -890,6 +898,13 @@ def _splash_attention(
             f"{(batch, kv_len)}, got {segment_ids.q.shape} and "
             f"{segment_ids.kv.shape}"
         )
+    if valid_kv_len is not None:
+        if int(valid_kv_len) != valid_kv_len or not 1 <= valid_kv_len <= kv_len:
+            raise ValueError(f"valid_kv_len: expected an int in [1, {kv_len}], "
+                             f"got {valid_kv_len!r}")
+        # From here on the keys end at valid_kv_len: blocks, grid and the tail mask; the
+        # arrays stay as they are (their rows past it are never read, or masked).
+        kv_len = int(valid_kv_len)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     bs = _fit_block_sizes(options.block_sizes, q_len, kv_len)
     bq, bkv = bs.block_q, bs.block_kv
@@ -939,7 +954,8 @@ def _splash_attention(
         # q ids as a lane row (1, q), kv ids broadcast over lanes (kv, 128): the layouts
         # that broadcast against the (keys, queries) score tile without relayout.
         q_ids = segment_ids.q[:, None, :]
-        kv_ids = jnp.broadcast_to(segment_ids.kv[:, :, None], (batch, kv_len, NUM_LANES))
+        kv_ids = jnp.broadcast_to(segment_ids.kv[:, :, None],
+                                  (batch, segment_ids.kv.shape[1], NUM_LANES))
         # All-real blocks read no kv ids: their steps keep the buffer of the first block
         # that may hold other ids (an unchanged block index is not fetched again), so kv
         # ids cost no DMA there either.
@@ -1024,6 +1040,7 @@ def sharded_splash_attention(
     interpret: bool = False,
     kernel: str = "splash",
     real_keys_before: int = 0,
+    valid_kv_len: int | None = None,
     **shorthand,
 ) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
@@ -1056,6 +1073,8 @@ def sharded_splash_attention(
             the kernel the whole key sequence (heads and Ulysses: all keys of its heads;
             q-sequence: full K and V), so the position needs no translation per shard.
             Ignored by "stock_splash".
+        valid_kv_len: as ``splash_attention``, a global key position (no translation, for
+            the same reason); "splash" only.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype, sharded as described.
@@ -1070,6 +1089,8 @@ def sharded_splash_attention(
         raise ValueError(f"kernel: expected one of {SPLASH_KERNELS}, got {kernel!r}")
     if kernel == "stock_splash" and not options.is_plain:
         raise ValueError("kernel='stock_splash': window_size and k_smoothing are ours only")
+    if kernel == "stock_splash" and valid_kv_len is not None:
+        raise ValueError("kernel='stock_splash': valid_kv_len is ours only")
     missing = [a for a in ("dp", "tp", "sp") if a not in mesh.shape]
     if missing:
         raise ValueError(f"mesh: expected axes ('dp', 'tp', 'sp'), got {tuple(mesh.shape)}")
@@ -1122,7 +1143,8 @@ def sharded_splash_attention(
         else:
             out = _splash_attention(q, k, v, options, scale=scale, segment_ids=seg,
                                     interpret=interpret, q_offset=offset,
-                                    real_keys_before=real_keys_before)
+                                    real_keys_before=real_keys_before,
+                                    valid_kv_len=valid_kv_len)
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
             out = lax.all_to_all(out, "sp", split_axis=2, concat_axis=1, tiled=True)
         return out
@@ -1481,6 +1503,16 @@ def _declared_padding(q, k):
     return jnp.broadcast_to(real, (q.shape[0], k.shape[2]))
 
 
+def _declared_tail(q, k) -> int | None:
+    """``valid_len`` when ``pad_self_attention_keys`` declared padding for this call and the
+    padding is the key sequence's tail (the keys are the padded tokens alone), else None."""
+    pad = _KEY_PADDING.get()
+    if (pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] != pad.padded_len
+            or pad.valid_len >= pad.padded_len):
+        return None
+    return pad.valid_len
+
+
 def _real_keys(q, k, mask):
     """(real keys (batch, kv_len) bool or None, the mask left for the reference path,
     the static position before which every key is real: 0 when unknown).
@@ -1540,7 +1572,13 @@ def _sdpa(
     attention = forced or attention
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
-    real, mask, before = _real_keys(q, k, mask)
+    # Tail padding alone, into our kernel without a window: masked by length in the kernel
+    # (``valid_kv_len``), no segment ids.
+    tail = None
+    if attention == "splash" and forced is None and mask is None and not is_causal \
+            and options.window_size is None:
+        tail = _declared_tail(q, k)
+    real, mask, before = (None, None, k.shape[2]) if tail is not None else _real_keys(q, k, mask)
     segment_ids = None if real is None else _key_segment_ids(q, k, real)
     # The mask and K smoothing are the model's self-attention options: not for the forced
     # (VAE) scopes, and the mask not for cross-attention (q_len != kv_len).
@@ -1569,7 +1607,7 @@ def _sdpa(
             else:
                 out = splash_attention(q, k, v, options=options, scale=scale,
                                        segment_ids=segment_ids, interpret=routing["interpret"],
-                                       real_keys_before=before)
+                                       real_keys_before=before, valid_kv_len=tail)
         elif q.shape[0] % mesh.shape["dp"] or q.shape[1] % mesh.shape["tp"]:
             # The wrapper cannot split this call: XLA, which GSPMD partitions as it likes,
             # instead of failing; reported, never silent.
@@ -1579,12 +1617,13 @@ def _sdpa(
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
+            real = real if tail is None else _declared_padding(q, k)
             out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
         else:
             out = sharded_splash_attention(
                 q, k, v, mesh=mesh, options=options, scale=scale, segment_ids=segment_ids,
                 interpret=routing["interpret"], kernel=attention,
-                real_keys_before=before if attention == "splash" else 0)
+                real_keys_before=before if attention == "splash" else 0, valid_kv_len=tail)
     else:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
     return env.j2t_iso(out)

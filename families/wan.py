@@ -151,9 +151,11 @@ def lora_state_dict(tensors: dict) -> dict:
 
 
 # The transformer's block list: "blocks", each block called (hidden, encoder, temb, rotary)
-# with the hidden states carried; tokens on axis 1 of hidden and rotary.
+# with the hidden states carried; tokens on axis 1 of hidden and rotary. Self-attention's keys
+# are the tokens alone, so sequence-parallel shards can be padded to whole 16-row tiles.
 WAN_BLOCKS = BlockStack(attr="blocks", carry=1, token_axes=(1, None, None, 1),
-                        self_attention="attn1", sublayers=("attn1", "attn2", "ffn"))
+                        self_attention="attn1", sublayers=("attn1", "attn2", "ffn"),
+                        token_tile=16)
 I2V_PIPELINE = "WanImageToVideoPipeline"
 
 

@@ -65,8 +65,9 @@ def odd_unsharded(tiny_checkpoint_8h):
 def test_sequence_parallel_pads_a_token_count_sp_does_not_divide(tiny_checkpoint_8h,
                                                                   odd_unsharded, mesh,
                                                                   attention, extra):
-    # The token axis is zero-padded to a multiple of sp inside the model call and the
-    # padded keys are masked exactly: frames equal the unsharded, unpadded run's. Unrolled,
+    # The token axis is zero-padded to 16 rows per sp shard (Wan's token_tile) inside the
+    # model call and the padded keys are masked exactly (by length in our kernel, segment
+    # ids in stock splash): frames equal the unsharded, unpadded run's. Unrolled,
     # every block gets forward's unpadded RoPE tables and pads them again.
     frames = _frames(tiny_checkpoint_8h, mesh, [*ODD, "--attention", attention, *extra])
     np.testing.assert_allclose(frames, odd_unsharded, atol=1e-4, rtol=0)
@@ -76,8 +77,8 @@ def test_sequence_parallel_pads_a_token_count_sp_does_not_divide(tiny_checkpoint
                          ids=["dp2-tp4-xla", "tp2-sp4-splash"])
 def test_megatron_sequence_parallel_equals_unsharded(tiny_checkpoint_8h, odd_unsharded, mesh,
                                                      attention):
-    # Residual stream's 45 tokens over tp (x sp): padded to 48, gathered into each sublayer,
-    # scattered out of it; the padded keys are masked exactly.
+    # Residual stream's 45 tokens over tp (x sp): padded to 16 rows per shard (64 or 128),
+    # gathered into each sublayer, scattered out of it; the padded keys are masked exactly.
     frames = _frames(tiny_checkpoint_8h, mesh, [*ODD, "--attention", attention,
                                                 "--megatron_sp"])
     np.testing.assert_allclose(frames, odd_unsharded, atol=1e-4, rtol=0)

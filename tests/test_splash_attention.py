@@ -136,6 +136,32 @@ def test_padded_keys_are_masked():
     assert ours_err < TOL[jnp.float32] < unmasked_err / 100
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n,valid,bs", [
+    (300, 283, SMALL),  # tail inside the last block
+    (512, 300, SMALL),  # a whole block past valid_kv_len is never visited
+    (777, 641, csa.BlockSizes(256, 512, 256)),  # odd lengths, a partial compute sub-tile
+    (200, 200, SMALL),  # nothing padded
+])
+def test_valid_kv_len_equals_sliced_keys(n, valid, bs, dtype):
+    """Keys past ``valid_kv_len`` are padding: the result equals attention over the sliced
+    K and V, whatever the padding holds (here large values, which would dominate the
+    softmax if any leaked). Padded query rows stay finite."""
+    q, k, v = _inputs((1, 2, n, 64), n, dtype, seed=n + valid)
+    k = k.at[:, :, valid:].set(30.0)
+    v = v.at[:, :, valid:].set(1e4)
+    out = csa.splash_attention(q, k, v, block_sizes=bs, interpret=True, valid_kv_len=valid)
+    assert out.dtype == dtype and out.shape == q.shape
+    _check(out, _ref64(q, k[:, :, :valid], v[:, :, :valid]), dtype, "valid_kv_len")
+
+
+def test_valid_kv_len_validation():
+    q, k, v = _inputs((1, 1, 128, 64), 128, jnp.float32)
+    for bad in (0, 129, 12.5):
+        with pytest.raises(ValueError, match=r"valid_kv_len: expected an int in \[1, 128\]"):
+            csa.splash_attention(q, k, v, interpret=True, valid_kv_len=bad)
+
+
 # ---------------------------------------------------------------------------------------
 # Segment ids, window, k smoothing
 # ---------------------------------------------------------------------------------------
@@ -462,6 +488,55 @@ def test_sharded_real_keys_before(mesh_shape):
             real_keys_before=pad_from)
     assert set(seen) == {pad_from // 128}  # blocks 0-2 all real, block 3 holds the padding
     _check(got, want, jnp.float32, "sharded real_keys_before")
+
+
+@pytest.mark.parametrize("mesh_shape,heads", [((2, 2, 2), 8), ((1, 4, 2), 4), ((2, 4, 1), 4)],
+                         ids=["ulysses", "q-sequence", "heads"])
+def test_sharded_valid_kv_len(mesh_shape, heads):
+    """Every layout hands the kernel whole key sequences, so the global ``valid_kv_len``
+    applies unchanged: real rows equal attention over the sliced keys."""
+    mesh = _mesh(*mesh_shape)
+    n, valid = 256, 230
+    q, k, v = _inputs((2, heads, n, 64), n, jnp.float32, seed=34)
+    v = v.at[:, :, valid:].set(1e4)
+    got = jax.jit(lambda q, k, v: csa.sharded_splash_attention(
+        q, k, v, mesh=mesh, block_sizes=csa.BlockSizes(128, 128, 128), interpret=True,
+        valid_kv_len=valid))(q, k, v)
+    _check(got, _ref64(q, k[:, :, :valid], v[:, :, :valid]), jnp.float32, "sharded valid")
+
+
+def test_sdpa_declared_tail_padding_uses_valid_kv_len(torchax_env):
+    """Declared sp padding at the keys' tail, no mask: the override gives our kernel
+    ``valid_kv_len`` and no segment ids (the kernel's id-compare path never runs), and real
+    rows equal torch's SDPA over the real keys; XLA masks the same keys."""
+    import torch
+
+    s, valid = 300, 271
+    q, k, v = _torch_inputs(s, s, seed=9)
+    v[:, :, valid:] = 1e4
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, :valid], k[:, :, :valid], v[:, :, :valid]).numpy()
+    for attention in ("splash", "xla"):
+        csa.install_sdpa_override(torchax_env, attention=attention, mesh=_mesh(2, 2, 2),
+                                  block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+        token = csa.pad_self_attention_keys(s, valid)
+        flag = csa._IN_SELF_ATTENTION.set(True)
+        seen, real_kernel = [], csa._splash_kernel
+
+        def spy(*args, seen=seen, real_kernel=real_kernel, **kwargs):
+            seen.append((kwargs["kv_len"], args[4] is not None))  # (kv_len, segment ids?)
+            return real_kernel(*args, **kwargs)
+
+        csa._splash_kernel = spy
+        try:
+            got = _run_sdpa(torchax_env, q, k, v)
+        finally:
+            csa._splash_kernel = real_kernel
+            csa._IN_SELF_ATTENTION.reset(flag)
+            csa.unpad_self_attention_keys(token)
+        assert set(seen) == ({(valid, False)} if attention == "splash" else set())
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got[:, :, :valid], want, atol=2e-5, rtol=2e-5)
 
 
 def test_sdpa_real_keys_position():

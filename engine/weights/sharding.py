@@ -321,12 +321,13 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
     run on 1/sp of the tokens; attention re-shards as its backend needs (the Splash wrapper
     shards heads over ("tp", "sp"), an all-to-all). The torch model code is untouched.
 
-    Any token count works: when the shard count does not divide it, the first hook zero-pads
-    the token axis (hidden states and every per-token input ``stack.token_axes`` names, such as the
-    RoPE tables) to the next multiple, and ``custom_splash_attention.pad_self_attention_keys``
-    makes the self-attention (modules named ``stack.self_attention``) mask the padded keys
-    exactly; a forward hook after the last block slices the padding off. Padded rows are
-    never read by a real token.
+    Any token count works: when the shard count (times ``stack.token_tile``) does not divide
+    it, the first hook zero-pads the token axis (hidden states and every per-token input
+    ``stack.token_axes`` names, such as the RoPE tables) to the next multiple, and
+    ``custom_splash_attention.pad_self_attention_keys`` makes the self-attention (modules
+    named ``stack.self_attention``) mask the padded keys exactly (by length in our kernel when
+    they are the keys' tail, else by segment ids); a forward hook after the last block slices
+    the padding off. Padded rows are never read by a real token.
 
     Returns:
         the hook handles.
@@ -352,7 +353,7 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
 
     def constrain(module, args):
         hidden, *rest = args
-        n, extra = hidden.shape[1], -hidden.shape[1] % shards
+        n, extra = hidden.shape[1], -hidden.shape[1] % (shards * stack.token_tile)
         if extra:  # first block only: afterwards the count is a multiple of shards
             padding.update(valid=n, padded=n + extra,
                            token=csa.pad_self_attention_keys(n + extra, n))
