@@ -559,7 +559,8 @@ def resolve_mesh(config: RunConfig, family, n_devices: int, chip=None):
         config.layout.dp, config.layout.tp, config.layout.sp, n_devices, batch=config.video.batch,
         num_heads=family.num_heads(cfg) if cfg else None,
         tokens=family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
-        if cfg else None, prefer_sp=chip is not None and chip.name in chips.ULYSSES_DEFAULT_CHIPS)
+        if cfg else None, prefer_sp=chip is not None and chip.name in chips.ULYSSES_DEFAULT_CHIPS,
+        default_sp=chip and family.default_sp.get(chip.name))
 
 
 def encode(pipe, config: RunConfig, family, videos):

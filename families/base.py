@@ -100,6 +100,11 @@ class ModelFamily:
         lora_state_dict(tensors) -> converted state dict: diffusers' LoRA key converter for
             the family's transformer (a ``*LoraLoaderMixin.lora_state_dict``); read only when
             ``supports_lora``.
+        default_sp: {chip name: sp size} of the default layout on that chip when neither
+            --tp nor --sp is given (``engine.run.mesh.resolve_mesh_shape``): chosen where the
+            static estimate says it is faster and the dry run says every checkpoint of the
+            family fits (docs/dry_run.md). Chips of ``chips.ULYSSES_DEFAULT_CHIPS`` take all
+            of sp instead.
         supports_window: whether ``--window_size`` applies (self-attention over video tokens
             only, in the flattened frames x height x width order).
     """
@@ -149,6 +154,7 @@ class ModelFamily:
     supports_lora: bool = False
     lora_state_dict: Callable = lambda tensors: _no_lora_loader()
     supports_window: bool = False
+    default_sp: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def empty_model(cls, cfg: dict, dtype):

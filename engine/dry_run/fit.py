@@ -262,6 +262,14 @@ def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
                 largest_slice_bytes=largest)
 
 
+def _mesh_shape(config, family, cfg: dict, chip, n_devices: int, tokens: int):
+    """The run's (dp, tp, sp) on ``chip``, as a real run on that chip resolves it."""
+    return resolve_mesh_shape(config.layout.dp, config.layout.tp, config.layout.sp, n_devices,
+                              batch=config.video.batch, num_heads=family.num_heads(cfg),
+                              tokens=tokens, prefer_sp=chip.name in chips.ULYSSES_DEFAULT_CHIPS,
+                              default_sp=family.default_sp.get(chip.name))
+
+
 def dry_run(config, family) -> tuple[int, dict]:
     """Compile the denoising step and the VAE decode for ``config.dry.topology`` without a TPU.
 
@@ -287,9 +295,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     if config.dry.dry_run_layers:
         cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
     tokens = family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
-    shape = resolve_mesh_shape(config.layout.dp, config.layout.tp, config.layout.sp, len(devices),
-                               batch=config.video.batch, num_heads=family.num_heads(cfg),
-                               tokens=tokens, prefer_sp=chip.name in chips.ULYSSES_DEFAULT_CHIPS)
+    shape = _mesh_shape(config, family, cfg, chip, len(devices), tokens)
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,

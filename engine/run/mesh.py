@@ -18,7 +18,7 @@ class MeshShape:
 
 def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices: int, *,
                        batch: int, num_heads: int | None, tokens: int | None,
-                       prefer_sp: bool = False) -> MeshShape:
+                       prefer_sp: bool = False, default_sp: int | None = None) -> MeshShape:
     """Choose (dp, tp, sp) from the flags (None = choose) and the device count.
 
     Default: dp = 2 when CFG doubles the batch and the device count is even (the CFG pair splits
@@ -26,7 +26,10 @@ def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices
     head count, sp = what is left. With ``prefer_sp`` (``chips.ULYSSES_DEFAULT_CHIPS``) and
     neither --tp nor --sp given: tp = 1 and sp = the rest (Ulysses: the attention's all-to-all
     turns tokens over sp into heads over sp), when the head count divides over it; else the
-    default above.
+    default above. Otherwise, with ``default_sp`` (the family's ``default_sp`` for the chip)
+    and neither flag given: sp = ``default_sp`` and tp = the rest, when that leaves tp >= 2
+    (the weights stay split, as in the layouts the dry run checked) and the heads divide over
+    tp * sp.
 
     Args:
         batch: the transformer's batch (2 with CFG, else 1).
@@ -44,6 +47,10 @@ def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices
     if prefer_sp and tp is None and sp is None and n_devices % dp == 0 and (
             num_heads is None or num_heads % (n_devices // dp) == 0):
         tp = 1
+    elif default_sp and tp is None and sp is None and n_devices % (dp * default_sp) == 0:
+        rest = n_devices // (dp * default_sp)
+        if rest >= 2 and (num_heads is None or num_heads % (rest * default_sp) == 0):
+            tp, sp = rest, default_sp
     if tp is None:
         rest = n_devices // (dp * (sp or 1)) if n_devices % (dp * (sp or 1)) == 0 else 1
         tp = max(t for t in range(1, rest + 1)
