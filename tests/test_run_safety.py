@@ -99,7 +99,7 @@ def test_other_runtime_errors_are_not_called_oom():
      "31.25G hbm. Exceeded hbm capacity by 8.85G.", "needs 40.10G of 31.25G"),
     ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
      "temporaries (24.48G) exceeds available HBM (15.75G)",
-     "temporaries 24.48G exceed the available 15.75G"),
+     "needs 24.48G (arguments and temporaries) of 15.75G"),
     ("RESOURCE_EXHAUSTED: Out of memory allocating 1048576 bytes.", "allocating 1048576 bytes"),
     ("RESOURCE_EXHAUSTED: something else", ""),
 ])

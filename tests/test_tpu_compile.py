@@ -223,3 +223,24 @@ def test_generate_flax_mesh_fits_the_torus(topology, mesh_shape):
     mesh = make_mesh(MeshShape(*mesh_shape), devices)
     assert dict(mesh.shape) == dict(zip(("dp", "tp", "sp"), mesh_shape, strict=True))
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+
+
+def test_oom_figure_includes_the_arguments():
+    """libtpu's "HLO temporaries (X) exceeds available HBM" counts the arguments in X: 30 GiB
+    of replicated arguments and two 2 GiB buffers (the sine and the sort's output) give
+    34.00G. The dry run's row therefore takes X as the total (it once added the arguments a
+    second time: Wan 2.1 I2V 14B at dp2 x sp4 showed 63 GiB for a 32 GiB need)."""
+    from engine.dry_run import fit
+
+    mesh = _topology_mesh("v6e:2x4", (1, 1, 8))
+    n, m = 30 * 2**30 // 4, 2 * 2**30 // 4
+    x = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def f(x):
+        y = jnp.sort(jnp.sin(x[:m]))  # materialised: 2 GiB each
+        return jnp.sum(y * y[::-1])
+
+    with pytest.raises(Exception, match=r"temporaries \(34\.00G\)") as error:
+        jax.jit(f).lower(x).compile()
+    row = fit._oom_row("probe", error.value, 0.0, int(31.25 * 2**30), argument_bytes=30 * 2**30)
+    assert row["total_bytes"] == 34 * 2**30 and row["temp_bytes"] == 4 * 2**30

@@ -66,9 +66,13 @@ def _oom_row(name: str, error: Exception, seconds: float, capacity: int,
              argument_bytes: int | None = None) -> dict:
     """A compile that failed for memory, as a table row with the compiler's own figure.
 
-    libtpu words it either "... HLO temporaries (24.48G) exceeds available HBM (15.75G)"
-    (temporaries alone; ``argument_bytes``, known from the shardings, are added) or
-    "Used 40.1G of 31.25G hbm" (everything). Without a figure the total is NaN.
+    libtpu words it either "... the total memory required for HLO temporaries (34.00G)
+    exceeds available HBM (31.25G)" or "Used 40.1G of 31.25G hbm". Both figures are the
+    program's whole need, arguments included (a deviceless v6e compile with 30 GiB of
+    arguments and 4 GiB of sort buffers reports "temporaries (34.00G)":
+    ``tests/test_tpu_compile.py::test_oom_figure_includes_the_arguments``); with
+    ``argument_bytes`` known from the shardings, the temporaries are the difference.
+    Without a figure the total is NaN.
     """
     text = str(error)
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -76,8 +80,8 @@ def _oom_row(name: str, error: Exception, seconds: float, capacity: int,
     used = re.search(r"[Uu]sed ([\d.]+)([KMGT])", text)
     temp_bytes = None
     if temp:
-        temp_bytes = float(temp.group(1)) * scale[temp.group(2)]
-        need = temp_bytes + (argument_bytes or 0)
+        need = float(temp.group(1)) * scale[temp.group(2)]
+        temp_bytes = None if argument_bytes is None else max(need - argument_bytes, 0.0)
     elif used:
         need = float(used.group(1)) * scale[used.group(2)]
     else:

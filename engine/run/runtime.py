@@ -280,8 +280,9 @@ def oom_details(text: str) -> str:
     """The sizes an XLA/PJRT out-of-memory message states, as a short phrase ("" if none)."""
     size = r"([\d.]+\s?[KMGT]i?B?)"
     for pattern, fmt in (
+        # libtpu's "temporaries" figure includes the arguments (engine.dry_run.fit._oom_row).
         (rf"temporaries \({size}\) exceeds available HBM \({size}\)",
-         "temporaries {0} exceed the available {1}"),
+         "needs {0} (arguments and temporaries) of {1}"),
         (rf"[Uu]sed {size} of {size}", "needs {0} of {1}"),
         (rf"allocate {size}.*?{size} free", "allocating {0} with {1} free"),
         (rf"allocat\w* {size}", "allocating {0}"),
