@@ -54,12 +54,16 @@ def _single_process_frames(checkpoint, mesh):
     return frames
 
 
-@pytest.mark.parametrize("mesh", [(2, 4, 1), (2, 2, 2)], ids=lambda m: "dp{}-tp{}-sp{}".format(*m))
-def test_two_processes_equal_one_process(tiny_checkpoint_8h, tmp_path, mesh):
+@pytest.mark.parametrize("mesh,extra", [((2, 4, 1), []), ((2, 2, 2), []),
+                                        ((2, 2, 2), ["--park_weights", "on"])],
+                         ids=["dp2-tp4-sp1", "dp2-tp2-sp2", "dp2-tp2-sp2-parked"])
+def test_two_processes_equal_one_process(tiny_checkpoint_8h, tmp_path, mesh, extra):
+    # Parked: each weight is resharded over both hosts' devices for the decode and gathered
+    # back across them; the frames are unchanged.
     dp, tp, sp = mesh
     out = tmp_path / "out"
     procs = _launch(["--model_id", tiny_checkpoint_8h, *FLAGS, "--dp", str(dp), "--tp", str(tp),
-                     "--sp", str(sp), "--output_dir", str(out), "--save_frames"])
+                     "--sp", str(sp), "--output_dir", str(out), "--save_frames", *extra])
     results = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -74,6 +78,7 @@ def test_two_processes_equal_one_process(tiny_checkpoint_8h, tmp_path, mesh):
     # outermost its 4 devices hold one whole replica, each shared slice read once.
     assert report["weights"]["source"] == "safetensors slices"
     assert report["weights"]["bytes_read_by_this_host"] == report["weights"]["param_bytes"]
+    assert bool((report.get("park_weights") or {}).get("parked")) == bool(extra)
 
     (frames_path,) = glob.glob(str(out / "*.frames.safetensors"))
     frames = load_file(frames_path)["frames"]
