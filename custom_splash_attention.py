@@ -1489,28 +1489,33 @@ def key_padding_mask(mask, q, k):
     return jnp.broadcast_to(jnp.all(mask[:, :, 0, :], axis=1), (batch, kv_len))
 
 
+def _active_padding(k) -> KeyPadding | None:
+    """The ``pad_self_attention_keys`` declaration that applies to this call (a self-attention
+    call whose keys hold the padded tokens, with some padding), else None."""
+    pad = _KEY_PADDING.get()
+    if (pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] < pad.padded_len
+            or pad.valid_len >= pad.padded_len):
+        return None
+    return pad
+
+
 def _declared_padding(q, k):
     """(batch, kv_len) bool, False at the keys ``pad_self_attention_keys`` declared padding
     (self-attention calls only; the video tokens come first in the key sequence), else
     None."""
-    pad = _KEY_PADDING.get()
-    if pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] < pad.padded_len:
-        return None
-    if pad.valid_len >= pad.padded_len:
+    pad = _active_padding(k)
+    if pad is None:
         return None
     pos = jnp.arange(k.shape[2])
     real = (pos < pad.valid_len) | (pos >= pad.padded_len)
     return jnp.broadcast_to(real, (q.shape[0], k.shape[2]))
 
 
-def _declared_tail(q, k) -> int | None:
-    """``valid_len`` when ``pad_self_attention_keys`` declared padding for this call and the
-    padding is the key sequence's tail (the keys are the padded tokens alone), else None."""
-    pad = _KEY_PADDING.get()
-    if (pad is None or not _IN_SELF_ATTENTION.get() or k.shape[2] != pad.padded_len
-            or pad.valid_len >= pad.padded_len):
-        return None
-    return pad.valid_len
+def _declared_tail(k) -> int | None:
+    """``valid_len`` when declared padding applies to this call and is the key sequence's tail
+    (the keys are the padded tokens alone), else None."""
+    pad = _active_padding(k)
+    return pad.valid_len if pad is not None and k.shape[2] == pad.padded_len else None
 
 
 def _real_keys(q, k, mask):
@@ -1573,13 +1578,13 @@ def _sdpa(
     q, k, v = env.t2j_iso((query, key, value))
     mask = env.t2j_iso(attn_mask) if attn_mask is not None else None
     # Tail padding alone, into our kernel without a window: masked by length in the kernel
-    # (``valid_kv_len``), no segment ids.
+    # (``valid_kv_len``) instead of by segment ids; XLA (a fallback) masks ``real``.
     tail = None
     if attention == "splash" and forced is None and mask is None and not is_causal \
             and options.window_size is None:
-        tail = _declared_tail(q, k)
-    real, mask, before = (None, None, k.shape[2]) if tail is not None else _real_keys(q, k, mask)
-    segment_ids = None if real is None else _key_segment_ids(q, k, real)
+        tail = _declared_tail(k)
+    real, mask, before = _real_keys(q, k, mask)
+    segment_ids = None if real is None or tail is not None else _key_segment_ids(q, k, real)
     # The mask and K smoothing are the model's self-attention options: not for the forced
     # (VAE) scopes, and the mask not for cross-attention (q_len != kv_len).
     options = dataclasses.replace(
@@ -1617,7 +1622,6 @@ def _sdpa(
                     f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
                     f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
                 )
-            real = real if tail is None else _declared_padding(q, k)
             out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
         else:
             out = sharded_splash_attention(

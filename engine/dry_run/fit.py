@@ -237,7 +237,7 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
     resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
                                                      *vae_placed["buffers"].values()])
                 + (experts - 1) * step_weights,
-                "VAE decode": experts * step_weights + _per_chip_bytes(_leaves(inputs))
+                "VAE decode": now + _per_chip_bytes(_leaves(inputs))
                 + 2 * video_bytes,
                 "VAE encode": 0}  # image-to-video: before anything else is placed
     decision = dict(parked=False, mode=park_weights, weights_bytes_per_device=now,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 import time
 
+from engine.weights import placement
+
 MODES = ("auto", "on", "off")
 
 
@@ -55,22 +57,27 @@ def parked_spec(spec, shape: tuple, mesh):
     return spec
 
 
+def parked_sharding(arr):
+    """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
+    while parked (``parked_spec`` of its own)."""
+    from jax.sharding import NamedSharding
+
+    sh = arr.sharding
+    return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
+
+
 def weights_bytes(weights: list) -> tuple[int, int]:
     """(bytes per device now, bytes per device parked) of the placed weights ``weights``
     (dicts with ``params`` and ``buffers``: ``jax.Array``s or sharded ``ShapeDtypeStruct``s),
     the largest over devices. Works deviceless (``--dry_run``)."""
-    from jax.sharding import NamedSharding
+    import jax
 
-    now = parked = 0
-    for placed in weights:
-        for group in ("params", "buffers"):
-            for arr in placed[group].values():
-                sh = arr.sharding
-                n = arr.dtype.itemsize
-                now += math.prod(sh.shard_shape(tuple(arr.shape))) * n
-                target = NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
-                parked += math.prod(target.shard_shape(tuple(arr.shape))) * n
-    return now, parked
+    arrays = [a for placed in weights for group in ("params", "buffers")
+              for a in placed[group].values()]
+    parked = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=parked_sharding(a))
+              for a in arrays]
+    return (sum(placement.shard_bytes(a) for a in arrays),
+            sum(placement.shard_bytes(a) for a in parked))
 
 
 def should_park(mode: str, need_bytes: int, saved_bytes: int, capacity: int | None) -> bool:
@@ -151,7 +158,6 @@ def _move(weights: list, homes: dict | None) -> dict:
     """Park every weight (``homes`` None; returns each moved weight's original sharding), or
     put each back at its ``homes`` sharding. One weight at a time, its old buffer donated."""
     import jax
-    from jax.sharding import NamedSharding
 
     moved = {}
     for i, placed in enumerate(weights):
@@ -160,12 +166,10 @@ def _move(weights: list, homes: dict | None) -> dict:
             for name, arr in list(arrays.items()):
                 key = (i, group, name)
                 if homes is None:
-                    sh = arr.sharding
-                    target = NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape),
-                                                                sh.mesh))
-                    if target.is_equivalent_to(sh, arr.ndim):
+                    target = parked_sharding(arr)
+                    if target.is_equivalent_to(arr.sharding, arr.ndim):
                         continue
-                    moved[key] = sh
+                    moved[key] = arr.sharding
                 elif key in homes:
                     target = homes[key]
                 else:
