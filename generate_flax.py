@@ -50,7 +50,7 @@ from engine.files.checkpoint import (
 from engine.files.image import check_for_model, read_image
 from engine.programs import denoise, experts, parking, step_cache, transformer_step
 from engine.programs.denoise import Programs, set_timesteps, timestep_array
-from engine.run import chips, runtime
+from engine.run import chips, lowering, runtime
 from engine.run.config import (
     KernelSettings,
     RunConfig,
@@ -630,10 +630,11 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
 
 def install_attention(kernel: KernelSettings, mesh, attention: str, fallbacks) -> None:
     """Route torch SDPA to ``attention`` (our Splash kernel, JAX's, or XLA) on ``mesh``, with
-    the kernel flags' one ``AttentionOptions`` value."""
+    the kernel flags' one ``AttentionOptions`` value; RoPE's indexing without scatters."""
     import jax
     import torchax
 
+    lowering.install(torchax.default_env())
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           options=kernel.options(),
                           interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)

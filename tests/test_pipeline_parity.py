@@ -138,10 +138,12 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
     import torchax
 
     from custom_splash_attention import install_sdpa_override
+    from engine.run import lowering
     from engine.weights.sharding import place_expert
 
     mesh = make_mesh(MeshShape(1, 1, 8))
     install_sdpa_override(torchax.default_env(), attention="xla")
+    lowering.install(torchax.default_env())
     w = place_expert(args, wan.FAMILY, pipe.transformer, "transformer", mesh, None)
     inputs = {"encoder_hidden_states": jnp.asarray(
         torch.cat([pos, neg]).float().numpy()).astype(jnp.bfloat16)}

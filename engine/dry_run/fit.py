@@ -35,7 +35,7 @@ from engine.files.report import versions
 from engine.programs import parking, step_cache, vae_encode
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
-from engine.run import chips, runtime
+from engine.run import chips, lowering, runtime
 from engine.run.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.run.mesh import make_mesh, resolve_mesh_shape
 from engine.weights import lora, placement
@@ -302,6 +302,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     shape = _mesh_shape(config, family, cfg, chip, len(devices), tokens)
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
+    lowering.install(torchax.default_env())
     install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
                           options=config.kernel.options(), interpret=False)
     placed = abstract_transformer(config, family, cfg, mesh)
