@@ -864,6 +864,16 @@ def splash_attention(
                              real_keys_before=real_keys_before, valid_kv_len=valid_kv_len)
 
 
+def _scale(head_dim: int, scale) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _fold_scale(q, scale: float):
+    """q * scale * log2(e), rounded once to q's dtype: the kernel's scores are base-2 logits.
+    Under jit the multiply fuses into q's producer."""
+    return (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+
+
 def _splash_attention(
     q,
     k,
@@ -877,11 +887,16 @@ def _splash_attention(
     vmem_limit_bytes: int | None = None,
     real_keys_before: int = 0,
     valid_kv_len: int | None = None,
+    q_scaled: bool = False,
 ) -> jax.Array:
     """``splash_attention`` with ``q_offset``: the global position of q's first row.
 
     ``q_offset`` (int or traced int32 scalar, default 0) shifts query positions for the
     window mask, for q shards of a longer sequence (``sharded_splash_attention``).
+
+    ``q_scaled``: q is already ``_fold_scale(q, scale)``. The Ulysses layout scales q before
+    its all-to-all, where the multiply fuses into q's producer (Wan: the RoPE) instead of
+    costing a pass of its own after it.
     """
     _check_shapes(q, k, v)
     batch, heads, q_len, head_dim = q.shape
@@ -905,7 +920,7 @@ def _splash_attention(
         # From here on the keys end at valid_kv_len: blocks, grid and the tail mask; the
         # arrays stay as they are (their rows past it are never read, or masked).
         kv_len = int(valid_kv_len)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = _scale(head_dim, scale)
     bs = _fit_block_sizes(options.block_sizes, q_len, kv_len)
     bq, bkv = bs.block_q, bs.block_kv
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
@@ -926,7 +941,7 @@ def _splash_attention(
     # this multiply fuses into q's producer. No padding: partial last blocks are read
     # with unspecified padding (masked or discarded in the kernel), which saves HBM
     # copies of q, k and v and a slice of the output.
-    qs = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+    qs = q if q_scaled else _fold_scale(q, scale)
     vt = jnp.swapaxes(v, 2, 3)  # (batch, heads, head_dim, kv_len): MXU-native P V
     # Scalar-prefetched into SMEM: the window's index map and mask read it.
     q_offset = jnp.reshape(jnp.asarray(0 if q_offset is None else q_offset, jnp.int32), (1,))
@@ -1026,6 +1041,31 @@ def _splash_attention(
 # ---------------------------------------------------------------------------------------
 # Sharded wrapper
 # ---------------------------------------------------------------------------------------
+
+
+def _ulysses_to_heads(x, sp: int):
+    """Inside ``shard_map``: (B, H, S/sp, D) -> (B, H/sp, S, D), by one all-to-all over "sp".
+
+    The all-to-all runs on (sp, B, H/sp, S/sp, D), its chunks outermost: XLA's TPU all-to-all
+    wants the split dimension major. With it there, the copy into that order fuses into the
+    producer (Wan: the RoPE) and one copy merges the received shards. Splitting heads (axis
+    1) and concatenating the sequence (axis 2) in place, as before, cost 2-3 more passes over
+    each of q, k and v (Wan 14B 720p, dp2 x sp4 on v6e, one block's HLO from a deviceless
+    compile: layout copies 6.2 -> about 3 GB)."""
+    b, h, s, d = x.shape
+    chunks = jnp.moveaxis(x.reshape(b, sp, h // sp, s, d), 1, 0)  # (sp, B, H/sp, S/sp, D)
+    chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
+    # Axis 0 is now the sender, i.e. the sequence shard: (B, H/sp, sp, S/sp, D).
+    return jnp.moveaxis(chunks, 0, 2).reshape(b, h // sp, sp * s, d)
+
+
+def _ulysses_to_tokens(x, sp: int):
+    """Inside ``shard_map``: (B, H/sp, S, D) -> (B, H, S/sp, D), the inverse of
+    ``_ulysses_to_heads`` for ``seq_axis`` 2, with the same chunks-outermost all-to-all."""
+    b, h, s, d = x.shape
+    chunks = jnp.moveaxis(x.reshape(b, h, sp, s // sp, d), 2, 0)  # (sp, B, H/sp, S/sp, D)
+    chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
+    return jnp.moveaxis(chunks, 0, 1).reshape(b, sp * h, s // sp, d)  # sender = head group
 
 
 def sharded_splash_attention(
@@ -1131,10 +1171,9 @@ def sharded_splash_attention(
         if layout == "ulysses":
             # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
             # receive every device's sequence shard of our head group, in sequence order.
-            q, k, v = (
-                lax.all_to_all(x, "sp", split_axis=1, concat_axis=2, tiled=True)
-                for x in (q, k, v)
-            )
+            if kernel == "splash":
+                q = _fold_scale(q, _scale(q.shape[3], scale))
+            q, k, v = (_ulysses_to_heads(x, sp) for x in (q, k, v))
         if kernel == "stock_splash":
             out = stock_splash_attention(
                 q, k, v, scale=scale, block_sizes=options.block_sizes, segment_ids=seg,
@@ -1144,9 +1183,9 @@ def sharded_splash_attention(
             out = _splash_attention(q, k, v, options, scale=scale, segment_ids=seg,
                                     interpret=interpret, q_offset=offset,
                                     real_keys_before=real_keys_before,
-                                    valid_kv_len=valid_kv_len)
+                                    valid_kv_len=valid_kv_len, q_scaled=layout == "ulysses")
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
-            out = lax.all_to_all(out, "sp", split_axis=2, concat_axis=1, tiled=True)
+            out = _ulysses_to_tokens(out, sp)
         return out
 
     seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
@@ -1200,7 +1239,7 @@ def stock_splash_attention(
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = _scale(head_dim, scale)
     bs = _fit_block_sizes(block_sizes or BlockSizes(), q_len, kv_len)
     q_pad, kv_pad = _round_up(q_len, bs.block_q), _round_up(kv_len, bs.block_kv)
     segment_ids = _as_segment_ids(segment_ids)

@@ -448,6 +448,26 @@ def test_ulysses_layout_is_four_all_to_alls():
     assert fn(q, k, v).sharding.spec == P("dp", "tp", "sp", None)
 
 
+@pytest.mark.parametrize("sp", [2, 4, 8])
+def test_ulysses_chunks_outermost_equals_in_place_all_to_all(sp):
+    # The wrapper's all-to-all runs on (sp, B, H/sp, S/sp, D); the reference is the in-place
+    # form it replaced (split heads, concatenate the sequence), and its exact inverse.
+    mesh = _mesh(8 // sp, 1, sp)
+    x = jnp.arange(8 // sp * 8 * 24 * 4, dtype=jnp.float32).reshape(8 // sp, 8, 24, 4)
+    x = jax.device_put(x, NamedSharding(mesh, P("dp", None, "sp", None)))
+
+    def both(x):
+        want = jax.lax.all_to_all(x, "sp", split_axis=1, concat_axis=2, tiled=True)
+        got = csa._ulysses_to_heads(x, sp)
+        return got, want, csa._ulysses_to_tokens(got, sp)
+
+    spec = P("dp", None, "sp", None)
+    got, want, back = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec,),
+                                            out_specs=(spec, spec, spec)))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
 @pytest.mark.parametrize("mesh_shape,kv_len", [((1, 4, 2), 128), ((1, 2, 4), 256)],
                          ids=["q-sequence", "ulysses"])
 def test_sharded_segment_ids(mesh_shape, kv_len):
