@@ -1061,7 +1061,7 @@ def _ulysses_to_heads(x, sp: int):
 
 def _ulysses_to_tokens(x, sp: int):
     """Inside ``shard_map``: (B, H/sp, S, D) -> (B, H, S/sp, D), the inverse of
-    ``_ulysses_to_heads`` for ``seq_axis`` 2, with the same chunks-outermost all-to-all."""
+    ``_ulysses_to_heads``, with the same chunks-outermost all-to-all."""
     b, h, s, d = x.shape
     chunks = jnp.moveaxis(x.reshape(b, h, sp, s // sp, d), 2, 0)  # (sp, B, H/sp, S/sp, D)
     chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
