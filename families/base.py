@@ -107,6 +107,9 @@ class ModelFamily:
             of sp instead.
         supports_window: whether ``--window_size`` applies (self-attention over video tokens
             only, in the flattened frames x height x width order).
+        device_image_encode: whether ``encode_image`` VAE-encodes the condition on the
+            devices with ``engine.programs.vae_encode`` (Wan), so the dry run compiles and
+            sizes that encode; False where it is encoded on the host (HunyuanVideo-1.5).
     """
 
     name: str
@@ -155,6 +158,7 @@ class ModelFamily:
     lora_state_dict: Callable = lambda tensors: _no_lora_loader()
     supports_window: bool = False
     default_sp: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    device_image_encode: bool = False
 
 
 def empty_model(cls, cfg: dict, dtype):

@@ -770,4 +770,5 @@ FAMILY = ModelFamily(
     # TI2V-5B 0.328 -> 0.287, 1.3B 480p 0.183 -> 0.150), and every Wan checkpoint fits by the
     # dry run (A14B T2V/I2V with --park_weights auto); docs/dry_run.md.
     default_sp={"v6e": 2},
+    device_image_encode=True,
 )

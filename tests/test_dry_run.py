@@ -194,3 +194,21 @@ def test_i2v_dry_run_compiles_the_vae_encode(tmp_path):
     (n,) = [n for rule, n in report["sharding_rule_matches"].items()
             if "add_k_proj" in rule and "weight" in rule]
     assert n == 2 * 5120 * 5120
+
+
+def test_hunyuan_i2v_dry_run_has_no_device_encode(tmp_path):
+    """HunyuanVideo-1.5 I2V encodes its condition on the host (the encode stage), so the dry
+    run sizes the step and the decode only: it once compiled Wan's device encoder for it,
+    failed, and reported "does not fit" (exit 3)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "generate_flax.py"),
+         "--model_id", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v",
+         "--dry_run", "--topology", "v5e:2x2", "--dry_run_layers", "1", "--height", "64",
+         "--width", "128", "--frames", "5", "--output_dir", str(tmp_path), "--no_plots"],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "*_dry_run.json"))
+    programs = [row["program"] for row in json.loads(open(path).read())["per_chip"]]
+    assert programs[0] == "transformer step" and programs[1].startswith("VAE decode")
+    assert not any("encode" in p for p in programs), programs

@@ -185,14 +185,15 @@ def _vae_rows(config, decoder, latents, capacity: int) -> list:
 def _encode_rows(config, family, vae, devices, capacity: int) -> list:
     """Image-to-video: the chunked VAE encode of the conditioning video (``engine/
     vae_encode.py``), on its own all-device mesh as a run builds it. It runs before the
-    transformer is placed, so nothing else is resident."""
+    transformer is placed, so nothing else is resident. None for a family that encodes on
+    the host (``ModelFamily.device_image_encode``)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
     mode = family.image_mode(config.model.model_id)
-    if config.dry.dry_run_skip_vae or mode == "none" or (
+    if config.dry.dry_run_skip_vae or not family.device_image_encode or mode == "none" or (
             mode == "optional" and not config.video.image):
         return []
     print(f"compiling the VAE encode for {config.dry.topology}...", flush=True)
