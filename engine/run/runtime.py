@@ -106,8 +106,9 @@ def quiet_known_warnings() -> None:
     """Silence three warnings that are understood and harmless, so real ones stay visible."""
     import warnings
 
-    # torchax writes float32 RoPE products into a bf16 buffer through a JAX scatter; torch casts
-    # on assignment too, so the values are the ones diffusers computes.
+    # torchax writes float32 RoPE products into a bf16 buffer through a JAX scatter where
+    # engine.run.lowering is not installed (or declines the key); torch casts on assignment
+    # too, so the values are the ones diffusers computes.
     warnings.filterwarnings("ignore", message="scatter inputs have incompatible types",
                             category=FutureWarning)
     # torch int64 indices become int32 under JAX's default x64=False; our sizes are far below 2^31.
