@@ -70,11 +70,12 @@ from engine.run.errors import (
     fail,
     first_line,
 )
-from engine.run.mesh import make_mesh, resolve_mesh_shape
+from engine.run.mesh import make_mesh
 from engine.serve import flags as serving
 from engine.serve.app import serve
 from engine.serve.model import Stages
 from engine.weights import lora, placement, sharding
+from engine.weights.layout import resolve_run_mesh
 from engine.weights.sharding import Fallbacks, place_module
 from families import FAMILIES, detect_family
 
@@ -555,12 +556,7 @@ def resolve_mesh(config: RunConfig, family, n_devices: int, chip=None):
     raises ``UsageError`` naming the flag."""
     cfg = None if config.run.stage == "decode" else read_component_config(config.model.model_id,
                                                                       "transformer")
-    return resolve_mesh_shape(
-        config.layout.dp, config.layout.tp, config.layout.sp, n_devices, batch=config.video.batch,
-        num_heads=family.num_heads(cfg) if cfg else None,
-        tokens=family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
-        if cfg else None, prefer_sp=chip is not None and chip.name in chips.ULYSSES_DEFAULT_CHIPS,
-        default_sp=chip and family.default_sp.get(chip.name))
+    return resolve_run_mesh(config, family, cfg, n_devices, chip)
 
 
 def encode(pipe, config: RunConfig, family, videos):

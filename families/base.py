@@ -101,10 +101,11 @@ class ModelFamily:
             the family's transformer (a ``*LoraLoaderMixin.lora_state_dict``); read only when
             ``supports_lora``.
         default_sp: {chip name: sp size} of the default layout on that chip when neither
-            --tp nor --sp is given (``engine.run.mesh.resolve_mesh_shape``): chosen where the
-            static estimate says it is faster and the dry run says every checkpoint of the
-            family fits (docs/dry_run.md). Chips of ``chips.ULYSSES_DEFAULT_CHIPS`` take all
-            of sp instead.
+            --tp nor --sp is given and the chip does not take Ulysses for this checkpoint
+            (``engine.run.mesh.resolve_run_mesh``; ``chips.prefers_ulysses`` gives tp 1 and
+            all of sp where the replicated weights leave room): chosen where the static
+            estimate says it is faster and the dry run says every such checkpoint fits
+            (docs/dry_run.md).
         supports_window: whether ``--window_size`` applies (self-attention over video tokens
             only, in the flattened frames x height x width order).
         device_image_encode: whether ``encode_image`` VAE-encodes the condition on the

@@ -765,10 +765,11 @@ FAMILY = ModelFamily(
     supports_lora=True,
     lora_state_dict=lora_state_dict,
     supports_window=True,
-    # v6e: dp2 x tp2 x sp2 on v6e-8 (tp2 x sp2 for any v6e slice whose tp stays >= 2). By the
-    # static estimate it beats dp2 x tp4 on every Wan size (14B 720p 3.50 -> 3.26 s/step,
-    # TI2V-5B 0.328 -> 0.287, 1.3B 480p 0.183 -> 0.150), and every Wan checkpoint fits by the
-    # dry run (A14B T2V/I2V with --park_weights auto); docs/dry_run.md.
+    # v6e, for the checkpoints whose replicated weights are too large for Ulysses
+    # (chips.ULYSSES_WEIGHT_FRACTION: Wan 2.1 I2V 14B, the Wan 2.2 A14B pairs): dp2 x tp2 x sp2
+    # on v6e-8 (tp2 x sp2 for any v6e slice whose tp stays >= 2). By the static estimate it
+    # beats dp2 x tp4 (14B 720p 3.46 -> 3.21 s/step), and those checkpoints fit by the dry run
+    # (A14B T2V/I2V with --park_weights auto); docs/dry_run.md.
     default_sp={"v6e": 2},
     device_image_encode=True,
 )

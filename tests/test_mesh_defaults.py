@@ -1,11 +1,14 @@
 """``resolve_mesh_shape``'s defaults (engine/run/mesh.py): the CFG pair over dp, heads over tp,
-and on the chips of ``chips.ULYSSES_DEFAULT_CHIPS`` Ulysses sequence parallelism instead."""
+and Ulysses sequence parallelism where ``chips.prefers_ulysses`` says so for the chip and the
+checkpoint's replicated weights."""
 
 import pytest
+import torch
 
 from engine.run import chips
 from engine.run.errors import UsageError
 from engine.run.mesh import MeshShape, resolve_mesh_shape
+from engine.weights.layout import resident_weight_bytes
 
 WAN14B = dict(num_heads=40, tokens=75600)
 
@@ -61,18 +64,68 @@ def test_bad_product_names_the_flags():
         resolve_mesh_shape(2, 2, 3, 8, batch=2, **WAN14B)
 
 
-def test_v6e_default_is_dp2_tp2_sp2_for_wan_and_dp2_tp4_for_hunyuan():
-    # The families' default_sp, through the script's own resolution (configs/ ships both).
+def test_prefers_ulysses_by_chip_and_replicated_weights():
+    v6e, v5e, tpu7x = chips.CHIPS["v6e"], chips.CHIPS["v5e"], chips.CHIPS["tpu7x"]
+    limit = chips.ULYSSES_WEIGHT_FRACTION["v6e"] * v6e.usable_hbm_bytes
+    assert chips.prefers_ulysses(v6e, int(limit))
+    assert not chips.prefers_ulysses(v6e, int(limit) + 1)
+    assert not chips.prefers_ulysses(v6e, None)  # unknown weights: the family's default_sp
+    assert chips.prefers_ulysses(tpu7x, None) and chips.prefers_ulysses(tpu7x, 10**12)
+    assert not chips.prefers_ulysses(v5e, 1) and not chips.prefers_ulysses(None, 1)
+
+
+def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
+    # Through the script's own resolution, from the configs/ the repo ships: Ulysses (tp 1)
+    # where the replicated weights leave room on v6e (Wan 2.1 T2V 14B 26.67 GiB,
+    # HunyuanVideo-1.5 15.51), the family's default_sp where they do not (Wan 2.1 I2V 14B
+    # 30.59 GiB, an A14B pair 53.3), and head-sharded tp on v5e.
     import generate_flax as gf
     from families import FAMILIES
 
     v6e, v5e = chips.CHIPS["v6e"], chips.CHIPS["v5e"]
     for model_id, family, on_v6e in (
-            ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
+            ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2.1", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
             ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
+            ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
             ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v", "hunyuanvideo1.5",
-             MeshShape(2, 4, 1))):
+             MeshShape(2, 1, 4)),
+            ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v", "hunyuanvideo1.5",
+             MeshShape(2, 1, 4))):
         config = gf.validate_args(gf.parse_args(["--model_id", model_id, "--dry_run",
                                                  "--topology", "v6e:2x4"]))
         assert gf.resolve_mesh(config, FAMILIES[family], 8, v6e) == on_v6e, model_id
         assert gf.resolve_mesh(config, FAMILIES[family], 8, v5e) == MeshShape(2, 4, 1)
+
+
+@pytest.mark.parametrize("family", ["wan2.1", "hunyuanvideo1.5"])
+def test_resident_weight_bytes_equals_the_loaded_transformer(family, tiny_checkpoint,
+                                                             hunyuan_checkpoint):
+    # The meta-device count against the transformer diffusers loads from the checkpoint's
+    # safetensors in bfloat16, Wan's float32-kept parameters (norms, scale_shift_table)
+    # included.
+    from engine.files.checkpoint import read_component_config
+    from families import FAMILIES
+
+    path = tiny_checkpoint if family == "wan2.1" else hunyuan_checkpoint
+    params = list(loaded_transformer(path, "transformer").parameters())
+    kept = {torch.bfloat16, torch.float32} if family == "wan2.1" else {torch.bfloat16}
+    assert {p.dtype for p in params} == kept
+    cfg = read_component_config(path, "transformer")
+    assert resident_weight_bytes(FAMILIES[family], path, cfg, "bfloat16") == sum(
+        p.numel() * p.element_size() for p in params)
+
+
+def loaded_transformer(path: str, subfolder: str):
+    """``subfolder``'s model as diffusers' ``from_pretrained`` loads it in bfloat16."""
+    import json
+    import os
+
+    import diffusers
+
+    with open(os.path.join(path, "model_index.json")) as f:
+        cls = getattr(diffusers, json.load(f)[subfolder][1])
+    return cls.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.bfloat16,
+                               use_safetensors=True)

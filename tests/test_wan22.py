@@ -12,7 +12,7 @@ import torch
 
 import generate_flax
 from engine.files.checkpoint import expert_count
-from families import wan
+from families import FAMILIES, wan
 
 # Latent width 128 / 8 (Wan 2.1 VAE) or 128 / 16 (Wan 2.2 VAE) splits over 8 devices, so
 # the decode on the 8-device mesh is width-sharded too.
@@ -119,6 +119,22 @@ def test_two_expert_defaults_and_refusals(two_expert_checkpoint, tiny_checkpoint
     with pytest.raises(UsageError, match=r"--cache='magcache': no calibrated ratios"):
         generate_flax.validate_args(generate_flax.parse_args(
             ["--model_id", two_expert_checkpoint, "--cache", "magcache"]))
+
+
+def test_resident_weight_bytes_count_both_experts(two_expert_checkpoint):
+    # What the v6e default layout weighs (chips.prefers_ulysses): both experts, as diffusers
+    # loads them in bfloat16.
+    from test_mesh_defaults import loaded_transformer
+
+    from engine.files.checkpoint import read_component_config
+    from engine.weights.layout import resident_weight_bytes
+
+    loaded = sum(p.numel() * p.element_size()
+                 for name in ("transformer", "transformer_2")
+                 for p in loaded_transformer(two_expert_checkpoint, name).parameters())
+    cfg = read_component_config(two_expert_checkpoint, "transformer")
+    assert resident_weight_bytes(FAMILIES["wan2.1"], two_expert_checkpoint, cfg,
+                                 "bfloat16") == loaded
 
 
 def test_ti2v_matches_diffusers(ti2v_checkpoint):

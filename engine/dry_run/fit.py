@@ -37,8 +37,9 @@ from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
 from engine.run.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
-from engine.run.mesh import make_mesh, resolve_mesh_shape
+from engine.run.mesh import make_mesh
 from engine.weights import lora, placement
+from engine.weights.layout import resolve_run_mesh
 
 
 class _Skipped(Exception):
@@ -267,14 +268,6 @@ def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
                 largest_slice_bytes=largest)
 
 
-def _mesh_shape(config, family, cfg: dict, chip, n_devices: int, tokens: int):
-    """The run's (dp, tp, sp) on ``chip``, as a real run on that chip resolves it."""
-    return resolve_mesh_shape(config.layout.dp, config.layout.tp, config.layout.sp, n_devices,
-                              batch=config.video.batch, num_heads=family.num_heads(cfg),
-                              tokens=tokens, prefer_sp=chip.name in chips.ULYSSES_DEFAULT_CHIPS,
-                              default_sp=family.default_sp.get(chip.name))
-
-
 def dry_run(config, family) -> tuple[int, dict]:
     """Compile the denoising step and the VAE decode for ``config.dry.topology`` without a TPU.
 
@@ -297,10 +290,10 @@ def dry_run(config, family) -> tuple[int, dict]:
     folder = model_config_dir(config.model.model_id)
     cfg = read_component_config(config.model.model_id, "transformer")
     vae_cfg = read_component_config(config.model.model_id, "vae")
+    shape = resolve_run_mesh(config, family, cfg, len(devices), chip)  # all layers' weights
     if config.dry.dry_run_layers:
         cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
     tokens = family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
-    shape = _mesh_shape(config, family, cfg, chip, len(devices), tokens)
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     lowering.install(torchax.default_env())

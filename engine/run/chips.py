@@ -62,12 +62,36 @@ CHIPS = {
 # Chips whose MXU width and clock ``--estimate`` knows (engine/dry_run/estimate.py).
 ESTIMATE_CHIPS = ("v5e", "v6e", "tpu7x")
 # Chips whose default layout is Ulysses sequence parallelism (tp 1, sp = what dp leaves)
-# rather than head-sharded tp: where the estimate says it wins and the weights, replicated
-# over sp, leave room. tpu7x (issue #33): Wan 14B 720p x 81 on tpu7x:2x2x1, dp2 x sp4 2.42
-# s/step against dp2 x tp4 (estimates, docs/dry_run.md), 94.75 GiB per TensorCore. v6e wins
-# too (3.31 against 3.52) but its 31.25 GiB hold the replicated 28.6 GB of a 14B expert with
-# little to spare, and a Wan 2.2 A14B pair not at all, so it keeps tp by default.
+# rather than head-sharded tp, for every checkpoint: tpu7x (issue #33), where Wan 14B 720p x 81
+# on tpu7x:2x2x1 is 2.34 s/step at dp2 x sp4 against 2.94 at dp2 x tp4 (estimates,
+# docs/dry_run.md) and 94.75 GiB per TensorCore hold even a Wan 2.2 A14B pair replicated.
 ULYSSES_DEFAULT_CHIPS = ("tpu7x",)
+# Chips whose default is Ulysses when the replicated transformer weights (every resident
+# expert) take at most this fraction of a device's usable HBM. v6e: Ulysses wins on every
+# family by the estimate (Wan 14B 720p dp2 x sp4 2.98 s/step against 3.21 at dp2 x tp2 x sp2,
+# HunyuanVideo-1.5 720p x 121 3.39 against 3.59 at dp2 x tp4), but 31.25 GiB leave little
+# room: Wan 2.1 T2V 14B's 26.67 GiB (85%) fit with the activations (step 28.79 GiB on
+# v6e:2x4 by the dry run), Wan 2.1 I2V 14B's 30.59 GiB (98%) do not (32.44), nor do a
+# Wan 2.2 A14B pair's 53.3. 87.5% sits between them and leaves 3.9 GiB for activations.
+ULYSSES_WEIGHT_FRACTION = {"v6e": 0.875}
+
+
+def prefers_ulysses(chip: Chip | None, weight_bytes: int | None) -> bool:
+    """Whether the default layout on ``chip`` is Ulysses (tp 1, sp = what dp leaves).
+
+    Args:
+        chip: the run's chip (None off TPU: False).
+        weight_bytes: the transformer weights one device holds when they are replicated,
+            every resident expert included (``engine.run.mesh.resident_weight_bytes``), or
+            None when unknown (then only ``ULYSSES_DEFAULT_CHIPS`` prefer it).
+    """
+    if chip is None:
+        return False
+    if chip.name in ULYSSES_DEFAULT_CHIPS:
+        return True
+    fraction = ULYSSES_WEIGHT_FRACTION.get(chip.name)
+    return (fraction is not None and weight_bytes is not None
+            and weight_bytes <= fraction * chip.usable_hbm_bytes)
 
 
 def chip_for_device_kind(device_kind: str) -> Chip | None:

@@ -23,13 +23,13 @@ def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices
 
     Default: dp = 2 when CFG doubles the batch and the device count is even (the CFG pair splits
     over dp, as earlier Wan TPU ports do), tp = the largest divisor of the rest that divides the
-    head count, sp = what is left. With ``prefer_sp`` (``chips.ULYSSES_DEFAULT_CHIPS``) and
-    neither --tp nor --sp given: tp = 1 and sp = the rest (Ulysses: the attention's all-to-all
-    turns tokens over sp into heads over sp), when the head count divides over it; else the
-    default above. Otherwise, with ``default_sp`` (the family's ``default_sp`` for the chip)
-    and neither flag given: sp = ``default_sp`` and tp = the rest, when that leaves tp >= 2
-    (the weights stay split, as in the layouts the dry run checked) and the heads divide over
-    tp * sp.
+    head count, sp = what is left. With ``prefer_sp`` (``engine.weights.layout`` sets it by
+    ``chips.prefers_ulysses``) and neither --tp nor --sp given: tp = 1 and sp = the rest
+    (Ulysses: the attention's all-to-all turns tokens over sp into heads over sp), when the
+    head count divides over it; else the default above. Otherwise, with ``default_sp`` (the
+    family's ``default_sp`` for the chip) and neither flag given: sp = ``default_sp`` and
+    tp = the rest, when that leaves tp >= 2 (the weights stay split, as in the layouts the dry
+    run checked) and the heads divide over tp * sp.
 
     Args:
         batch: the transformer's batch (2 with CFG, else 1).

@@ -1,0 +1,51 @@
+"""The run's default layout: Ulysses where the checkpoint's replicated weights leave room.
+
+``resolve_run_mesh`` is where the run (``generate_flax.resolve_mesh``, the server) and the dry
+run choose (dp, tp, sp), so that a dry run predicts the run's layout. It weighs the
+transformer from its config alone (meta tensors), before any weight is read.
+"""
+
+from __future__ import annotations
+
+from engine.files.checkpoint import expert_count, read_model_index
+from engine.run import chips
+from engine.run.mesh import MeshShape, resolve_mesh_shape
+
+
+def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str) -> int:
+    """Bytes of transformer weights one device holds when they are replicated.
+
+    Every parameter of ``family.empty_transformer(cfg, dtype)`` (meta tensors: no RAM, about
+    0.3 s for a 14B config) at the dtype a run loads it in (``dtype``, float32 where
+    ``from_pretrained`` keeps it), times the experts that stay resident
+    (``checkpoint.expert_count``: 2 for Wan 2.2 A14B). Wan 2.1 T2V 14B in bfloat16:
+    26.67 GiB; its I2V: 30.59; HunyuanVideo-1.5: 15.51.
+    """
+    import torch
+
+    model = family.empty_transformer(cfg, getattr(torch, dtype))
+    one = sum(p.numel() * p.element_size() for p in model.parameters())
+    return one * expert_count(read_model_index(model_id))
+
+
+def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> MeshShape:
+    """The (dp, tp, sp) of a run of ``config`` (a ``RunConfig``) on ``n_devices`` devices of
+    ``chip`` (a ``chips.Chip``, None off TPU): the --dp/--tp/--sp flags, and for those left
+    unset the defaults of ``resolve_mesh_shape``, with Ulysses where ``chips.prefers_ulysses``
+    says so for this checkpoint's replicated weights. ``cfg``: the transformer config (None
+    when the stage loads no transformer; then only the chip decides). The run and the dry run
+    both resolve their mesh here, so a dry run predicts the run's layout.
+
+    Raises:
+        UsageError: naming --dp/--tp/--sp and the rule they break.
+    """
+    layout, video = config.layout, config.video
+    weighed = cfg is not None and chip is not None and chip.name in chips.ULYSSES_WEIGHT_FRACTION
+    weights = resident_weight_bytes(family, config.model.model_id, cfg,
+                                    config.model.dtype) if weighed else None
+    return resolve_mesh_shape(
+        layout.dp, layout.tp, layout.sp, n_devices, batch=video.batch,
+        num_heads=family.num_heads(cfg) if cfg else None,
+        tokens=family.token_count(cfg, video.height, video.width, video.frames) if cfg else None,
+        prefer_sp=chips.prefers_ulysses(chip, weights),
+        default_sp=chip and family.default_sp.get(chip.name))
