@@ -446,7 +446,7 @@ def generate(config: RunConfig, devices=None, on_video=None):
             dataclasses.asdict(v) for v in config.run.videos])
 
     mesh, fallbacks = make_mesh(mesh_shape, devices), Fallbacks()
-    oom_hint = reporting.dry_run_command(config, devices, mesh_shape)
+    oom_hint = reporting.oom_hint(config, devices, mesh_shape)
     programs, latents0, placed = prepare_programs(
         for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged[0], attention,
         fallbacks, oom_hint, timings)

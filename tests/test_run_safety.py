@@ -69,8 +69,12 @@ def test_self_check_catches_an_unmasked_tail():
     assert not result["passed"] and result["max_abs_error"] > result["tolerance"]
 
 
+@pytest.mark.parametrize("mesh,split", [((), None), (("--dp", "2", "--tp", "1", "--sp", "4"),
+                                                    "--tp 2 --sp 2 splits it")])
 def test_device_oom_is_one_line_naming_stage_bytes_and_dry_run(tiny_checkpoint, tmp_path,
-                                                               capsys, monkeypatch):
+                                                               capsys, monkeypatch, mesh, split):
+    # At tp 1 (Ulysses: the whole transformer on every chip) the line also names the flags
+    # that split the weights.
     def oom(*args, **kwargs):
         raise jax.errors.JaxRuntimeError(
             "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate "
@@ -78,13 +82,14 @@ def test_device_oom_is_one_line_naming_stage_bytes_and_dry_run(tiny_checkpoint, 
 
     monkeypatch.setattr(gf, "compile_transformer", oom)
     out = tmp_path / "out"
-    code, lines = _cli(capsys, ["--model_id", tiny_checkpoint, *SMALL, "--output_dir",
+    code, lines = _cli(capsys, ["--model_id", tiny_checkpoint, *SMALL, *mesh, "--output_dir",
                                 str(out)])
     assert code == 1 and len(lines) == 1, lines
     line = lines[0]
     assert "out of device memory while compiling the transformer step" in line
     assert "allocating 12.50G with 3.10G free" in line
     assert "--dry_run --topology" in line and "--height 64 --width 96 --frames 9" in line
+    assert (split in line) if split else ("splits it" not in line)
     assert not os.listdir(out)
 
 

@@ -217,3 +217,14 @@ def dry_run_command(config, devices, mesh_shape=None) -> str:
     if mesh_shape is not None:
         flags += [f"--{k} {v}" for k, v in dataclasses.asdict(mesh_shape).items()]
     return f"python generate_flax.py {' '.join(flags)} --dry_run --topology {topology}"
+
+
+def oom_hint(config, devices, mesh_shape) -> str:
+    """What a device out-of-memory error adds (``runtime.hardware_errors``): the ``--dry_run``
+    command, and at tp 1 with sp (Ulysses: every chip holds the whole transformer, the v6e
+    default where the weights leave room) the flags that split the weights instead."""
+    hint = dry_run_command(config, devices, mesh_shape)
+    if mesh_shape.tp == 1 and mesh_shape.sp % 2 == 0:
+        hint += (f"; at --tp 1 every chip holds the whole transformer, --tp 2 "
+                 f"--sp {mesh_shape.sp // 2} splits it")
+    return hint

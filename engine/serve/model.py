@@ -204,7 +204,7 @@ def build(config, family, stages: Stages, devices=None) -> WarmModel:
     pipe = family.load_pipeline(config, family.components["all"])
     load_s = time.perf_counter() - t0
     model = WarmModel(config, family, stages, pipe, make_mesh(shapes[0], devices), devices,
-                      reporting.dry_run_command(configs[0], devices, shapes[0]))
+                      reporting.oom_hint(configs[0], devices, shapes[0]))
     _compile_buckets(model, configs, attention)
     model.timings = dict(
         load_s=load_s, buckets={k: b.timings for k, b in model.buckets.items()},
