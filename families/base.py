@@ -102,7 +102,7 @@ class ModelFamily:
             ``supports_lora``.
         default_sp: {chip name: sp size} of the default layout on that chip when neither
             --tp nor --sp is given and the chip does not take Ulysses for this checkpoint
-            (``engine.run.mesh.resolve_run_mesh``; ``chips.prefers_ulysses`` gives tp 1 and
+            (``engine.weights.layout.resolve_run_mesh``; ``chips.prefers_ulysses`` gives tp 1 and
             all of sp where the replicated weights leave room): chosen where the static
             estimate says it is faster and the dry run says every such checkpoint fits
             (docs/dry_run.md).

@@ -82,7 +82,7 @@ def prefers_ulysses(chip: Chip | None, weight_bytes: int | None) -> bool:
     Args:
         chip: the run's chip (None off TPU: False).
         weight_bytes: the transformer weights one device holds when they are replicated,
-            every resident expert included (``engine.run.mesh.resident_weight_bytes``), or
+            every resident expert included (``engine.weights.layout.resident_weight_bytes``), or
             None when unknown (then only ``ULYSSES_DEFAULT_CHIPS`` prefer it).
     """
     if chip is None:
