@@ -120,12 +120,10 @@ def test_resident_weight_bytes_equals_the_loaded_transformer(family, tiny_checkp
 
 def loaded_transformer(path: str, subfolder: str):
     """``subfolder``'s model as diffusers' ``from_pretrained`` loads it in bfloat16."""
-    import json
-    import os
-
     import diffusers
 
-    with open(os.path.join(path, "model_index.json")) as f:
-        cls = getattr(diffusers, json.load(f)[subfolder][1])
+    from engine.files.checkpoint import read_model_index
+
+    cls = getattr(diffusers, read_model_index(path)[subfolder][1])
     return cls.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.bfloat16,
                                use_safetensors=True)
