@@ -1,18 +1,19 @@
 """Text-to-video on JAX (TPU first): diffusers' PyTorch models through torchax, with our
 Splash attention kernel. The one script users run.
 
-It reads as one generation, top to bottom:
-    1. flags and validation      parse_args -> validate_args (a frozen RunConfig)
-    2. detect the family         families.detect_family (model_index.json's _class_name)
-    3. load                      family.load_pipeline (transformer with meta weights)
-    4. encode on CPU             encode (text encoders, then freed)
-    5. mesh                      resolve_mesh -> engine.run.mesh.make_mesh
-    6. place                     sharding.place_expert, place_model_inputs, prepare_decode
-    7. compile                   engine.programs.transformer_step, ChunkedDecoder.compile (AOT)
-    8. warmup and timed runs     engine.programs.denoise.warmup / run_benchmark
-    9. decode                    inside each timed run (the VAE decode program)
-    10. save                     save_outputs (mp4 + JSON, atomically)
-    11. summary                  engine.files.report.print_summary
+It reads as one generation, top to bottom (``generate``), each stage a call to the engine:
+    1. flags and validation      parse_args -> validate_args (a frozen RunConfig), before any
+                                 model loads; the family from model_index.json's _class_name
+    2. check the checkpoint      engine.files.integrity (headers and sizes, no weights read)
+    3. prologue                  Generation(...): runtime, devices, chip, blocks, mesh, kernel
+                                 self-check (engine.pipeline.prologue)
+    4. load                      run.load(): transformer weights stay on the meta device
+    5. encode on CPU             run.encode(): text (and image) encoders, then freed
+    6. place, route, compile     run.compile(): weights and inputs onto the mesh, torch SDPA
+                                 to the kernel, the step and the VAE decode compiled AOT
+    7. warmup                    run.warm_up(): every program once
+    8. timed runs                run.time_videos(): steady state, each video written when done
+    9. report and summary        run.finish(), engine.files.report
 
 Family-specific code (pipeline, encoders, transformer call, sharding rules, VAE decode) is in
 ``families/``; the engine (mesh, placement, kernel routing, compile, benchmark protocol,
@@ -32,29 +33,20 @@ Example (CPU, tiny checkpoint):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
-import time
 
-from custom_splash_attention import default_attention_backend, install_sdpa_override
 from engine.dry_run.fit import run_dry
-from engine.files import integrity, staging, videos
+from engine.files import integrity, videos
 from engine.files import report as reporting
-from engine.files.checkpoint import (
-    looks_local,
-    model_config_dir,
-    read_component_config,
-)
-from engine.files.image import check_for_model, read_image
-from engine.programs import denoise, experts, parking, step_cache, transformer_step
-from engine.programs.denoise import Programs, set_timesteps, timestep_array
-from engine.run import chips, lowering, runtime
+from engine.files.checkpoint import looks_local, model_config_dir
+from engine.files.image import check_for_model
+from engine.pipeline import Generation
+from engine.programs import experts, parking, step_cache
+from engine.run import runtime
 from engine.run.config import (
-    KernelSettings,
     RunConfig,
-    RunSettings,
     check_attention_options,
     check_numbers,
     check_size,
@@ -70,13 +62,9 @@ from engine.run.errors import (
     fail,
     first_line,
 )
-from engine.run.mesh import make_mesh
 from engine.serve import flags as serving
 from engine.serve.app import serve
-from engine.serve.model import Stages
-from engine.weights import lora, placement, sharding
-from engine.weights.layout import resolve_run_mesh
-from engine.weights.sharding import Fallbacks, place_module
+from engine.weights import lora
 from families import FAMILIES, detect_family
 
 # Engine defaults in one place; the model-specific ones (prompt, size, frames, steps, guidance,
@@ -96,10 +84,7 @@ DEFAULTS = dict(
     compilation_cache_dir=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "wan-flax", "jax-compilation-cache"),
-    # Splash blocks: None = the chip's default (custom_splash_attention.DEFAULT_BLOCK_SIZES).
-    bq=None,
-    bkv=None,
-    bkv_compute=None,
+    bq=None, bkv=None, bkv_compute=None,  # Splash blocks: None = the chip's (default_block_sizes)
     park_weights="auto",
 )
 FAMILY_FLAGS = ("prompt", "negative_prompt", "height", "width", "frames", "fps",
@@ -394,304 +379,7 @@ def _validate_model(args) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3-9. One generation
-# ---------------------------------------------------------------------------------------------
-
-
-def generate(config: RunConfig, devices=None, on_video=None):
-    """Run the stages ``config.run.stage`` selects; returns (frames or None, report).
-
-    ``all`` runs everything in memory; ``encode`` / ``denoise`` / ``decode`` each load only
-    their own component and read/write intermediates in ``config.run.work_dir``. ``devices``
-    (default: all of ``jax.devices()``) lets tests build smaller meshes. With many videos
-    (``config.run.videos``: --prompts_file / --seeds) everything is placed and compiled once and
-    ``on_video(video, frames)`` is called as each video is done.
-
-    frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``; the last video's). report:
-    the JSON report's content without output file names.
-    """
-    runtime.configure_jax_platform()
-    runtime.quiet_known_warnings()
-    import jax
-
-    family, stage = FAMILIES[config.model.family], config.run.stage
-    cache_on = runtime.enable_compilation_cache(config.run.compilation_cache_dir)
-    cache_before = dict(runtime.CACHE_STATS)
-    devices = jax.devices() if devices is None else list(devices)
-    config, staged = staging.read_intermediates(config, family)
-    chip = chips.chip_for_device_kind(devices[0].device_kind)
-    config = config.resolve_block_sizes(chip.name if chip else None)
-    mesh_shape = resolve_mesh(config, family, len(devices), chip)
-    attention = config.kernel.attention
-    attention = default_attention_backend() if attention == "auto" else attention
-    report = dict(stage=stage, settings={**config.settings(), "attention": attention,
-                                         **dataclasses.asdict(mesh_shape)},
-                  versions=reporting.versions())
-    if stage in ("all", "denoise"):  # before minutes of weight loading, not after
-        report["kernel_self_check"] = runtime.check_attention_kernel(
-            attention, interpret=jax.default_backend() != "tpu")
-    pipe = family.load_pipeline(config, family.components[stage])
-    timings: dict = {}
-    video_list = config.run.videos or (None,)
-    embeds = staged if stage == "denoise" else [None] * len(video_list)
-    if stage in ("all", "encode"):
-        embeds, timings["text_encode_s"] = encode(pipe, config, family, video_list)
-        if config.video.image is not None:
-            embeds, timings["image_encode_s"] = encode_image(pipe, config, family, embeds,
-                                                             devices)
-    if stage == "encode":
-        for video, video_embeds in zip(video_list, embeds, strict=True):
-            staging.save_run_embeddings(for_video(config, video), video_embeds, video)
-        return None, dict(report, timings=timings, videos=[
-            dataclasses.asdict(v) for v in config.run.videos])
-
-    mesh, fallbacks = make_mesh(mesh_shape, devices), Fallbacks()
-    oom_hint = reporting.oom_hint(config, devices, mesh_shape)
-    programs, latents0, placed = prepare_programs(
-        for_video(config, video_list[0]), family, pipe, mesh, embeds[0], staged[0], attention,
-        fallbacks, oom_hint, timings)
-    with runtime.hardware_errors("running the warmup", oom_hint):
-        timings.update(denoise.warmup(programs, latents0, warmup_steps=config.run.warmup_steps,
-                                        num_inference_steps=config.video.num_inference_steps))
-    frames, runs, programs, latents0 = run_videos(
-        config, family, pipe, mesh, programs, latents0, (video_list, embeds, staged),
-        oom_hint, on_video, report)
-    if config.run.profile_dir is not None:
-        report["profile"] = denoise.profile(config, programs, latents0)
-    report["park_weights"] = getattr(programs.vae_decode, "decision", None)
-    entries, flops, cfg = step_report(config, family, pipe, programs, runs)
-    report.update(entries)
-    report.update(reporting.run_report(config, family, cfg, devices, mesh_shape, placed,
-                                       fallbacks,
-                                       summary=reporting.summarize(runs, timings, flops,
-                                                                   devices),
-                                       cache=cache_before if cache_on else None))
-    return (None if stage == "denoise" else frames), report
-
-
-def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hint: str,
-               on_video, report: dict):
-    """The timed generations of every video (one without --prompts_file / --seeds), on the
-    programs placed and compiled once; returns (the last video's frames or None, every
-    timed run, the last video's programs and initial latents). ``per_video``: (videos,
-    their embeddings, their staged intermediates).
-
-    An interrupt between videos keeps the finished ones: ``report["interrupted"]`` is set
-    and ``report["videos"]`` lists what is done, each with the files ``on_video`` wrote.
-    """
-    runs, done, frames, before = [], [], None, dict(runtime.CACHE_STATS)
-    try:
-        for video, video_embeds, video_staged in zip(*per_video, strict=True):
-            if video is not None and video.index > 0:  # video 0's were placed with the step
-                programs, latents0 = next_video(for_video(config, video), family, pipe, mesh,
-                                                programs, video_embeds, video_staged)
-            with runtime.hardware_errors("running the timed generations", oom_hint):
-                latents, decoded, video_runs = denoise.run_benchmark(
-                    programs, latents0, num_iterations=config.run.num_iterations,
-                    num_inference_steps=config.video.num_inference_steps,
-                    desc="" if video is None else f"video {video.label}: ")
-            runs += video_runs
-            if config.run.stage == "denoise":  # each video's latents as soon as they are done
-                staging.save_run_latents(for_video(config, video), latents, video)
-            if decoded is not None:
-                frames = reporting.to_frames(pipe, decoded)
-            if video is not None:
-                done.append(dict(dataclasses.asdict(video), runs=video_runs,
-                                 files=on_video(video, frames) if on_video and decoded is
-                                 not None else [],
-                                 compilation_cache=runtime.cache_events_since(before)))
-            before = dict(runtime.CACHE_STATS)
-    except KeyboardInterrupt:
-        if not config.run.videos:
-            raise
-        report["interrupted"] = True
-    if config.run.videos:
-        report["videos"] = done
-    return frames, runs, programs, latents0
-
-
-def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | None, dict]:
-    """The step's part of the report: ({"cache": the step cache's entry, "experts": the two
-    experts' entry}, when they apply; analytic FLOPs per step or None; the transformer's
-    config or None)."""
-    out = {}
-    if programs.cache is not None:
-        out["cache"] = step_cache.cache_report(programs.cache, runs,
-                                                config.video.num_inference_steps)
-    cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
-    flops = None if programs.step is None else experts.flops_per_step(
-        programs.step, lambda k: family.transformer_flops(dict(
-            (pipe.transformer, pipe.transformer_2)[k].config), config))
-    if flops is not None:
-        out["experts"] = programs.step.report()
-    if programs.step is not None:  # a cached step counts what it runs
-        flops = step_cache.flops_per_step(flops or family.transformer_flops(cfg, config), config,
-                                          cfg)
-    return out, flops, cfg
-
-
-def for_video(config: RunConfig, video) -> RunConfig:
-    """``config`` with ``video``'s prompt, negative prompt and seed (None: as it is)."""
-    if video is None:
-        return config
-    return config.replace(prompt=video.prompt, negative_prompt=video.negative_prompt,
-                          seed=video.seed)
-
-
-def next_video(config, family, pipe, mesh, programs, embeds, staged):
-    """(programs with this video's model inputs, its initial latents) for a video after the
-    first; the decode stage's "initial latents" are the video's staged final latents."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    if config.run.stage == "decode":
-        return programs, placement.place_array(placement.host_array(staged),
-                                               NamedSharding(mesh, P()))
-    inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
-    return dataclasses.replace(programs, embeds=inputs), latents0
-
-
-def resolve_mesh(config: RunConfig, family, n_devices: int, chip=None):
-    """The (dp, tp, sp) ``MeshShape`` for this run on ``chip`` (a ``chips.Chip``, None off TPU);
-    raises ``UsageError`` naming the flag."""
-    cfg = None if config.run.stage == "decode" else read_component_config(config.model.model_id,
-                                                                      "transformer")
-    return resolve_run_mesh(config, family, cfg, n_devices, chip)
-
-
-def encode(pipe, config: RunConfig, family, videos):
-    """Prompt embeddings on the CPU, before JAX places anything: ([{name: tensor}] per
-    video, seconds). Every video's prompts are encoded before the text encoders are freed."""
-    t0 = time.perf_counter()
-    encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
-    embeds = []
-    for video in videos:
-        for name, module in encoders.items():  # the family frees them after each call
-            if module is not None:
-                setattr(pipe, name, module)
-        embeds.append(family.encode_prompts(pipe, for_video(config, video)))
-    return embeds, time.perf_counter() - t0
-
-
-def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
-    """The image conditioning (``family.encode_image``), computed once and joined to every
-    video's embeddings: (embeds, seconds)."""
-    t0 = time.perf_counter()
-    cond = family.encode_image(pipe, config, read_image(config.video.image), devices)
-    return [{**e, **cond} for e in embeds], time.perf_counter() - t0
-
-
-def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fallbacks,
-                     oom_hint: str, timings: dict):
-    """Place weights and inputs and AOT-compile what ``config.run.stage`` runs.
-
-    Returns (``denoise.Programs``, initial latents on the mesh, the placed transformer
-    or None). Placement and compile seconds go into ``timings``.
-    """
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    replicated = NamedSharding(mesh, P())
-    parts, placed = dict(timesteps_sharding=replicated), None
-    if config.run.stage in ("all", "denoise"):
-        install_attention(config.kernel, mesh, attention, fallbacks)
-        with runtime.hardware_errors("placing the transformer weights", oom_hint):
-            placed = sharding.place_expert(config, family, pipe.transformer, "transformer", mesh,
-                                            fallbacks)
-            second = experts.second_expert(pipe) and experts.place_second(
-                config, family, pipe, mesh, fallbacks)  # Wan 2.2 A14B: both stay resident
-            inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
-        timings["place_transformer_s"] = placed["seconds"]
-        timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
-        if second:
-            timings["place_transformer_2_s"] = second["seconds"]
-            placed["loras_2"] = second["loras"]
-        with runtime.hardware_errors("compiling the transformer step", oom_hint):
-            step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
-                                              inputs, timings, second)
-        parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
-                     sigmas=family.scheduler_sigmas, cache=cache, finish=family.finish_latents)
-    else:
-        latents0 = placement.place_array(placement.host_array(staged), replicated)
-    if config.run.stage in ("all", "decode"):
-        parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh, latents0, fallbacks,
-                                             oom_hint, timings)
-        if placed is not None:  # --park_weights: the transformer's weights, while it decodes
-            chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
-            parts["vae_decode"] = parking.ParkingDecoder(
-                parts["vae_decode"], [placed, *([second] if second else [])],
-                config.run.park_weights, chip and chip.usable_hbm_bytes)
-    return Programs(**parts), latents0, placed
-
-
-def install_attention(kernel: KernelSettings, mesh, attention: str, fallbacks) -> None:
-    """Route torch SDPA to ``attention`` (our Splash kernel, JAX's, or XLA) on ``mesh``, with
-    the kernel flags' one ``AttentionOptions`` value; RoPE's indexing without scatters."""
-    import jax
-    import torchax
-
-    lowering.install(torchax.default_env())
-    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          options=kernel.options(),
-                          interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
-
-
-def place_model_inputs(config, family, pipe, embeds: dict, mesh):
-    """The model inputs (batch over "dp") and the seeded initial latents (replicated),
-    streamed to their shardings. Every host encoded the prompt and drew the noise itself
-    (no broadcast), so the hosts' copies of one global array must agree: checked."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    inputs = family.model_inputs(embeds, config)
-    latents = family.prepare_latents(pipe, config)
-    for name, x in {**inputs, "initial latents": latents}.items():
-        runtime.check_same_on_every_host(name, placement.host_array(x))
-    # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
-    # measured 54 vs 5.9 s/step without and with this.
-    over_dp = NamedSharding(mesh, P("dp"))
-    inputs = jax.tree.map(lambda x: placement.place_array(placement.host_array(x), over_dp),
-                          inputs)
-    latents0 = placement.place_array(placement.host_array(latents), NamedSharding(mesh, P()))
-    return inputs, latents0
-
-
-def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, timings,
-                        second=None):
-    """AOT-compile one denoising step's model call; returns (step(latents, t, inputs),
-    ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
-    what changes (``transformer_step.compile_transformer_step``): with step caching the full
-    and the cached programs; with a ``second`` expert one program serves both."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler_sigmas)
-    t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
-    fn = family.step_fn(placed["module"], config)
-    return transformer_step.compile_transformer_step(config, family.block_stack, pipe, placed,
-                                                     second, mesh, fn, latents0, t, inputs,
-                                                     timings)
-
-
-def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,
-                   timings):
-    """Place the VAE's decode weights (replicated: a conv net's weights are small; its
-    activations are what the decode shards) and AOT-compile its programs."""
-    with runtime.hardware_errors("placing the VAE weights", oom_hint):
-        placed = place_module(pipe.vae, mesh, include=family.is_vae_decode_weight,
-                              desc="VAE decoder")
-    timings["place_vae_s"] = placed["seconds"]
-    decoder = family.vae_decoder(placed, pipe.vae, mesh, tiling=run.vae_tiling,
-                                 fallbacks=fallbacks)
-    with runtime.hardware_errors("compiling the VAE decode", oom_hint):
-        timings["compile_vae_s"] = decoder.compile(latents0)
-    return decoder
-
-
-# ---------------------------------------------------------------------------------------------
-# 10-11. Save and summarise
+# 2-11. One run: load, encode on the CPU, route SDPA to the kernel, compile, warm up, time, write
 # ---------------------------------------------------------------------------------------------
 
 
@@ -699,47 +387,69 @@ def main(argv=None) -> int:
     config = validate_args(parse_args(argv))  # on every host, before any host joins the others
     logging.basicConfig(level=logging.DEBUG if config.run.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
+    family = FAMILIES[config.model.family]
     # Before any model loads: headers and sizes of the files this stage reads (configs only
     # for --dry_run) against the models their configs build (engine/files/integrity.py).
-    checked = integrity.check_checkpoint(config, FAMILIES[config.model.family])
+    checked = integrity.check_checkpoint(config, family)
     if config.dry.dry_run:
-        return run_dry(config, FAMILIES[config.model.family], checked)
+        return run_dry(config, family, checked)
     runtime.start_distributed(config.hosts.coordinator_address, config.hosts.num_processes,
                               config.hosts.process_id)
     if config.serve is not None:  # the same stages, one load and compile, many jobs
-        return serve(config, FAMILIES[config.model.family], Stages(
-            encode, prepare_programs, place_model_inputs, compile_transformer, resolve_mesh))
+        return serve(config, family)
+    return generate(config, family, checked)
 
-    # One stamp for every file of the run; each video is written as soon as it is done.
+
+def generate(config: RunConfig, family, checked: dict) -> int:
+    """One run, stage by stage (``engine.pipeline.Generation``); process 0 writes each
+    video as soon as it is done, then the JSON report and the summary. Returns the exit
+    code (130: interrupted between videos, the finished ones kept)."""
+    # One stamp for every file of the run.
     stem = reporting.output_stem(config.run.output_dir) if runtime.is_writer() else None
-    written = []
+    written: list[str] = []
 
     def save(video, frames):
         paths = videos.save_video(config, frames, stem, video) if runtime.is_writer() else []
         written.extend(paths)
         return [os.path.basename(p) for p in paths]
 
-    frames, report = generate(config, on_video=save)
-    report["checkpoint_check"] = checked
+    run = Generation(config, family)  # runtime, devices, chip, blocks, mesh, kernel self-check
+    run.load()  # the diffusers pipeline; the transformer's weights stay on the meta device
+    run.encode()  # text (and image) encoders on the CPU, freed before anything is placed
+    if config.run.stage == "encode":
+        return write_stage_report(config, dict(run.save_encoded(), checkpoint_check=checked))
+    run.compile()  # place the weights, route torch SDPA to the kernel, compile ahead of time
+    run.warm_up()  # every compiled program once: what follows is steady state
+    frames = run.time_videos(on_video=save)  # the timed runs; each video written when done
+    report = dict(run.finish(), checkpoint_check=checked)
     if not runtime.is_writer():  # process 0 writes and summarises for every host
         return 0
-    devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
-    if config.run.stage in ("encode", "denoise"):  # their reports go in --work_dir
-        path = os.path.join(config.run.work_dir, f"{config.run.stage}_report.json")
-        reporting.save_report(report, path)
-        reporting.print_summary(report["timings"], devices["kind"], devices["count"])
-        print(f"\nwrote {config.run.stage} intermediates and {path}")
-        return 0
+    if config.run.stage == "denoise":
+        return write_stage_report(config, report)
     if not config.run.videos:
         report = dict(video=os.path.basename(save(None, frames)[0]), **report)
     written += reporting.save_run(report, config.run.output_dir, stem,
                                   plots=not config.run.no_plots)
+    devices = report["devices"]
     reporting.print_summary(report["timings"], devices["kind"], devices["count"])
     print(f"\nwrote {', '.join(written)}")
     if report.get("interrupted"):
         print("generate_flax.py: interrupted; the videos above are complete, the JSON lists "
               "them", file=sys.stderr)
         return 130
+    return 0
+
+
+def write_stage_report(config: RunConfig, report: dict) -> int:
+    """``--stage encode`` / ``denoise``: the report goes in ``--work_dir`` beside the
+    intermediates (written by process 0 only)."""
+    if not runtime.is_writer():
+        return 0
+    devices = report.get("devices", {"kind": "host CPU (text encoder)", "count": 1})
+    path = os.path.join(config.run.work_dir, f"{config.run.stage}_report.json")
+    reporting.save_report(report, path)
+    reporting.print_summary(report["timings"], devices["kind"], devices["count"])
+    print(f"\nwrote {config.run.stage} intermediates and {path}")
     return 0
 
 

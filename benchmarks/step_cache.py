@@ -25,6 +25,9 @@ import subprocess
 import sys
 import tempfile
 
+from engine.pipeline import generate
+from families import FAMILIES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -61,7 +64,7 @@ def main() -> int:
             "--frames", "17", "--num_inference_steps", str(args.steps), "--attention", "xla",
             "--num_iterations", str(args.iterations), "--compilation_cache_dir", "none",
             "--output_dir", tempfile.mkdtemp(), *flags]))
-        _, report = generate_flax.generate(config, devices=jax.devices()[:1])
+        _, report = generate(config, FAMILIES[config.model.family], devices=jax.devices()[:1])
         run = report["timings"]["runs"][-1]  # the last timed run: steady state
         results[name] = run
         if name == "none":

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import generate_flax
-from families import hunyuan
+from engine.pipeline import generate
+from families import FAMILIES, hunyuan
 
 QUOTED = 'A sign that says "hello"'
 PLAIN = "A cat walks on the grass, realistic style"
@@ -51,7 +52,7 @@ def _ours(checkpoint, prompt, devices, *extra):
         str(SHAPE["width"]), "--frames", str(SHAPE["frames"]),
         "--compilation_cache_dir", "none", *extra,
     ]))
-    return generate_flax.generate(config, devices=devices)
+    return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import torch
 from PIL import Image, ImageOps
 
 import generate_flax
+from engine.pipeline import generate
+from families import FAMILIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_FRAME = os.path.join(ROOT, "tests", "data", "first_frame.png")
@@ -46,7 +48,7 @@ def _ours(checkpoint, image_path, devices, *extra):
         "--dtype", "float32", "--seed", str(SEED), "--num_inference_steps", str(STEPS),
         "--num_iterations", "1", "--warmup_steps", "0", "--frames", str(FRAMES),
         "--compilation_cache_dir", "none", *extra]))
-    return generate_flax.generate(config, devices=devices)
+    return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
 def test_hunyuan_i2v_matches_diffusers(checkpoint, tmp_path):

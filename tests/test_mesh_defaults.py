@@ -5,10 +5,12 @@ checkpoint's replicated weights."""
 import pytest
 import torch
 
+from engine.pipeline.prologue import resolve_mesh
 from engine.run import chips
 from engine.run.errors import UsageError
 from engine.run.mesh import MeshShape, resolve_mesh_shape
 from engine.weights.layout import resident_weight_bytes
+from families import FAMILIES
 
 WAN14B = dict(num_heads=40, tokens=75600)
 
@@ -80,7 +82,6 @@ def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
     # HunyuanVideo-1.5 15.51), the family's default_sp where they do not (Wan 2.1 I2V 14B
     # 30.59 GiB, an A14B pair 53.3), and head-sharded tp on v5e.
     import generate_flax as gf
-    from families import FAMILIES
 
     v6e, v5e = chips.CHIPS["v6e"], chips.CHIPS["v5e"]
     for model_id, family, on_v6e in (
@@ -96,8 +97,8 @@ def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
              MeshShape(2, 1, 4))):
         config = gf.validate_args(gf.parse_args(["--model_id", model_id, "--dry_run",
                                                  "--topology", "v6e:2x4"]))
-        assert gf.resolve_mesh(config, FAMILIES[family], 8, v6e) == on_v6e, model_id
-        assert gf.resolve_mesh(config, FAMILIES[family], 8, v5e) == MeshShape(2, 4, 1)
+        assert resolve_mesh(config, FAMILIES[family], 8, v6e) == on_v6e, model_id
+        assert resolve_mesh(config, FAMILIES[family], 8, v5e) == MeshShape(2, 4, 1)
 
 
 @pytest.mark.parametrize("family", ["wan2.1", "hunyuanvideo1.5"])
@@ -107,7 +108,6 @@ def test_resident_weight_bytes_equals_the_loaded_transformer(family, tiny_checkp
     # safetensors in bfloat16, Wan's float32-kept parameters (norms, scale_shift_table)
     # included.
     from engine.files.checkpoint import read_component_config
-    from families import FAMILIES
 
     path = tiny_checkpoint if family == "wan2.1" else hunyuan_checkpoint
     params = list(loaded_transformer(path, "transformer").parameters())

@@ -20,7 +20,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import generate_flax as gf
+from engine.pipeline import generate
 from engine.run import runtime
+from families import FAMILIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "generate_flax.py")
@@ -50,7 +52,7 @@ def _single_process_frames(checkpoint, mesh):
     dp, tp, sp = mesh
     args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS, "--dp", str(dp),
                                            "--tp", str(tp), "--sp", str(sp)]))
-    frames, _ = gf.generate(args, devices=jax.devices()[:8])
+    frames, _ = generate(args, FAMILIES[args.model.family], devices=jax.devices()[:8])
     return frames
 
 
@@ -140,7 +142,7 @@ def test_prompts_file_on_two_processes_equals_one_process(tiny_checkpoint_8h, tm
     want = {}
     args = gf.validate_args(gf.parse_args(["--model_id", tiny_checkpoint_8h, *FLAGS, *mesh,
                                            "--prompts_file", str(prompts)]))
-    gf.generate(args, devices=jax.devices()[:8],
+    generate(args, FAMILIES[args.model.family], devices=jax.devices()[:8],
                 on_video=lambda video, frames: want.__setitem__(video.label, frames) or [])
     for label in ("0", "bird"):
         (path,) = glob.glob(str(out / f"*_{label}.frames.safetensors"))

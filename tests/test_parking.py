@@ -9,9 +9,11 @@ from jax.sharding import PartitionSpec as P
 
 import generate_flax as gf
 from engine.dry_run import fit as dry_run
+from engine.pipeline import generate
 from engine.programs import parking
 from engine.run.mesh import MeshShape, make_mesh
 from engine.weights import placement
+from families import FAMILIES
 
 
 def test_parked_spec_adds_the_unused_axes_to_a_dimension_they_divide():
@@ -108,7 +110,7 @@ def test_parked_decode_frames_equal_the_unparked_run(tiny_checkpoint_8h):
     for mode, iterations in (("off", 1), ("on", 2)):
         args = gf.validate_args(gf.parse_args([*flags, "--park_weights", mode,
                                                "--num_iterations", str(iterations)]))
-        out[mode] = gf.generate(args)
+        out[mode] = generate(args, FAMILIES[args.model.family])
     (frames_off, _), (frames_on, report) = out["off"], out["on"]
     np.testing.assert_array_equal(frames_on, frames_off)
     assert report["settings"]["park_weights"] == "on"

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import generate_flax
+from engine.pipeline import generate
 from engine.programs.step import compile_step
 from engine.run.mesh import MeshShape, make_mesh
-from families import wan
+from families import FAMILIES, wan
 
 # Non-square and not a power of two, so a swapped height/width axis cannot pass.
 SHAPE = dict(height=64, width=96, frames=9)
@@ -64,7 +65,7 @@ def _our_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0, extra=(
         "--frames", str(SHAPE["frames"]), "--attention", "xla",
         "--compilation_cache_dir", "none", *extra,
     ]))
-    frames, report = generate_flax.generate(args, devices=devices)
+    frames, report = generate(args, FAMILIES[args.model.family], devices=devices)
     return frames, report
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import generate_flax as gf
+from engine.run.errors import GenerationError
 from engine.run.mesh import MeshShape, make_mesh
 from engine.weights import placement, scan_layers, sharding
 from families import wan
@@ -164,7 +164,7 @@ def test_checkpoint_that_does_not_match_its_config_is_one_error(tiny_checkpoint_
     save_file(state, str(path))
     model = wan.empty_transformer(dict(_transformer(tiny_checkpoint_8h).config), torch.float32)
     mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
-    with pytest.raises(gf.GenerationError, match="missing proj_out.bias"):
+    with pytest.raises(GenerationError, match="missing proj_out.bias"):
         sharding.place_module(model, mesh, checkpoint=str(folder))
 
 

@@ -28,7 +28,9 @@ from serve_util import (
 )
 
 import generate_flax as gf
+from engine.pipeline import generate
 from engine.run.errors import UsageError
+from families import FAMILIES
 
 LONG_STEPS = 120  # long enough that the kill lands during the job's denoising
 
@@ -116,7 +118,7 @@ def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
     args = gf.validate_args(gf.parse_args(["--model_id", tiny_checkpoint_8h, *MH_FLAGS,
                                            "--prompt", PROMPT, "--seeds", "1,2"]))
     want = {}
-    gf.generate(args, devices=jax.devices()[:8],
+    generate(args, FAMILIES[args.model.family], devices=jax.devices()[:8],
                 on_video=lambda video, frames: want.__setitem__(video.seed, frames) or [])
     for video_id, seed in ids.items():
         np.testing.assert_allclose(server_frames(out, video_id), want[seed], atol=1e-5, rtol=0)

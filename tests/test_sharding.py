@@ -10,10 +10,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import generate_flax as gf
+from engine.pipeline import generate
 from engine.programs.step import compile_step
 from engine.run.mesh import MeshShape, make_mesh
 from engine.weights import sharding
-from families import wan
+from families import FAMILIES, wan
 
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",
          "--num_iterations", "1", "--warmup_steps", "0", "--dtype", "float32", "--attention", "xla",
@@ -24,7 +25,8 @@ def _frames(checkpoint, mesh, extra=()):
     dp, tp, sp = mesh
     args = gf.validate_args(gf.parse_args(["--model_id", checkpoint, *FLAGS, "--dp", str(dp),
                                            "--tp", str(tp), "--sp", str(sp), *extra]))
-    frames, report = gf.generate(args, devices=jax.devices()[: dp * tp * sp])
+    frames, report = generate(args, FAMILIES[args.model.family],
+                              devices=jax.devices()[: dp * tp * sp])
     assert report["mesh"] == dict(dp=dp, tp=tp, sp=sp)
     return frames
 

@@ -13,7 +13,8 @@ import torch
 
 import generate_flax as gf
 from engine.files import staging
-from families import wan
+from engine.pipeline import generate
+from families import FAMILIES, wan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "3",
@@ -26,7 +27,7 @@ def _run(checkpoint, stage, work_dir, seed=42, extra=()):
                                            "--work_dir", str(work_dir), "--seed", str(seed),
                                            *extra]))
     # One device keeps these runs short; the mesh tests cover sharding.
-    return gf.generate(args, devices=jax.devices()[:1])
+    return generate(args, FAMILIES[args.model.family], devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")

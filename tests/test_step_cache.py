@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import generate_flax
+from engine.pipeline import generate
 from engine.programs import step_cache
-from families import wan
+from families import FAMILIES, wan
 
 SHAPE = dict(height=64, width=96, frames=9)
 STEPS = 8
@@ -71,7 +72,7 @@ def _ours(checkpoint, extra=(), devices=None, shape=SHAPE, steps=STEPS, flow_shi
         "--height", str(shape["height"]), "--width", str(shape["width"]),
         "--frames", str(shape["frames"]), "--attention", "xla", "--compilation_cache_dir",
         "none", *extra]))
-    return generate_flax.generate(config, devices=devices)
+    return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
 def _deepcache_reference(pipe, blocks, run, *, start, end, interval, recompute=1):

@@ -25,9 +25,10 @@ import pytest
 import torch
 
 import generate_flax
+from engine.pipeline import generate
 from engine.programs import step_cache
 from engine.run.errors import UsageError
-from families import wan
+from families import FAMILIES, wan
 
 SHAPE = dict(height=48, width=64, frames=5)
 STEPS, SHIFT, SEED = 10, 5.0, 11
@@ -66,7 +67,7 @@ def _args(checkpoint, *extra, steps=STEPS, shape=SHAPE):
 
 def _ours(checkpoint, *extra, devices=None, steps=STEPS, shape=SHAPE):
     config = generate_flax.validate_args(_args(checkpoint, *extra, steps=steps, shape=shape))
-    return generate_flax.generate(config, devices=devices)
+    return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
 def _two_expert_pipe(checkpoint):
@@ -510,7 +511,7 @@ def test_hunyuan_i2v_deepcache_matches_eager_reference(tmp_path_factory):
         "--seed", str(SEED), "--num_inference_steps", str(HY_STEPS), "--num_iterations", "1",
         "--warmup_steps", "0", "--frames", "5", "--attention", "xla",
         "--compilation_cache_dir", "none", *DEEPCACHE]))
-    ours, report = generate_flax.generate(config, devices=jax.devices()[:1])
+    ours, report = generate(config, FAMILIES[config.model.family], devices=jax.devices()[:1])
     np.testing.assert_allclose(ours, want, atol=1e-3, rtol=0)
     assert report["cache"]["cached_steps"] == DEEP_CACHED
     # Against the eager uncached video: measured 0.015 (the tiny model's 2 blocks, 1 of them

@@ -15,6 +15,8 @@ from PIL import Image
 
 import generate_flax
 from engine.files import plots
+from engine.pipeline import generate
+from families import FAMILIES
 
 SMALL = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "3",
          "--dtype", "float32", "--attention", "xla", "--warmup_steps", "1"]
@@ -40,7 +42,8 @@ def _run(checkpoint, extra, tmp_path, cache_dir="none"):
         frames[video.label] = f
         return []
 
-    last, report = generate_flax.generate(config, devices=jax.devices()[:1], on_video=keep)
+    last, report = generate(config, FAMILIES[config.model.family], devices=jax.devices()[:1],
+                            on_video=keep)
     return frames or {None: last}, report
 
 

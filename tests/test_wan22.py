@@ -12,6 +12,7 @@ import torch
 
 import generate_flax
 from engine.files.checkpoint import expert_count
+from engine.pipeline import generate
 from families import FAMILIES, wan
 
 # Latent width 128 / 8 (Wan 2.1 VAE) or 128 / 16 (Wan 2.2 VAE) splits over 8 devices, so
@@ -57,7 +58,7 @@ def _ours(checkpoint, seed, flags=(), devices=None, frames=SHAPE["frames"]):
         "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
         "--frames", str(frames), "--attention", "xla",
         "--compilation_cache_dir", "none", *flags]))
-    return generate_flax.generate(args, devices=devices)
+    return generate(args, FAMILIES[args.model.family], devices=devices)
 
 
 def test_two_experts_match_diffusers(two_expert_checkpoint):

@@ -11,7 +11,8 @@ import torch
 from PIL import Image, ImageOps
 
 import generate_flax
-from families import wan
+from engine.pipeline import generate
+from families import FAMILIES, wan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_FRAME = os.path.join(ROOT, "tests", "data", "first_frame.png")
@@ -54,7 +55,7 @@ def _ours(checkpoint, image_path, flags=(), devices=None):
         "--num_iterations", "1", "--warmup_steps", "0", "--height", str(SHAPE["height"]),
         "--width", str(SHAPE["width"]), "--frames", str(SHAPE["frames"]),
         "--attention", "xla", "--compilation_cache_dir", "none", *flags]))
-    return generate_flax.generate(config, devices=devices)
+    return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
 def test_wan21_i2v_matches_diffusers(i2v_checkpoint, tmp_path):

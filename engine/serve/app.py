@@ -232,7 +232,7 @@ async def _read_body(request: Request) -> tuple[dict, bytes | None, str | None]:
     return fields, data, upload.filename
 
 
-def serve(config, family, stages: warm.Stages) -> int:
+def serve(config, family) -> int:
     """``generate_flax.py --serve``: on process 0, the HTTP server at once (``/health``
     says 503 "loading") while the model loads, compiles and warms up in a thread, which
     then runs the jobs; on every other process, the same model and the jobs process 0
@@ -247,7 +247,7 @@ def serve(config, family, stages: warm.Stages) -> int:
     if runtime.in_multi_process_run():  # a peer's death: one line, not JAX's fatal log
         hosts.filter_stderr(runtime.process_index())
     if runtime.in_multi_process_run() and not runtime.is_writer():
-        model = warm.build(config, family, stages)
+        model = warm.build(config, family)
         hosts.follow(lambda job: model.run(job, lambda _: None), runtime.process_index())
         return 0
     s = config.serve
@@ -265,7 +265,7 @@ def serve(config, family, stages: warm.Stages) -> int:
         server.should_exit = True
 
     thread = threading.Thread(target=_load_and_work, daemon=True,
-                              args=(config, family, stages, state, on_fatal, worker))
+                              args=(config, family, state, on_fatal, worker))
     print(f"serving http://{s.host}:{s.port} (loading; {len(recovered['requeued'])} jobs "
           f"re-queued, {len(recovered['removed'])} partial files removed)", flush=True)
     thread.start()
@@ -301,12 +301,12 @@ def _check_listen(host: str, port: int) -> None:
              f"cannot listen on {host}:{port} ({e.strerror or e})")
 
 
-def _load_and_work(config, family, stages, state: State, on_fatal, worker: list) -> None:
+def _load_and_work(config, family, state: State, on_fatal, worker: list) -> None:
     """The thread behind the server: build the warm model, say ready, run jobs."""
     import jax
 
     try:
-        model = warm.build(config, family, stages)
+        model = warm.build(config, family)
     except Exception as e:
         on_fatal(e if not isinstance(e, KeyboardInterrupt) else GenerationError("interrupted"))
         return

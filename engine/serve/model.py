@@ -1,9 +1,9 @@
 """The warm model: load and place once, compile every (size, frames) bucket, warm up, then
 run one job at a time on those programs.
 
-It runs the CLI's own stages (``Stages``: generate_flax.py's functions, handed over as
-values), so a job's frames are the frames ``generate_flax.py`` gives for the same seed and
-settings: the same placement, the same compiled step and VAE decode, the same loop
+It runs the CLI's own stages (``engine.pipeline``: the prologue, then ``stages``), so a
+job's frames are the frames ``generate_flax.py`` gives for the same seed and settings: the
+same placement, the same compiled step and VAE decode, the same loop
 (``engine.programs.denoise.run_benchmark``, one timed run).
 """
 
@@ -15,11 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from custom_splash_attention import default_attention_backend
+from PIL import Image
+
 from engine.files import report as reporting
 from engine.files.image import decode_image
+from engine.pipeline import prologue, stages
 from engine.programs import denoise
-from engine.run import chips, runtime
+from engine.run import runtime
 from engine.run.errors import fail
 from engine.run.mesh import make_mesh
 from engine.weights.sharding import Fallbacks
@@ -30,19 +32,6 @@ ENCODERS = ("text_encoder", "text_encoder_2")
 # Test hook: a job whose prompt equals this variable's value starts from NaN latents, so the
 # server's NaN path (``denoise.check_finite``) runs on a real job. Unset in normal use.
 NAN_HOOK_ENV = "GENERATE_FLAX_TEST_NAN_PROMPT"
-
-
-@dataclasses.dataclass(frozen=True)
-class Stages:
-    """generate_flax.py's stage functions, with their signatures there: ``encode``,
-    ``prepare_programs``, ``place_model_inputs``, ``compile_transformer`` and
-    ``resolve_mesh``."""
-
-    encode: Callable
-    prepare_programs: Callable
-    place_model_inputs: Callable
-    compile_transformer: Callable
-    resolve_mesh: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +94,8 @@ class WarmModel:
     """The loaded, placed and compiled model (``build`` makes one); ``run`` generates one
     job's video on every process of the run."""
 
-    def __init__(self, config, family, stages: Stages, pipe, mesh, devices, oom_hint: str):
-        self.config, self.family, self.stages, self.pipe = config, family, stages, pipe
+    def __init__(self, config, family, pipe, mesh, devices, oom_hint: str):
+        self.config, self.family, self.pipe = config, family, pipe
         self.mesh, self.devices, self.oom_hint = mesh, devices, oom_hint
         self.encoders = {k: getattr(pipe, k, None) for k in ENCODERS}
         self.image_mode = family.image_mode(config.model.model_id)
@@ -122,7 +111,7 @@ class WarmModel:
         for name, module in self.encoders.items():  # the family freed them after last use
             if module is not None:
                 setattr(self.pipe, name, module)
-        embeds, seconds = self.stages.encode(self.pipe, config, self.family, [None])
+        embeds, seconds = stages.encode(self.pipe, config, self.family, [None])
         return embeds[0], {"text_encode_s": seconds}
 
     def encode_image(self, config, image) -> tuple[dict, dict]:
@@ -159,8 +148,8 @@ class WarmModel:
                 cond, seconds = self.encode_image(config, decode_image(job["image"]))
                 embeds = {**embeds, **cond}
                 timings.update(seconds)
-            inputs, latents0 = self.stages.place_model_inputs(config, self.family, self.pipe,
-                                                              embeds, self.mesh)
+            inputs, latents0 = stages.place_model_inputs(config, self.family, self.pipe, embeds,
+                                                         self.mesh)
             if os.environ.get(NAN_HOOK_ENV) == s["prompt"]:
                 latents0 = latents0 * float("nan")
             programs = dataclasses.replace(bucket.programs, embeds=inputs)
@@ -172,46 +161,35 @@ class WarmModel:
         return frames, config, timings
 
 
-def build(config, family, stages: Stages, devices=None) -> WarmModel:
+def build(config, family, devices=None) -> WarmModel:
     """Load the pipeline, place the weights, compile and warm up every bucket of
-    ``config.serve`` (a ``ServeSettings``), as ``generate_flax.generate`` does for one
-    shape. ``model.timings`` gets load_s, per-bucket place/compile/warmup seconds and the
-    persistent compilation cache's hits and misses.
+    ``config.serve`` (a ``ServeSettings``), as ``engine.pipeline.generate`` does for one
+    shape, after the same prologue. ``model.timings`` gets load_s, per-bucket
+    place/compile/warmup seconds and the persistent compilation cache's hits and misses.
 
     Raises:
         UsageError: the buckets would need different meshes.
         GenerationError: kernel self-check, out of memory, as the CLI raises them.
     """
-    runtime.configure_jax_platform()
-    runtime.quiet_known_warnings()
-    import jax
-
-    cache_on = runtime.enable_compilation_cache(config.run.compilation_cache_dir)
-    before = dict(runtime.CACHE_STATS)
-    devices = jax.devices() if devices is None else list(devices)
-    chip = chips.chip_for_device_kind(devices[0].device_kind)
-    config = config.resolve_block_sizes(chip.name if chip else None)
+    start = prologue.start(config, family, devices)
+    config, devices = start.config, start.devices
     configs = [config.replace(width=w, height=h, frames=f) for w, h, f in config.serve.buckets]
-    shapes = [stages.resolve_mesh(c, family, len(devices), chip) for c in configs]
+    shapes = [prologue.resolve_mesh(c, family, len(devices), start.chip) for c in configs]
     if any(s != shapes[0] for s in shapes):
         fail("--serve_sizes", ",".join(f"{w}x{h}" for w, h in config.serve.sizes),
              f"the buckets choose different meshes ({sorted(set(map(str, shapes)))}); give "
              "--dp, --tp and --sp")
-    attention = config.kernel.attention
-    attention = default_attention_backend() if attention == "auto" else attention
-    runtime.check_attention_kernel(attention, interpret=jax.default_backend() != "tpu")
-    t0 = time.perf_counter()
-    pipe = family.load_pipeline(config, family.components["all"])
-    load_s = time.perf_counter() - t0
-    model = WarmModel(config, family, stages, pipe, make_mesh(shapes[0], devices), devices,
+    pipe, load_s = start.load()
+    model = WarmModel(config, family, pipe, make_mesh(shapes[0], devices), devices,
                       reporting.oom_hint(configs[0], devices, shapes[0]))
-    _compile_buckets(model, configs, attention)
+    _compile_buckets(model, configs, start.attention)
     model.timings = dict(
         load_s=load_s, buckets={k: b.timings for k, b in model.buckets.items()},
         compile_s=sum(v for b in model.buckets.values() for k, v in b.timings.items()
                       if k.startswith("compile_")),
         warmup_s=sum(b.timings.get("warmup_s", 0.0) for b in model.buckets.values()),
-        compilation_cache=runtime.cache_events_since(before) if cache_on else None)
+        compilation_cache=None if start.cache_before is None else
+        runtime.cache_events_since(start.cache_before))
     model.served = _served(config, family, model)
     return model
 
@@ -232,17 +210,17 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
             timings.update(enc)
             bucket_embeds = {**embeds, **cond}
         if first is None:
-            programs, latents0, placed = model.stages.prepare_programs(
+            programs, latents0, placed = stages.prepare_programs(
                 config, model.family, model.pipe, model.mesh, bucket_embeds, None, attention,
                 fallbacks, model.oom_hint, timings)
             first = programs
             experts = getattr(programs.step, "experts", None)  # two experts: both placed
             second = experts[1] if experts else None
         else:
-            inputs, latents0 = model.stages.place_model_inputs(
+            inputs, latents0 = stages.place_model_inputs(
                 config, model.family, model.pipe, bucket_embeds, model.mesh)
             with runtime.hardware_errors("compiling the transformer step", model.oom_hint):
-                step, cache = model.stages.compile_transformer(
+                step, cache = stages.compile_transformer(
                     config, model.family, model.pipe, placed, model.mesh, latents0, inputs,
                     timings, second)
             # The VAE decoder's weights placed with the first bucket (placing frees the host
@@ -269,8 +247,6 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
 def _warmup_image(config):
     """A grey frame of the bucket's size: any image compiles and warms up the image encode
     (the programs depend on the shape only)."""
-    from PIL import Image
-
     return Image.new("RGB", (config.video.width, config.video.height), (128, 128, 128))
 
 

@@ -1,0 +1,202 @@
+"""One run of ``generate_flax.py``, stage by stage: ``Generation`` holds what each stage
+hands the next, and ``generate`` runs them all.
+
+The stages, in order: the prologue (``engine.pipeline.prologue.start``), ``load``,
+``encode`` (text and image encoders on the CPU, then freed), ``compile`` (place the weights
+and inputs, route SDPA to the kernel, compile the step and the VAE decode ahead of time),
+``warm_up``, ``time_videos`` (the timed generations, each video written as it is done) and
+``finish`` (the report). ``--stage encode`` stops after ``encode`` with ``save_encoded``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from engine.files import report as reporting
+from engine.files import staging
+from engine.pipeline import prologue as prologues
+from engine.pipeline.stages import encode, encode_image, for_video, next_video, prepare_programs
+from engine.programs import denoise, experts, step_cache
+from engine.run import runtime
+from engine.run.config import RunConfig
+from engine.run.mesh import make_mesh
+from engine.weights.sharding import Fallbacks
+
+
+class Generation:
+    """The state of one run between its stages (see the module docstring for the order).
+
+    Attributes, as the stages fill them: ``start`` (the ``Prologue``), ``config`` (its
+    config), ``pipe``, ``embeds`` (one {name: tensor} per video), ``programs``,
+    ``latents0``, ``timings`` (seconds per stage), ``report`` (the JSON report's content).
+    """
+
+    def __init__(self, config: RunConfig, family, devices=None):
+        """The prologue: staged intermediates read and checked (``--stage denoise`` /
+        ``decode``), then ``prologue.start``. Raises what those raise."""
+        config, self.staged = staging.read_intermediates(config, family)
+        self.start = prologues.start(config, family, devices)
+        self.config, self.family = self.start.config, family
+        self.video_list = self.config.run.videos or (None,)
+        self.pipe = self.programs = self.latents0 = self.placed = self.frames = None
+        self.embeds: list = []
+        self.runs: list = []
+        self.timings: dict = {}
+        s = self.start
+        self.report: dict = dict(stage=self.config.run.stage, settings={
+            **self.config.settings(), "attention": s.attention,
+            **dataclasses.asdict(s.mesh_shape)}, versions=reporting.versions())
+        if self.config.run.stage in ("all", "denoise"):  # the stages that call attention
+            self.report["kernel_self_check"] = s.self_check
+
+    def load(self) -> None:
+        """The diffusers pipeline, with the transformer's weights on the meta device."""
+        self.pipe, _ = self.start.load()
+
+    def encode(self) -> None:
+        """Every video's prompt embeddings (and the image conditioning) on the CPU, the
+        encoders freed after; a staged denoise takes its staged embeddings instead."""
+        stage = self.config.run.stage
+        self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
+        if stage not in ("all", "encode"):
+            return
+        self.embeds, self.timings["text_encode_s"] = encode(self.pipe, self.config, self.family,
+                                                            self.video_list)
+        if self.config.video.image is not None:
+            self.embeds, self.timings["image_encode_s"] = encode_image(
+                self.pipe, self.config, self.family, self.embeds, self.start.devices)
+
+    def save_encoded(self) -> dict:
+        """``--stage encode``: each video's embeddings into ``--work_dir``; the report."""
+        for video, video_embeds in zip(self.video_list, self.embeds, strict=True):
+            staging.save_run_embeddings(for_video(self.config, video), video_embeds, video)
+        return dict(self.report, timings=self.timings, videos=[
+            dataclasses.asdict(v) for v in self.config.run.videos])
+
+    def compile(self) -> None:
+        """Place the weights and the first video's inputs on the mesh, route torch SDPA to
+        the attention backend, and compile the step and the VAE decode ahead of time."""
+        s = self.start
+        self.mesh, self.fallbacks = make_mesh(s.mesh_shape, s.devices), Fallbacks()
+        self.oom_hint = reporting.oom_hint(self.config, s.devices, s.mesh_shape)
+        self.programs, self.latents0, self.placed = prepare_programs(
+            for_video(self.config, self.video_list[0]), self.family, self.pipe, self.mesh,
+            self.embeds[0], self.staged[0], s.attention, self.fallbacks, self.oom_hint,
+            self.timings)
+
+    def warm_up(self) -> None:
+        """Run every compiled program once, so the timed runs are steady state."""
+        with runtime.hardware_errors("running the warmup", self.oom_hint):
+            self.timings.update(denoise.warmup(
+                self.programs, self.latents0, warmup_steps=self.config.run.warmup_steps,
+                num_inference_steps=self.config.video.num_inference_steps))
+
+    def time_videos(self, on_video: Callable | None = None):
+        """The timed generations of every video; returns the last video's frames
+        ((F, H, W, 3) float32 in [0, 1]) or None (``--stage denoise``). ``on_video(video,
+        frames)`` writes each video as it is done and returns its file names."""
+        self.frames, self.runs, self.programs, self.latents0 = run_videos(
+            self.config, self.family, self.pipe, self.mesh, self.programs, self.latents0,
+            (self.video_list, self.embeds, self.staged), self.oom_hint, on_video, self.report)
+        return self.frames
+
+    def finish(self) -> dict:
+        """The profile (``--profile_dir``) and the report: settings, mesh, timings,
+        steady-state statistics, fallbacks, compilation cache."""
+        config, s, programs = self.config, self.start, self.programs
+        if config.run.profile_dir is not None:
+            self.report["profile"] = denoise.profile(config, programs, self.latents0)
+        self.report["park_weights"] = getattr(programs.vae_decode, "decision", None)
+        entries, flops, cfg = step_report(config, self.family, self.pipe, programs, self.runs)
+        self.report.update(entries)
+        summary = reporting.summarize(self.runs, self.timings, flops, s.devices)
+        self.report.update(reporting.run_report(
+            config, self.family, cfg, s.devices, s.mesh_shape, self.placed, self.fallbacks,
+            summary=summary, cache=s.cache_before))
+        return self.report
+
+
+def generate(config: RunConfig, family, devices=None, on_video=None) -> tuple[Any, dict]:
+    """Run the stages ``config.run.stage`` selects; returns (frames or None, report).
+
+    ``all`` runs everything in memory; ``encode`` / ``denoise`` / ``decode`` each load only
+    their own component and read/write intermediates in ``config.run.work_dir``. ``devices``
+    (default: all of ``jax.devices()``) lets tests build smaller meshes. With many videos
+    (``config.run.videos``: --prompts_file / --seeds) everything is placed and compiled once
+    and ``on_video(video, frames)`` is called as each video is done.
+
+    frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``; the last video's). report:
+    the JSON report's content without output file names.
+    """
+    run = Generation(config, family, devices)
+    run.load()
+    run.encode()
+    if run.config.run.stage == "encode":
+        return None, run.save_encoded()
+    run.compile()
+    run.warm_up()
+    frames = run.time_videos(on_video)
+    return (None if run.config.run.stage == "denoise" else frames), run.finish()
+
+
+def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hint: str,
+               on_video, report: dict):
+    """The timed generations of every video (one without --prompts_file / --seeds), on the
+    programs placed and compiled once; returns (the last video's frames or None, every
+    timed run, the last video's programs and initial latents). ``per_video``: (videos,
+    their embeddings, their staged intermediates).
+
+    An interrupt between videos keeps the finished ones: ``report["interrupted"]`` is set
+    and ``report["videos"]`` lists what is done, each with the files ``on_video`` wrote.
+    """
+    runs, done, frames, before = [], [], None, dict(runtime.CACHE_STATS)
+    try:
+        for video, video_embeds, video_staged in zip(*per_video, strict=True):
+            if video is not None and video.index > 0:  # video 0's were placed with the step
+                programs, latents0 = next_video(for_video(config, video), family, pipe, mesh,
+                                                programs, video_embeds, video_staged)
+            with runtime.hardware_errors("running the timed generations", oom_hint):
+                latents, decoded, video_runs = denoise.run_benchmark(
+                    programs, latents0, num_iterations=config.run.num_iterations,
+                    num_inference_steps=config.video.num_inference_steps,
+                    desc="" if video is None else f"video {video.label}: ")
+            runs += video_runs
+            if config.run.stage == "denoise":  # each video's latents as soon as they are done
+                staging.save_run_latents(for_video(config, video), latents, video)
+            if decoded is not None:
+                frames = reporting.to_frames(pipe, decoded)
+            if video is not None:
+                done.append(dict(dataclasses.asdict(video), runs=video_runs,
+                                 files=on_video(video, frames) if on_video and decoded is
+                                 not None else [],
+                                 compilation_cache=runtime.cache_events_since(before)))
+            before = dict(runtime.CACHE_STATS)
+    except KeyboardInterrupt:
+        if not config.run.videos:
+            raise
+        report["interrupted"] = True
+    if config.run.videos:
+        report["videos"] = done
+    return frames, runs, programs, latents0
+
+
+def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | None, dict]:
+    """The step's part of the report: ({"cache": the step cache's entry, "experts": the two
+    experts' entry}, when they apply; analytic FLOPs per step or None; the transformer's
+    config or None)."""
+    out = {}
+    if programs.cache is not None:
+        out["cache"] = step_cache.cache_report(programs.cache, runs,
+                                                config.video.num_inference_steps)
+    cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
+    flops = None if programs.step is None else experts.flops_per_step(
+        programs.step, lambda k: family.transformer_flops(dict(
+            (pipe.transformer, pipe.transformer_2)[k].config), config))
+    if flops is not None:
+        out["experts"] = programs.step.report()
+    if programs.step is not None:  # a cached step counts what it runs
+        flops = step_cache.flops_per_step(flops or family.transformer_flops(cfg, config), config,
+                                          cfg)
+    return out, flops, cfg

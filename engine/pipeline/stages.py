@@ -1,0 +1,165 @@
+"""The stages of a generation, each a small verb: encode on the CPU, place the weights and
+the model inputs, route torch SDPA to the kernel, compile the transformer step and the VAE
+decode ahead of time.
+
+The CLI (``engine.pipeline.generation``) and the server (``engine.serve.model``) call these
+same functions, so a served job's frames are the frames a one-shot run gives for the same
+seed and settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import torchax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from custom_splash_attention import install_sdpa_override
+from engine.files.image import read_image
+from engine.programs import experts, parking, transformer_step
+from engine.programs.denoise import Programs, set_timesteps, timestep_array
+from engine.run import chips, lowering, runtime
+from engine.run.config import KernelSettings, RunConfig, RunSettings
+from engine.weights import placement, sharding
+from engine.weights.sharding import place_module
+
+
+def for_video(config: RunConfig, video) -> RunConfig:
+    """``config`` with ``video``'s prompt, negative prompt and seed (None: as it is)."""
+    if video is None:
+        return config
+    return config.replace(prompt=video.prompt, negative_prompt=video.negative_prompt,
+                          seed=video.seed)
+
+
+def encode(pipe, config: RunConfig, family, videos):
+    """Prompt embeddings on the CPU, before JAX places anything: ([{name: tensor}] per
+    video, seconds). Every video's prompts are encoded before the text encoders are freed."""
+    t0 = time.perf_counter()
+    encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
+    embeds = []
+    for video in videos:
+        for name, module in encoders.items():  # the family frees them after each call
+            if module is not None:
+                setattr(pipe, name, module)
+        embeds.append(family.encode_prompts(pipe, for_video(config, video)))
+    return embeds, time.perf_counter() - t0
+
+
+def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
+    """The image conditioning (``family.encode_image``), computed once and joined to every
+    video's embeddings: (embeds, seconds)."""
+    t0 = time.perf_counter()
+    cond = family.encode_image(pipe, config, read_image(config.video.image), devices)
+    return [{**e, **cond} for e in embeds], time.perf_counter() - t0
+
+
+def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fallbacks,
+                     oom_hint: str, timings: dict):
+    """Place weights and inputs and AOT-compile what ``config.run.stage`` runs.
+
+    Returns (``denoise.Programs``, initial latents on the mesh, the placed transformer
+    or None). Placement and compile seconds go into ``timings``.
+    """
+
+    replicated = NamedSharding(mesh, P())
+    parts, placed = dict(timesteps_sharding=replicated), None
+    if config.run.stage in ("all", "denoise"):
+        install_attention(config.kernel, mesh, attention, fallbacks)
+        with runtime.hardware_errors("placing the transformer weights", oom_hint):
+            placed = sharding.place_expert(config, family, pipe.transformer, "transformer", mesh,
+                                            fallbacks)
+            second = experts.second_expert(pipe) and experts.place_second(
+                config, family, pipe, mesh, fallbacks)  # Wan 2.2 A14B: both stay resident
+            inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
+        timings["place_transformer_s"] = placed["seconds"]
+        timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
+        if second:
+            timings["place_transformer_2_s"] = second["seconds"]
+            placed["loras_2"] = second["loras"]
+        with runtime.hardware_errors("compiling the transformer step", oom_hint):
+            step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
+                                              inputs, timings, second)
+        parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
+                     sigmas=family.scheduler_sigmas, cache=cache, finish=family.finish_latents)
+    else:
+        latents0 = placement.place_array(placement.host_array(staged), replicated)
+    if config.run.stage in ("all", "decode"):
+        parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh, latents0, fallbacks,
+                                             oom_hint, timings)
+        if placed is not None:  # --park_weights: the transformer's weights, while it decodes
+            chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
+            parts["vae_decode"] = parking.ParkingDecoder(
+                parts["vae_decode"], [placed, *([second] if second else [])],
+                config.run.park_weights, chip and chip.usable_hbm_bytes)
+    return Programs(**parts), latents0, placed
+
+
+def install_attention(kernel: KernelSettings, mesh, attention: str, fallbacks) -> None:
+    """Route torch SDPA to ``attention`` (our Splash kernel, JAX's, or XLA) on ``mesh``, with
+    the kernel flags' one ``AttentionOptions`` value; RoPE's indexing without scatters."""
+
+    lowering.install(torchax.default_env())
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          options=kernel.options(),
+                          interpret=jax.default_backend() != "tpu", on_fallback=fallbacks)
+
+
+def place_model_inputs(config, family, pipe, embeds: dict, mesh):
+    """The model inputs (batch over "dp") and the seeded initial latents (replicated),
+    streamed to their shardings. Every host encoded the prompt and drew the noise itself
+    (no broadcast), so the hosts' copies of one global array must agree: checked."""
+    inputs = family.model_inputs(embeds, config)
+    latents = family.prepare_latents(pipe, config)
+    for name, x in {**inputs, "initial latents": latents}.items():
+        runtime.check_same_on_every_host(name, placement.host_array(x))
+    # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
+    # measured 54 vs 5.9 s/step without and with this.
+    over_dp = NamedSharding(mesh, P("dp"))
+    inputs = jax.tree.map(lambda x: placement.place_array(placement.host_array(x), over_dp),
+                          inputs)
+    latents0 = placement.place_array(placement.host_array(latents), NamedSharding(mesh, P()))
+    return inputs, latents0
+
+
+def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, timings,
+                        second=None):
+    """AOT-compile one denoising step's model call; returns (step(latents, t, inputs),
+    ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
+    what changes (``transformer_step.compile_transformer_step``): with step caching the full
+    and the cached programs; with a ``second`` expert one program serves both."""
+    set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler_sigmas)
+    t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
+    fn = family.step_fn(placed["module"], config)
+    return transformer_step.compile_transformer_step(config, family.block_stack, pipe, placed,
+                                                     second, mesh, fn, latents0, t, inputs,
+                                                     timings)
+
+
+def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,
+                   timings):
+    """Place the VAE's decode weights (replicated: a conv net's weights are small; its
+    activations are what the decode shards) and AOT-compile its programs."""
+    with runtime.hardware_errors("placing the VAE weights", oom_hint):
+        placed = place_module(pipe.vae, mesh, include=family.is_vae_decode_weight,
+                              desc="VAE decoder")
+    timings["place_vae_s"] = placed["seconds"]
+    decoder = family.vae_decoder(placed, pipe.vae, mesh, tiling=run.vae_tiling,
+                                 fallbacks=fallbacks)
+    with runtime.hardware_errors("compiling the VAE decode", oom_hint):
+        timings["compile_vae_s"] = decoder.compile(latents0)
+    return decoder
+
+
+def next_video(config, family, pipe, mesh, programs, embeds, staged):
+    """(programs with this video's model inputs, its initial latents) for a video after the
+    first; the decode stage's "initial latents" are the video's staged final latents."""
+
+    if config.run.stage == "decode":
+        return programs, placement.place_array(placement.host_array(staged),
+                                               NamedSharding(mesh, P()))
+    inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
+    return dataclasses.replace(programs, embeds=inputs), latents0
