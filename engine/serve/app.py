@@ -26,7 +26,7 @@ from engine.run.errors import GenerationError, fail, first_line
 from engine.serve import hosts, uploads
 from engine.serve import model as warm
 from engine.serve import requests as checks
-from engine.serve.jobs import ID_PATTERN, JobStore, new_id
+from engine.serve.jobs import ID_PATTERN, Job, JobStore, new_id
 from engine.serve.requests import MAX_UPLOAD_BYTES, ApiError, refuse
 from engine.serve.worker import Worker, video_path
 
@@ -46,23 +46,24 @@ class State:
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
-def video_object(job: dict) -> dict:
+def video_object(job: Job) -> dict:
     """A job as OpenAI's ``video`` object, with the extension fields, the timings and
     the files of a finished job."""
-    s = job["settings"]
-    out = dict(id=job["id"], object="video", status=job["status"], progress=job["progress"],
-               created_at=job["created_at"], completed_at=job["completed_at"],
-               expires_at=None, error=None, model=s["model"], prompt=s["prompt"],
-               seconds=s["seconds"], size=s["size"], remixed_from_video_id=None,
-               **{k: s[k] for k in ("negative_prompt", "num_frames", "num_inference_steps",
-                                    "guidance_scale", "guidance_scale_2", "seed", "fps")})
-    image = s.get("input_reference")
-    out["input_reference"] = None if image is None else {
-        k: image[k] for k in ("format", "width", "height", "sha256")}
-    if job["error"]:
-        out["error"] = dict(code="generation_failed", message=job["error"])
-    if job["result"]:
-        out.update(timings=job["result"]["timings"], files=job["result"]["files"])
+    s = job.settings
+    out = dict(id=job.id, object="video", status=job.status, progress=job.progress,
+               created_at=job.created_at, completed_at=job.completed_at,
+               expires_at=None, error=None, model=s.model, prompt=s.prompt,
+               seconds=s.seconds, size=s.size, remixed_from_video_id=None,
+               **{k: getattr(s, k) for k in ("negative_prompt", "num_frames",
+                                             "num_inference_steps", "guidance_scale",
+                                             "guidance_scale_2", "seed", "fps")})
+    image = s.input_reference
+    out["input_reference"] = None if image is None else dict(
+        format=image.format, width=image.width, height=image.height, sha256=image.sha256)
+    if job.error:
+        out["error"] = dict(code="generation_failed", message=job.error)
+    if job.result:
+        out.update(timings=job.result["timings"], files=job.result["files"])
     return out
 
 
@@ -80,30 +81,14 @@ def create_app(state: State) -> FastAPI:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            None, "invalid_api_key")
 
-    def job_or_404(video_id: str) -> dict:
+    def job_or_404(video_id: str) -> Job:
         job = state.store.get(video_id) if ID_PATTERN.fullmatch(video_id) else None
         if job is None:
             raise ApiError(404, f"video_id={video_id!r}: no such video", "video_id",
                            "not_found")
         return job
 
-    @app.get("/", response_class=HTMLResponse)
-    def page():
-        with open(PAGE, encoding="utf-8") as f:
-            return f.read()
-
-    @app.get("/health")
-    def health():
-        body = dict(status="ready" if state.served else "loading",
-                    queued=state.store.count("queued"),
-                    in_progress=state.store.count("in_progress"),
-                    time_to_ready=state.ready,
-                    seconds_up=time.perf_counter() - state.started)
-        return JSONResponse(body, status_code=200 if state.served else 503)
-
-    @app.get("/v1/models", dependencies=[Depends(key)])
-    def models():
-        return dict(object="list", data=[state.served.describe()] if state.served else [])
+    _status_routes(app, state, Depends(key))
 
     @app.post("/v1/videos", dependencies=[Depends(key)])
     async def create(request: Request):
@@ -115,8 +100,8 @@ def create_app(state: State) -> FastAPI:
         settings = checks.check(checks.parse(fields), state.served, info)
         job_id = new_id()
         if info is not None:  # on disk before the job is committed: a restart finds it
-            settings["input_reference"] = dict(
-                info, file=uploads.save(state.store.folder, job_id, image, info))
+            settings = dataclasses.replace(settings, input_reference=checks.InputReference(
+                **info, file=uploads.save(state.store.folder, job_id, image, info)))
         job = state.store.add(settings, job_id)
         state.wake.set()
         return video_object(job)
@@ -139,6 +124,27 @@ def create_app(state: State) -> FastAPI:
     return app
 
 
+def _status_routes(app: FastAPI, state: State, key) -> None:
+    """The web page, ``/health`` (no key: load balancers probe it) and ``/v1/models``."""
+    @app.get("/", response_class=HTMLResponse)
+    def page():
+        with open(PAGE, encoding="utf-8") as f:
+            return f.read()
+
+    @app.get("/health")
+    def health():
+        body = dict(status="ready" if state.served else "loading",
+                    queued=state.store.count("queued"),
+                    in_progress=state.store.count("in_progress"),
+                    time_to_ready=state.ready,
+                    seconds_up=time.perf_counter() - state.started)
+        return JSONResponse(body, status_code=200 if state.served else 503)
+
+    @app.get("/v1/models", dependencies=[key])
+    def models():
+        return dict(object="list", data=[state.served.describe()] if state.served else [])
+
+
 def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
     """GET and DELETE of one video, and its mp4."""
     @app.get("/v1/videos/{video_id}", dependencies=[key])
@@ -150,8 +156,8 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         job = job_or_404(video_id)
         if variant != "video":
             refuse("variant", variant, "only 'video' (the mp4) is served")
-        if job["status"] != "completed":
-            raise ApiError(409, f"video_id={video_id!r}: is {job['status']}, not completed",
+        if job.status != "completed":
+            raise ApiError(409, f"video_id={video_id!r}: is {job.status}, not completed",
                            "video_id", "not_ready")
         return FileResponse(video_path(state.store.folder, video_id), media_type="video/mp4")
 
@@ -161,9 +167,8 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         if not state.store.delete(video_id):
             raise ApiError(409, f"video_id={video_id!r}: is running; delete it when it is "
                            "done", "video_id", "in_progress")
-        image = job["settings"].get("input_reference")
-        for name in [*(job["result"] or {}).get("files", []), *([image["file"]] if image
-                                                                  else [])]:
+        image = job.settings.input_reference
+        for name in [*(job.result or {}).get("files", []), *([image.file] if image else [])]:
             path = os.path.join(state.store.folder, name)
             if os.path.exists(path):
                 os.remove(path)
@@ -248,7 +253,9 @@ def serve(config, family) -> int:
         hosts.filter_stderr(runtime.process_index())
     if runtime.in_multi_process_run() and not runtime.is_writer():
         model = warm.build(config, family)
-        hosts.follow(lambda job: model.run(job, lambda _: None), runtime.process_index())
+        hosts.follow(lambda job_id, settings, image: model.run(job_id, settings, image,
+                                                               lambda _: None),
+                     runtime.process_index())
         return 0
     s = config.serve
     _check_listen(s.host, s.port)

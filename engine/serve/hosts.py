@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from engine.run.errors import GenerationError, first_line
+from engine.serve.requests import VideoJob
 
 PREFIX = "generate_flax_serve"
 POLL_MS = 5_000  # each wait on the store; the loop goes on until a message or an error
@@ -81,14 +82,16 @@ class HandOff:
         return out
 
 
-def job_message(job: dict) -> dict:
-    """A job as the other processes need it: its id and settings."""
-    return dict(job={k: job[k] for k in ("id", "settings")})
+def job_message(job) -> dict:
+    """A job (``engine.serve.jobs.Job``) as the other processes need it: its id and its
+    settings' JSON form."""
+    return dict(job=dict(id=job.id, settings=job.settings.to_json()))
 
 
 def follow(run, process_id: int) -> None:
-    """A process other than 0: wait for each job, ``run(job)`` it (raising on failure),
-    report the outcome; return on the stop message.
+    """A process other than 0: wait for each job, ``run(job_id, settings, image bytes or
+    None)`` it (raising on failure; ``settings`` a ``VideoJob``), report the outcome; return
+    on the stop message.
 
     Raises:
         GenerationError: process 0 is gone (the store could not be reached).
@@ -107,13 +110,13 @@ def follow(run, process_id: int) -> None:
         message = json.loads(text)
         if message.get("stop"):
             return
-        job = message["job"]
+        job, image = message["job"], None
         if "image_chunks" in message:  # written before the message: no wait
-            job["image"] = b"".join(
+            image = b"".join(
                 _client().blocking_key_value_get_bytes(f"{PREFIX}/image/{seq}/{i}", POLL_MS)
                 for i in range(message["image_chunks"]))
         try:
-            run(job)
+            run(job["id"], VideoJob.from_json(job["settings"]), image)
             outcome = "ok"
         except Exception as e:  # reported to process 0, which decides
             outcome = f"{type(e).__name__}: {first_line(e)}"

@@ -10,6 +10,7 @@ files an interrupted write left (``engine.files.report.atomic_write`` names them
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -18,6 +19,8 @@ import sqlite3
 import threading
 import time
 import uuid
+
+from engine.serve.requests import VideoJob
 
 DB_NAME = "jobs.sqlite3"
 # The only ids the server makes: a URL's id must match this before it names anything.
@@ -42,10 +45,27 @@ def new_id() -> str:
     return f"video_{uuid.uuid4().hex}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One row of the store: the job's ``id``, its arrival ``seq``, ``status`` (one of
+    ``STATUSES``), ``progress`` (percent), times (Unix seconds; ``completed_at`` None until
+    it ends), ``error`` (one line, or None), ``settings`` (the checked ``VideoJob``) and
+    ``result`` ({"files", "timings", "wall_s"} once completed, else None)."""
+
+    id: str
+    seq: int
+    status: str
+    progress: int
+    created_at: int
+    completed_at: int | None
+    error: str | None
+    settings: VideoJob
+    result: dict | None
+
+
 class JobStore:
     """Jobs in ``<folder>/jobs.sqlite3``; safe to call from the HTTP handlers and the worker
-    thread at once (one connection behind a lock). Jobs are dicts with the table's columns,
-    ``settings`` and ``result`` decoded."""
+    thread at once (one connection behind a lock). Rows come back as ``Job`` values."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -58,7 +78,7 @@ class JobStore:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute(_SCHEMA)
 
-    def _one(self, sql: str, args=()) -> dict | None:
+    def _one(self, sql: str, args=()) -> Job | None:
         with self._lock:
             row = self._db.execute(sql, args).fetchone()
         return _decode(row)
@@ -81,17 +101,17 @@ class JobStore:
             removed.append(os.path.basename(path))
         return dict(requeued=ids, removed=removed)
 
-    def add(self, settings: dict, job_id: str | None = None) -> dict:
+    def add(self, settings: VideoJob, job_id: str | None = None) -> Job:
         job_id = job_id or new_id()
         self._run("INSERT INTO jobs (id, status, created_at, settings) "
                   "VALUES (?, 'queued', ?, ?)",
-                  (job_id, int(time.time()), json.dumps(settings)))
+                  (job_id, int(time.time()), json.dumps(settings.to_json())))
         return self.get(job_id)
 
-    def get(self, job_id: str) -> dict | None:
+    def get(self, job_id: str) -> Job | None:
         return self._one("SELECT * FROM jobs WHERE id=?", (job_id,))
 
-    def page(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+    def page(self, *, after: str | None, limit: int, order: str) -> tuple[list[Job], bool]:
         """(up to ``limit`` jobs after the job ``after`` in ``order`` of arrival ("asc" or
         "desc"), whether more follow)."""
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
@@ -104,7 +124,7 @@ class JobStore:
             rows = self._db.execute(sql, (*args, limit + 1)).fetchall()
         return [_decode(r) for r in rows[:limit]], len(rows) > limit
 
-    def next_queued(self) -> dict | None:
+    def next_queued(self) -> Job | None:
         return self._one("SELECT * FROM jobs WHERE status='queued' ORDER BY seq LIMIT 1")
 
     def count(self, status: str) -> int:
@@ -133,10 +153,9 @@ class JobStore:
                          (job_id,)) > 0
 
 
-def _decode(row) -> dict | None:
+def _decode(row) -> Job | None:
     if row is None:
         return None
     job = dict(row)
-    job["settings"] = json.loads(job["settings"])
-    job["result"] = json.loads(job["result"]) if job["result"] else None
-    return job
+    return Job(**{**job, "settings": VideoJob.from_json(json.loads(job["settings"])),
+                  "result": json.loads(job["result"]) if job["result"] else None})

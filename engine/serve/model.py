@@ -24,6 +24,7 @@ from engine.programs import denoise
 from engine.run import runtime
 from engine.run.errors import fail
 from engine.run.mesh import make_mesh
+from engine.serve.requests import VideoJob
 from engine.weights.sharding import Fallbacks
 
 # Pipeline components the families free after encoding; the server keeps them for every job
@@ -122,9 +123,10 @@ class WarmModel:
                                         resident=self.resident)
         return cond, {"image_encode_s": time.perf_counter() - t0}
 
-    def run(self, job: dict, on_progress: Callable[[int], None]):
-        """Generate ``job`` (its "id" and "settings": ``engine.serve.requests.check``'s;
-        "image": the ``input_reference`` bytes of an image-to-video job) on its bucket's
+    def run(self, job_id: str, job: VideoJob, image: bytes | None,
+            on_progress: Callable[[int], None]):
+        """Generate ``job`` (``engine.serve.requests.check``'s settings; ``image``: the
+        ``input_reference`` bytes of an image-to-video job, else None) on its bucket's
         programs.
 
         Returns (frames (F, H, W, 3) float32 in [0, 1], the job's config, timings: text
@@ -134,28 +136,24 @@ class WarmModel:
         Raises:
             GenerationError: NaN or Inf latents, out of device memory.
         """
-        s = job["settings"]
-        bucket = self.buckets[bucket_key(s["width"], s["height"], s["num_frames"])]
-        config = bucket.config.replace(
-            prompt=s["prompt"], negative_prompt=s["negative_prompt"], seed=s["seed"],
-            num_inference_steps=s["num_inference_steps"], guidance_scale=s["guidance_scale"],
-            fps=s["fps"])
+        bucket = self.buckets[bucket_key(job.width, job.height, job.num_frames)]
+        config = job.run_config(bucket.config)
         t0 = time.perf_counter()
         embeds, timings = self.encode(config)
         steps = config.video.num_inference_steps
         with runtime.hardware_errors("running a job", self.oom_hint):
-            if job.get("image") is not None:
-                cond, seconds = self.encode_image(config, decode_image(job["image"]))
+            if image is not None:
+                cond, seconds = self.encode_image(config, decode_image(image))
                 embeds = {**embeds, **cond}
                 timings.update(seconds)
             inputs, latents0 = stages.place_model_inputs(config, self.family, self.pipe, embeds,
                                                          self.mesh)
-            if os.environ.get(NAN_HOOK_ENV) == s["prompt"]:
+            if os.environ.get(NAN_HOOK_ENV) == job.prompt:
                 latents0 = latents0 * float("nan")
             programs = dataclasses.replace(bucket.programs, embeds=inputs)
             _, decoded, runs = denoise.run_benchmark(
                 programs, latents0, num_iterations=1, num_inference_steps=steps,
-                desc=f"{job['id']}: ", on_step=lambda i: on_progress(100 * i // (steps + 1)))
+                desc=f"{job_id}: ", on_step=lambda i: on_progress(100 * i // (steps + 1)))
             frames = reporting.to_frames(self.pipe, decoded)
         timings.update(runs[0], job_s=time.perf_counter() - t0)
         return frames, config, timings

@@ -11,11 +11,14 @@ field, the value and the rule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import secrets
 
 import pydantic
+
+from engine.run.config import RunConfig
 
 MAX_PROMPT_CHARS = 4000
 MAX_STEPS = 1000
@@ -60,6 +63,75 @@ class VideoRequest(pydantic.BaseModel):
     fps: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class InputReference:
+    """An image-to-video job's first frame as the job records it (``uploads.check``): its
+    format ("PNG", "JPEG" or "WEBP"), pixel size, SHA-256 (hex), size in bytes, and the file
+    name it was saved under beside the job store."""
+
+    format: str
+    width: int
+    height: int
+    sha256: str
+    bytes: int
+    file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoJob:
+    """One job's settings, every field resolved and checked (``check``): the one form a job
+    has from the HTTP body (after pydantic) to the ``RunConfig`` it runs as
+    (``run_config``). The job store keeps its JSON form (``to_json`` / ``from_json``).
+
+    Sizes in pixels; ``seconds`` is the video's length at the served fps as OpenAI's API
+    gives it (a string, e.g. "4"); ``seed`` seeds the CPU ``torch.Generator`` of the initial
+    latents; ``model`` is the served model's name.
+    """
+
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    num_frames: int
+    seconds: str
+    num_inference_steps: int
+    guidance_scale: float
+    guidance_scale_2: float | None
+    seed: int
+    fps: int
+    model: str
+    input_reference: InputReference | None = None
+
+    @property
+    def size(self) -> str:
+        """OpenAI's ``size`` field: "WIDTHxHEIGHT"."""
+        return f"{self.width}x{self.height}"
+
+    def to_json(self) -> dict:
+        """The stored form (JSON types only); ``size`` is written too, for readers of the
+        store."""
+        return dict(dataclasses.asdict(self), size=self.size)
+
+    @classmethod
+    def from_json(cls, data: dict) -> VideoJob:
+        """The value ``to_json`` wrote (extra keys, such as ``size``, ignored)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        ref = values.get("input_reference")
+        if ref is not None:
+            values["input_reference"] = InputReference(**ref)
+        return cls(**values)
+
+    def run_config(self, bucket: RunConfig) -> RunConfig:
+        """``bucket`` (the compiled shape's config) with this job's prompt, negative prompt,
+        seed, steps, CFG scale and fps. Size and frames are the bucket's own: ``check``
+        admits only served shapes."""
+        return bucket.replace(
+            prompt=self.prompt, negative_prompt=self.negative_prompt, seed=self.seed,
+            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            fps=self.fps)
+
+
 def parse(fields: dict) -> VideoRequest:
     """The request's fields as typed values.
 
@@ -79,10 +151,11 @@ def parse(fields: dict) -> VideoRequest:
         refuse(field, err.get("input"), err["msg"].split(",")[0].lower())
 
 
-def check(req: VideoRequest, served, image: dict | None = None) -> dict:
+def check(req: VideoRequest, served, image: dict | None = None) -> VideoJob:
     """The job's settings (every field resolved; an unseeded job gets a seed here, so a
     restart regenerates the same video) from the request, its checked ``input_reference``
-    (``engine.serve.uploads.check``'s dict, or None) and the ``Served`` model.
+    (``engine.serve.uploads.check``'s dict, or None; the caller records the saved file with
+    ``dataclasses.replace``) and the ``Served`` model.
 
     Raises:
         ApiError: 400 naming the field, the value and the rule.
@@ -105,16 +178,16 @@ def check(req: VideoRequest, served, image: dict | None = None) -> dict:
     if served.fixed_steps and steps != served.num_inference_steps:
         refuse("num_inference_steps", steps, f"step caching was set up for "
                f"{served.num_inference_steps} steps; only that many are served")
-    return dict(prompt=prompt, negative_prompt=served.negative_prompt
-                if req.negative_prompt is None else req.negative_prompt,
-                width=width, height=height, size=f"{width}x{height}", num_frames=frames,
-                seconds=f"{(frames - 1) / served.fps:g}", num_inference_steps=steps,
-                guidance_scale=_guidance(req, served),
-                guidance_scale_2=_guidance_2(req, served),
-                seed=secrets.randbelow(2**31) if req.seed is None
-                else _number("seed", req.seed, 0, 0, MAX_SEED),
-                fps=_number("fps", req.fps, served.fps, 1, MAX_FPS),
-                model=served.model)
+    return VideoJob(prompt=prompt, negative_prompt=served.negative_prompt
+                    if req.negative_prompt is None else req.negative_prompt,
+                    width=width, height=height, num_frames=frames,
+                    seconds=f"{(frames - 1) / served.fps:g}", num_inference_steps=steps,
+                    guidance_scale=_guidance(req, served),
+                    guidance_scale_2=_guidance_2(req, served),
+                    seed=secrets.randbelow(2**31) if req.seed is None
+                    else _number("seed", req.seed, 0, 0, MAX_SEED),
+                    fps=_number("fps", req.fps, served.fps, 1, MAX_FPS),
+                    model=served.model)
 
 
 def _image(image: dict | None, served) -> None:

@@ -99,16 +99,17 @@ def save(folder: str, job_id: str, data: bytes, info: dict) -> str:
     return name
 
 
-def load(folder: str, settings: dict) -> bytes | None:
-    """The stored image of a job's ``settings``, None for a text-to-video job.
+def load(folder: str, settings) -> bytes | None:
+    """The stored image of a job's ``settings`` (an ``engine.serve.requests.VideoJob``),
+    None for a text-to-video job.
 
     Raises:
         OSError: the file is gone (the worker fails the job with one line).
     """
-    ref = settings.get(FIELD)
+    ref = settings.input_reference
     if ref is None:
         return None
-    with open(os.path.join(folder, ref["file"]), "rb") as f:
+    with open(os.path.join(folder, ref.file), "rb") as f:
         return f.read()
 
 

@@ -17,7 +17,7 @@ from engine.files import videos
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
 from engine.serve import hosts, uploads
-from engine.serve.jobs import JobStore
+from engine.serve.jobs import Job, JobStore
 
 
 def video_path(folder: str, job_id: str) -> str:
@@ -57,23 +57,22 @@ class Worker:
             try:
                 self.run_one(job)
             except Exception as e:
-                self.fatal = f"job {job['id']}: {first_line(e)}"
+                self.fatal = f"job {job.id}: {first_line(e)}"
                 self.on_fatal(self.fatal)
                 return
         if self.handoff is not None and self.fatal is None:
             self.handoff.send({"stop": True})
 
-    def run_one(self, job: dict) -> None:
+    def run_one(self, job: Job) -> None:
         """Run ``job`` to completed or failed. Raises only what must end the server."""
-        job_id = job["id"]
+        job_id = job.id
         self.store.start(job_id)
         try:
-            job = dict(job, image=uploads.load(self.store.folder, job["settings"]))
+            image = uploads.load(self.store.folder, job.settings)
         except OSError as e:  # its input_reference was removed: this job only
             self.store.fail(job_id, f"input_reference: {first_line(e)}")
             return
-        seq = self.handoff.send(hosts.job_message(job), job["image"]) if self.handoff \
-            else None
+        seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
         last = [-1]
 
@@ -84,7 +83,7 @@ class Worker:
 
         error = None
         try:
-            frames, config, timings = self.model.run(job, progress)
+            frames, config, timings = self.model.run(job_id, job.settings, image, progress)
             files = save(config, frames, job_id)
         except (GenerationError, UsageError) as e:
             error = first_line(e)
