@@ -95,7 +95,8 @@ def make_ours(args):
     @jax.jit
     def ours(q, k, v):
         return csa.splash_attention(
-            q, k, v, block_sizes=bs, k_smoothing=args.k_smoothing, interpret=interpret
+            q, k, v, options=csa.AttentionOptions(block_sizes=bs, k_smoothing=args.k_smoothing),
+            interpret=interpret,
         )
 
     fit = csa._fit_block_sizes(bs, args.q_len, args.kv_len)  # what the kernel runs

@@ -303,8 +303,9 @@ def main(argv=None) -> int:
         csa.install_sdpa_override(torchax.default_env(), attention=args.attention,
                                   mesh=mesh if args.attention == "splash" else None,
                                   # the topology's default blocks, as generate_flax takes them
-                                  block_sizes=csa.default_block_sizes(
-                                      args.topology.split(":")[0]),
+                                  options=csa.AttentionOptions(
+                                      block_sizes=csa.default_block_sizes(
+                                          args.topology.split(":")[0])),
                                   interpret=False)
         results = []
         for v in variants:

@@ -279,7 +279,8 @@ def test_stub_records_the_real_per_chip_kernel_grid():
     with estimate.stub_attention_kernel(calls):
         for kv in (q, text):
             out = jax.eval_shape(lambda a, b: csa.sharded_splash_attention(
-                a, b, b, mesh=mesh, block_sizes=csa.BlockSizes()), q, kv)
+                a, b, b, mesh=mesh, options=csa.AttentionOptions(block_sizes=csa.BlockSizes())),
+                q, kv)
             assert out.shape == q.shape
     assert [c["grid"] for c in calls] == [[1, 10, 23, 27], [1, 10, 23, 1]]
     assert [c["block_sizes"] for c in calls] == [[3328, 2816, 256], [3328, 512, 256]]

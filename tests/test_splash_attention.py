@@ -8,14 +8,15 @@ References are float64 NumPy softmax attention computed from the very inputs the
 sees (for bf16: the bf16-rounded values), so the tolerances measure the kernel, not the
 input quantisation:
 
-* f32: ``atol = rtol = 2e-5``. f32 unit roundoff is 6e-8; the score dot products
+* f32: ``atol = rtol = 1e-5`` (``TOL``; the sharded and padded-key comparisons against
+  float32 JAX references use 2e-5). f32 unit roundoff is 6e-8; the score dot products
   (head_dim <= 128 terms), the folded ``scale * log2(e)``, exp2 and the sums over <= 512
-  keys add up to a few 1e-7 relative (observed max ~1e-6), so 2e-5 leaves >10x margin
+  keys add up to a few 1e-7 relative (observed max ~1e-6), so 1e-5 leaves a 10x margin
   while an unmasked padded key, a wrong max shift or a dropped tile is >1e-3.
-* bf16: ``atol = rtol = 1.5e-2``. bf16 has 8 significant bits (unit roundoff 2^-9 =
+* bf16: ``atol = rtol = 1e-2`` (``TOL``). bf16 has 8 significant bits (unit roundoff 2^-9 =
   2e-3). q is rounded after the scale fold, P is rounded to bf16 for the MXU and the
   output is rounded once more: ~3 roundings of 2e-3 on values of O(1) (observed max
-  ~6e-3). 1.5e-2 is bf16 resolution with margin; errors from masking bugs are O(0.1).
+  ~6e-3). 1e-2 is bf16 resolution with margin; errors from masking bugs are O(0.1).
 """
 
 import os
@@ -40,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
+from splash import kernel as splash_kernel  # noqa: E402
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 SMALL = csa.BlockSizes(block_q=128, block_kv=256, block_kv_compute=128)
@@ -103,14 +105,16 @@ CASES = [
 @pytest.mark.parametrize("b,h,q_len,kv_len,d,bs", CASES)
 def test_matches_float64_reference(b, h, q_len, kv_len, d, bs, dtype):
     q, k, v = _inputs((b, h, q_len, d), kv_len, dtype, seed=q_len + kv_len)
-    out = csa.splash_attention(q, k, v, block_sizes=bs, interpret=True)
+    options = csa.AttentionOptions() if bs is None else csa.AttentionOptions(block_sizes=bs)
+    out = csa.splash_attention(q, k, v, options=options, interpret=True)
     assert out.dtype == dtype and out.shape == q.shape
     _check(out, _ref64(q, k, v), dtype, "splash")
 
 
 def test_custom_scale():
     q, k, v = _inputs((1, 1, 130, 64), 130, jnp.float32, seed=3)
-    out = csa.splash_attention(q, k, v, scale=0.3, block_sizes=SMALL, interpret=True)
+    out = csa.splash_attention(q, k, v, scale=0.3, options=csa.AttentionOptions(block_sizes=SMALL),
+                               interpret=True)
     _check(out, _ref64(q, k, v, scale=0.3), jnp.float32, "scale=0.3")
 
 
@@ -130,7 +134,8 @@ def test_padded_keys_are_masked():
     pad = ((0, 0), (0, 0), (0, 512 - 300), (0, 0))
     unmasked = _ref64(q, np.pad(np.asarray(k), pad), np.pad(np.asarray(v), pad))
     unmasked_err = np.max(np.abs(unmasked - want))
-    ours = csa.splash_attention(q, k, v, block_sizes=SMALL, interpret=True)
+    ours = csa.splash_attention(q, k, v, options=csa.AttentionOptions(block_sizes=SMALL),
+                                interpret=True)
     ours_err = _check(ours, want, jnp.float32, "padded keys")
     assert unmasked_err > 100 * TOL[jnp.float32], unmasked_err
     assert ours_err < TOL[jnp.float32] < unmasked_err / 100
@@ -150,7 +155,8 @@ def test_valid_kv_len_equals_sliced_keys(n, valid, bs, dtype):
     q, k, v = _inputs((1, 2, n, 64), n, dtype, seed=n + valid)
     k = k.at[:, :, valid:].set(30.0)
     v = v.at[:, :, valid:].set(1e4)
-    out = csa.splash_attention(q, k, v, block_sizes=bs, interpret=True, valid_kv_len=valid)
+    out = csa.splash_attention(q, k, v, options=csa.AttentionOptions(block_sizes=bs),
+                               interpret=True, valid_kv_len=valid)
     assert out.dtype == dtype and out.shape == q.shape
     _check(out, _ref64(q, k[:, :, :valid], v[:, :, :valid]), dtype, "valid_kv_len")
 
@@ -184,7 +190,8 @@ def test_segment_ids_with_empty_row(dtype):
         (jnp.asarray(q_ids), jnp.asarray(kv_ids)),
         csa.SegmentIds(jnp.asarray(q_ids), jnp.asarray(kv_ids)),
     ):
-        out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=SMALL, interpret=True)
+        out = csa.splash_attention(q, k, v, segment_ids=seg,
+                                   options=csa.AttentionOptions(block_sizes=SMALL), interpret=True)
         _check(out, want, dtype, "segments")
         assert np.all(np.asarray(out[0, :, 150:170], np.float32) == 0.0)
 
@@ -192,17 +199,17 @@ def test_segment_ids_with_empty_row(dtype):
 @contextlib.contextmanager
 def _kernel_spy():
     """Yields the list of ``real_kv_blocks`` each kernel trace got."""
-    seen, real_kernel = [], csa._splash_kernel
+    seen, real_kernel = [], splash_kernel._splash_kernel
 
     def spy(*args, **kwargs):
         seen.append(kwargs["real_kv_blocks"])
         return real_kernel(*args, **kwargs)
 
-    csa._splash_kernel = spy
+    splash_kernel._splash_kernel = spy
     try:
         yield seen
     finally:
-        csa._splash_kernel = real_kernel
+        splash_kernel._splash_kernel = real_kernel
 
 
 def _real_prefix_case(pad, seed=3):
@@ -234,7 +241,8 @@ def test_real_keys_before_is_exact(pad, before, real_blocks):
     (q, k, v), seg, want = _real_prefix_case(pad)
     bs = csa.BlockSizes(128, 256, 128)  # 3 kv blocks of 256, the last one ragged (188)
     with _kernel_spy() as seen:
-        out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=bs, interpret=True,
+        out = csa.splash_attention(q, k, v, segment_ids=seg,
+                                   options=csa.AttentionOptions(block_sizes=bs), interpret=True,
                                    real_keys_before=before)
     assert set(seen) == {real_blocks}
     _check(out, want, jnp.float32, f"real_keys_before={before}")
@@ -245,8 +253,10 @@ def test_real_keys_before_skips_the_compare():
     """A broken promise (padding at 300-340 declared real) lets real queries attend the
     padding: proof that the all-real blocks really read no ids."""
     (q, k, v), seg, want = _real_prefix_case((300, 340))
-    out = csa.splash_attention(q, k, v, segment_ids=seg, block_sizes=csa.BlockSizes(128, 256, 128),
-                               interpret=True, real_keys_before=700)
+    out = csa.splash_attention(
+        q, k, v, segment_ids=seg,
+        options=csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 256, 128)),
+        interpret=True, real_keys_before=700)
     assert np.max(np.abs(np.asarray(out, np.float64) - want)) > 0.1
 
 
@@ -255,7 +265,8 @@ def test_window(window):
     q_len = kv_len = 390
     q, k, v = _inputs((1, 2, q_len, 64), kv_len, jnp.float32, seed=window)
     bs = csa.BlockSizes(128, 128, 128)
-    out = csa.splash_attention(q, k, v, window_size=window, block_sizes=bs, interpret=True)
+    options = csa.AttentionOptions(block_sizes=bs, mask=csa.LocalMask(window))
+    out = csa.splash_attention(q, k, v, options=options, interpret=True)
     want = _ref64(q, k, v, valid=_window_valid(q_len, kv_len, window))
     _check(out, want, jnp.float32, f"window {window}")
 
@@ -266,7 +277,8 @@ def test_window_with_segments_bf16():
     ids = np.where(np.arange(q_len) < 170, 0, 1).astype(np.int32)[None]
     valid = _window_valid(q_len, kv_len, 64) & (ids[0][:, None] == ids[0][None, :])
     out = csa.splash_attention(
-        q, k, v, window_size=64, segment_ids=(ids, ids), block_sizes=SMALL, interpret=True
+        q, k, v, options=csa.AttentionOptions(block_sizes=SMALL, mask=csa.LocalMask(64)),
+        segment_ids=(ids, ids), interpret=True
     )
     _check(out, _ref64(q, k, v, valid=valid), jnp.bfloat16, "window+segments")
 
@@ -274,7 +286,9 @@ def test_window_with_segments_bf16():
 def test_k_smoothing_is_exact_f32():
     # A large common offset on K: smoothing removes it, the result must not change.
     q, k, v = _inputs((1, 2, 200, 64), 300, jnp.float32, seed=4, k_offset=3.0)
-    out = csa.splash_attention(q, k, v, k_smoothing=True, block_sizes=SMALL, interpret=True)
+    out = csa.splash_attention(
+        q, k, v, options=csa.AttentionOptions(block_sizes=SMALL, k_smoothing=True),
+        interpret=True)
     _check(out, _ref64(q, k, v), jnp.float32, "k_smoothing")
 
 
@@ -292,7 +306,9 @@ def test_k_smoothing_bf16_within_tolerance(offset):
     q, k, v = (rng.standard_normal((1, 2, 256, 128)) for _ in range(3))
     k = k + offset * rng.standard_normal((1, 2, 1, 128))
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    out = csa.splash_attention(q, k, v, k_smoothing=True, block_sizes=SMALL, interpret=True)
+    out = csa.splash_attention(
+        q, k, v, options=csa.AttentionOptions(block_sizes=SMALL, k_smoothing=True),
+        interpret=True)
     _check(out, _ref64(q, k, v), jnp.bfloat16, f"k_smoothing offset {offset}")
 
 
@@ -309,7 +325,8 @@ def test_k_smoothing_mean_over_attendable_keys_only():
     )
     valid = np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]
     out = csa.splash_attention(
-        q, k, v, k_smoothing=True, segment_ids=(q_ids, kv_ids), block_sizes=SMALL, interpret=True
+        q, k, v, options=csa.AttentionOptions(block_sizes=SMALL, k_smoothing=True),
+        segment_ids=(q_ids, kv_ids), interpret=True
     )
     _check(out, _ref64(q, k, v, valid=valid), jnp.float32, "k_smoothing+segments")
 
@@ -338,9 +355,9 @@ def test_matches_stock_splash_kernel():
         )
         # The stock kernel takes (heads, len, head_dim) and applies no softmax scale.
         want = jax.vmap(kernel)(q * scale, k, v)
-        ours = csa.splash_attention(
-            q, k, v, window_size=window, block_sizes=csa.BlockSizes(128, 128, 128), interpret=True
-        )
+        options = csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128),
+                                       mask=None if window is None else csa.LocalMask(window))
+        ours = csa.splash_attention(q, k, v, options=options, interpret=True)
         np.testing.assert_allclose(np.asarray(ours), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -384,7 +401,8 @@ def test_block_size_fitting():
 def test_input_validation():
     q, k, v = _inputs((1, 1, 128, 64), 128, jnp.float32)
     with pytest.raises(ValueError, match="window_size"):
-        csa.splash_attention(q, k, v, window_size=-1, interpret=True)
+        csa.splash_attention(q, k, v, options=csa.AttentionOptions(mask=csa.LocalMask(-1)),
+                             interpret=True)
     with pytest.raises(ValueError, match="segment_ids"):
         csa.splash_attention(
             q, k, v, segment_ids=(jnp.zeros((1, 5), jnp.int32), jnp.zeros((1, 128), jnp.int32))
@@ -423,10 +441,12 @@ def test_sharded_matches_unsharded(mesh_shape, heads, kv_len, window):
     mesh = _mesh(*mesh_shape)
     q, k, v = _inputs((2, heads, 256, 64), kv_len, jnp.float32, seed=31)
     bs = csa.BlockSizes(128, 128, 128)
-    want = csa.splash_attention(q, k, v, window_size=window, block_sizes=bs, interpret=True)
+    options = csa.AttentionOptions(block_sizes=bs,
+                                   mask=None if window is None else csa.LocalMask(window))
+    want = csa.splash_attention(q, k, v, options=options, interpret=True)
     got = jax.jit(
         lambda q, k, v: csa.sharded_splash_attention(
-            q, k, v, mesh=mesh, window_size=window, block_sizes=bs, interpret=True
+            q, k, v, mesh=mesh, options=options, interpret=True
         )
     )(q, k, v)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
@@ -439,7 +459,8 @@ def test_ulysses_layout_is_four_all_to_alls():
     spec = NamedSharding(mesh, P("dp", "tp", "sp", None))
     q, k, v = (jax.device_put(x, spec) for x in _inputs((2, 4, 256, 64), 256, jnp.float32))
     fn = jax.jit(lambda q, k, v: csa.sharded_splash_attention(
-        q, k, v, mesh=mesh, block_sizes=csa.BlockSizes(128, 128, 128), interpret=True))
+        q, k, v, mesh=mesh, options=csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128)),
+        interpret=True))
     hlo = fn.lower(q, k, v).compile().as_text()
     count = {op: len(re.findall(rf" {op}(-start)?\(", hlo))
              for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute")}
@@ -484,7 +505,7 @@ def test_sharded_segment_ids(mesh_shape, kv_len):
         v,
         mesh=mesh,
         segment_ids=(q_ids, kv_ids),
-        block_sizes=csa.BlockSizes(128, 128, 128),
+        options=csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128)),
         interpret=True,
     )
     _check(got, want, jnp.float32, "sharded segments")
@@ -504,8 +525,8 @@ def test_sharded_real_keys_before(mesh_shape):
     with _kernel_spy() as seen:
         got = csa.sharded_splash_attention(
             q, k, v, mesh=mesh, segment_ids=(jnp.asarray(ids), jnp.asarray(ids)),
-            block_sizes=csa.BlockSizes(128, 128, 128), interpret=True,
-            real_keys_before=pad_from)
+            options=csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128)),
+            interpret=True, real_keys_before=pad_from)
     assert set(seen) == {pad_from // 128}  # blocks 0-2 all real, block 3 holds the padding
     _check(got, want, jnp.float32, "sharded real_keys_before")
 
@@ -520,8 +541,8 @@ def test_sharded_valid_kv_len(mesh_shape, heads):
     q, k, v = _inputs((2, heads, n, 64), n, jnp.float32, seed=34)
     v = v.at[:, :, valid:].set(1e4)
     got = jax.jit(lambda q, k, v: csa.sharded_splash_attention(
-        q, k, v, mesh=mesh, block_sizes=csa.BlockSizes(128, 128, 128), interpret=True,
-        valid_kv_len=valid))(q, k, v)
+        q, k, v, mesh=mesh, options=csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128)),
+        interpret=True, valid_kv_len=valid))(q, k, v)
     _check(got, _ref64(q, k[:, :, :valid], v[:, :, :valid]), jnp.float32, "sharded valid")
 
 
@@ -538,20 +559,22 @@ def test_sdpa_declared_tail_padding_uses_valid_kv_len(torchax_env):
         q[:, :, :valid], k[:, :, :valid], v[:, :, :valid]).numpy()
     for attention in ("splash", "xla"):
         csa.install_sdpa_override(torchax_env, attention=attention, mesh=_mesh(2, 2, 2),
-                                  block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+                                  options=csa.AttentionOptions(
+                                      block_sizes=csa.BlockSizes(128, 128, 128)),
+                                  interpret=True)
         token = csa.pad_self_attention_keys(s, valid)
         flag = csa._IN_SELF_ATTENTION.set(True)
-        seen, real_kernel = [], csa._splash_kernel
+        seen, real_kernel = [], splash_kernel._splash_kernel
 
         def spy(*args, seen=seen, real_kernel=real_kernel, **kwargs):
             seen.append((kwargs["kv_len"], args[4] is not None))  # (kv_len, segment ids?)
             return real_kernel(*args, **kwargs)
 
-        csa._splash_kernel = spy
+        splash_kernel._splash_kernel = spy
         try:
             got = _run_sdpa(torchax_env, q, k, v)
         finally:
-            csa._splash_kernel = real_kernel
+            splash_kernel._splash_kernel = real_kernel
             csa._IN_SELF_ATTENTION.reset(flag)
             csa.unpad_self_attention_keys(token)
         assert set(seen) == ({(valid, False)} if attention == "splash" else set())
@@ -638,7 +661,7 @@ def test_sdpa_override_matches_torch(torchax_env, attention, mesh_shape):
         torchax_env,
         attention=attention,
         mesh=mesh,
-        block_sizes=csa.BlockSizes(128, 128, 128),
+        options=csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128)),
         interpret=True,
     )
     q, k, v = _torch_inputs(200, 150, seed=1)
@@ -674,7 +697,9 @@ def test_sdpa_override_key_padding_mask_is_exact(torchax_env, attention, mesh_sh
 
     mesh = None if mesh_shape is None else _mesh(*mesh_shape)
     csa.install_sdpa_override(torchax_env, attention=attention, mesh=mesh,
-                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+                              options=csa.AttentionOptions(
+                                  block_sizes=csa.BlockSizes(128, 128, 128)),
+                              interpret=True)
     s = 200  # odd tail: not a multiple of the 128 blocks
     q, k, v = _torch_inputs(s, s, seed=4)
     real = torch.ones(2, s, dtype=torch.bool)
@@ -702,7 +727,9 @@ def test_sdpa_override_real_keys_before_under_sp(torchax_env):
     import torch
 
     csa.install_sdpa_override(torchax_env, attention="splash", mesh=_mesh(2, 2, 2),
-                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+                              options=csa.AttentionOptions(
+                                  block_sizes=csa.BlockSizes(128, 128, 128)),
+                              interpret=True)
     s, video = 400, 300  # [video tokens 0-299 (sp padding from 290), text 300-399]
     q, k, v = _torch_inputs(s, s, seed=8)
     real = torch.ones(2, s, dtype=torch.bool)
@@ -735,7 +762,9 @@ def test_key_padding_mask_builds_no_dense_mask(torchax_env):
     from torchax import interop
 
     csa.install_sdpa_override(torchax_env, attention="splash",
-                              block_sizes=csa.BlockSizes(128, 128, 128), interpret=True)
+                              options=csa.AttentionOptions(
+                                  block_sizes=csa.BlockSizes(128, 128, 128)),
+                              interpret=True)
     s = 300
 
     def attend(q, k, v, real):

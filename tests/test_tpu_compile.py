@@ -103,7 +103,8 @@ def test_sharded_kernel_compiles_at_wan_shapes(topology, shape, mesh_shape):
     b, h, sq, skv, d = shape
     blocks = csa.default_block_sizes(topology.split(":")[0])
     compiled, seconds = _compile(
-        lambda q, k, v: csa.sharded_splash_attention(q, k, v, mesh=mesh, block_sizes=blocks),
+        lambda q, k, v: csa.sharded_splash_attention(
+            q, k, v, mesh=mesh, options=csa.AttentionOptions(block_sizes=blocks)),
         mesh,
         [(b, h, sq, d), (b, h, skv, d), (b, h, skv, d)],
     )
@@ -149,8 +150,7 @@ def test_kernel_variants_lower_through_mosaic(variant):
     b, h, s, d = 2, 4, 8000, 128
     dtype = jnp.bfloat16
     kwargs = {}
-    if variant == "window":
-        kwargs["window_size"] = 1500
+    mask = csa.LocalMask(1500) if variant == "window" else None
     if variant == "f32":
         dtype = jnp.float32
     if variant == "head_dim64":
@@ -168,13 +168,15 @@ def test_kernel_variants_lower_through_mosaic(variant):
             ids = jnp.broadcast_to((jnp.arange(s) < 7000).astype(jnp.int32), (b, s))
             kwargs.update(segment_ids=(ids, ids), real_keys_before=4000)
         return csa.sharded_splash_attention(
-            q, k, v, mesh=mesh, k_smoothing=variant == "window",
-            # f32 at large blocks compiles too (55 s on this host); small blocks prove the
-            # f32 path, whose score and value tiles are twice the bytes.
-            block_sizes=(csa.BlockSizes(1024, 1024, 256) if variant == "f32"
-                         else csa.BlockSizes(1024, 2048, 1024)
-                         if variant == "segments_real_prefix"
-                         else csa.default_block_sizes("v6e")),
+            q, k, v, mesh=mesh,
+            options=csa.AttentionOptions(
+                k_smoothing=variant == "window", mask=mask,
+                # f32 at large blocks compiles too (55 s on this host); small blocks prove
+                # the f32 path, whose score and value tiles are twice the bytes.
+                block_sizes=(csa.BlockSizes(1024, 1024, 256) if variant == "f32"
+                             else csa.BlockSizes(1024, 2048, 1024)
+                             if variant == "segments_real_prefix"
+                             else csa.default_block_sizes("v6e"))),
             **kwargs
         )
 
@@ -197,7 +199,8 @@ def test_vmem_request_stays_within_the_chips_vmem(topology):
     n = mesh.devices.size
 
     def fn(q, k, v):
-        return csa.sharded_splash_attention(q, k, v, mesh=mesh, block_sizes=blocks)
+        return csa.sharded_splash_attention(q, k, v, mesh=mesh,
+                                            options=csa.AttentionOptions(block_sizes=blocks))
 
     # 23,296 = 7 x 3328 tokens: the blocks fit the sequence unchanged.
     args = [jax.ShapeDtypeStruct((1, n, 23296, 128), jnp.bfloat16,

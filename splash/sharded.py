@@ -1,0 +1,135 @@
+"""The kernel under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh: head-parallel,
+DeepSpeed-Ulysses (all-to-alls over "sp") or q-sequence-parallel, chosen from the shapes
+(``sharded_attention``; the public ``sharded_splash_attention`` documents the layouts)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from splash import kernel
+from splash.kernel import check_shapes, expect_shape, fold_scale, softmax_scale
+from splash.mask import SegmentIds, as_segment_ids
+from splash.options import SPLASH_KERNELS, AttentionOptions
+from splash.stock import stock_splash_attention
+
+
+def ulysses_to_heads(x, sp: int):
+    """Inside ``shard_map``: (B, H, S/sp, D) -> (B, H/sp, S, D), by one all-to-all over "sp".
+
+    The all-to-all runs on (sp, B, H/sp, S/sp, D), its chunks outermost: XLA's TPU all-to-all
+    wants the split dimension major. With it there, the copy into that order fuses into the
+    producer (Wan: the RoPE) and one copy merges the received shards. Splitting heads (axis
+    1) and concatenating the sequence (axis 2) in place, as before, cost 2-3 more passes over
+    each of q, k and v (Wan 14B 720p, dp2 x sp4 on v6e, one block's HLO from a deviceless
+    compile: layout copies 6.2 -> about 3 GB)."""
+    b, h, s, d = x.shape
+    chunks = jnp.moveaxis(x.reshape(b, sp, h // sp, s, d), 1, 0)  # (sp, B, H/sp, S/sp, D)
+    expect_shape("Ulysses chunks", chunks.shape, (sp, b, h // sp, s, d))
+    chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
+    # Axis 0 is now the sender, i.e. the sequence shard: (B, H/sp, sp, S/sp, D).
+    return jnp.moveaxis(chunks, 0, 2).reshape(b, h // sp, sp * s, d)
+
+
+def ulysses_to_tokens(x, sp: int):
+    """Inside ``shard_map``: (B, H/sp, S, D) -> (B, H, S/sp, D), the inverse of
+    ``ulysses_to_heads``, with the same chunks-outermost all-to-all."""
+    b, h, s, d = x.shape
+    chunks = jnp.moveaxis(x.reshape(b, h, sp, s // sp, d), 2, 0)  # (sp, B, H/sp, S/sp, D)
+    expect_shape("Ulysses chunks", chunks.shape, (sp, b, h, s // sp, d))
+    chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
+    return jnp.moveaxis(chunks, 0, 1).reshape(b, sp * h, s // sp, d)  # sender = head group
+
+
+def _check(options: AttentionOptions, kernel_name: str, valid_kv_len) -> None:
+    if kernel_name not in SPLASH_KERNELS:
+        raise ValueError(f"kernel: expected one of {SPLASH_KERNELS}, got {kernel_name!r}")
+    if kernel_name == "stock_splash" and not options.is_plain:
+        raise ValueError("kernel='stock_splash': window_size and k_smoothing are ours only")
+    if kernel_name == "stock_splash" and valid_kv_len is not None:
+        raise ValueError("kernel='stock_splash': valid_kv_len is ours only")
+
+
+def choose_layout(mesh, q_shape, kv_len: int) -> str:
+    """"heads", "ulysses" or "q_sequence" for (B, H, Sq, D) queries on ``mesh``.
+
+    Raises:
+        ValueError: the mesh lacks an axis, or batch % dp or heads % tp is not 0, or neither
+            heads % (tp*sp) nor q_len % sp is 0.
+    """
+    if [a for a in ("dp", "tp", "sp") if a not in mesh.shape]:
+        raise ValueError(f"mesh: expected axes ('dp', 'tp', 'sp'), got {tuple(mesh.shape)}")
+    dp, tp, sp = mesh.shape["dp"], mesh.shape["tp"], mesh.shape["sp"]
+    batch, heads, q_len, _ = q_shape
+    if batch % dp:
+        raise ValueError(f"batch: expected a multiple of mesh axis dp={dp}, got {batch}")
+    if heads % tp:
+        raise ValueError(f"heads: expected a multiple of mesh axis tp={tp}, got {heads}")
+    heads_split = heads % (tp * sp) == 0
+    if sp == 1 or (heads_split and q_len % sp):
+        return "heads"
+    if heads_split and q_len == kv_len:
+        return "ulysses"
+    if q_len % sp == 0:
+        return "q_sequence"
+    raise ValueError(
+        f"q_len: expected a multiple of mesh axis sp={sp} when heads "
+        f"({heads}) are not divisible by tp*sp={tp * sp}, got {q_len}"
+    )
+
+
+def _specs(layout: str):
+    """(q spec, kv spec, q ids spec, kv ids spec) of a layout."""
+    if layout == "heads":
+        return P("dp", ("tp", "sp"), None, None), P("dp", ("tp", "sp"), None, None), \
+            P("dp", None), P("dp", None)
+    if layout == "ulysses":  # the kernel sees whole sequences
+        return P("dp", "tp", "sp", None), P("dp", "tp", "sp", None), P("dp", None), \
+            P("dp", None)
+    return P("dp", "tp", "sp", None), P("dp", "tp", None, None), P("dp", "sp"), P("dp", None)
+
+
+def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
+                      segment_ids=None, interpret: bool = False, kernel_name: str = "splash",
+                      real_keys_before: int = 0, valid_kv_len: int | None = None) -> jax.Array:
+    """``kernel.attention`` (or the stock kernel) under ``jax.shard_map``; the public
+    ``sharded_splash_attention`` documents the arguments, layouts and errors."""
+    check_shapes(q, k, v)
+    _check(options, kernel_name, valid_kv_len)
+    layout = choose_layout(mesh, q.shape, k.shape[2])
+    sp = mesh.shape["sp"]
+    q_spec, kv_spec, q_ids_spec, kv_ids_spec = _specs(layout)
+    segment_ids = as_segment_ids(segment_ids)
+
+    def local(q, k, v, seg):
+        q_shard = None
+        if layout == "q_sequence":  # masks use global query positions
+            q_shard = (lax.axis_index("sp"), sp)
+        if layout == "ulysses":
+            # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
+            # receive every device's sequence shard of our head group, in sequence order.
+            if kernel_name == "splash":
+                q = fold_scale(q, softmax_scale(q.shape[3], scale))
+            q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
+        if kernel_name == "stock_splash":
+            out = stock_splash_attention(q, k, v, scale=scale, block_sizes=options.block_sizes,
+                                         segment_ids=seg, interpret=interpret)
+        else:
+            out = kernel.attention(q, k, v, options, scale=scale, segment_ids=seg,
+                                   interpret=interpret, q_shard=q_shard,
+                                   real_keys_before=real_keys_before,
+                                   valid_kv_len=valid_kv_len, q_scaled=layout == "ulysses")
+        if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
+            out = ulysses_to_tokens(out, sp)
+        return out
+
+    seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        out_specs=q_spec,
+        check_vma=False,  # pallas_call carries no varying-manual-axes annotations
+    )(q, k, v, segment_ids)
