@@ -306,7 +306,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
     check_attention_options(args, family)
-    defaults = {**family.defaults, **family.checkpoint_defaults(args.model_id)}
+    defaults = {**family.flags.defaults, **family.flags.checkpoint_defaults(args.model_id)}
     values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
     values["guidance_scale_2"] = experts.resolve_guidance_scale_2(args.guidance_scale_2,
@@ -315,18 +315,18 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                if getattr(args, k, None) is None} or None
     serve = serving.validate_serve_flags(args, family, values, defaults)  # sizes: 1st bucket
     image_info = check_for_model(args, family, values)  # may size the video from the image
-    check_size(family, values, defaults.get("pixel_multiple", family.pixel_multiple))
-    broken = family.check_flags({**values, "model_id": args.model_id})
+    check_size(family, values, defaults.get("pixel_multiple", family.sizes.pixel_multiple))
+    broken = family.flags.check({**values, "model_id": args.model_id})
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
-    if args.megatron_sp and not family.block_stack.sublayers:
+    if args.megatron_sp and not family.transformer.block_stack.sublayers:
         fail("--megatron_sp", True, f"not supported for {family.name} (its blocks declare no "
              "sublayers to gather and scatter)")
     flow_shift, source = args.flow_shift, "flag"
     if flow_shift is None and "flow_shift" in defaults:
         flow_shift, source = defaults["flow_shift"], "checkpoint"
     elif flow_shift is None:
-        flow_shift = family.default_flow_shift(values["height"], values["width"])
+        flow_shift = family.scheduler.default_flow_shift(values["height"], values["width"])
         source = "resolution"
     if args.profile_dir is not None:
         if args.dry_run or args.stage in ("encode", "decode"):
@@ -341,8 +341,8 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                                        "--lora_2"),
                   scheduler=(scheduler := resolve_scheduler(args.scheduler, family)),
                   step_cache=step_cache.validate_cache_flags(
-                      args, values["num_inference_steps"], make_scheduler=family.make_scheduler,
-                      scheduler=scheduler, flow_shift=flow_shift, sigmas=family.scheduler_sigmas))
+                      args, values["num_inference_steps"], make_scheduler=family.scheduler.make,
+                      scheduler=scheduler, flow_shift=flow_shift, sigmas=family.scheduler.sigmas))
     flags = {k: v for k, v in vars(args).items()
              if k not in step_cache.FLAGS + serving.FLAGS + ("cache",)}
     config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
@@ -356,10 +356,10 @@ def _validate_model(args) -> str:
     """Check --model_id's folder (or shipped config for --dry_run) and detect its family."""
     model_id = args.model_id
     if args.dry_run and model_config_dir(model_id) is None:
-        shipped = [c for family in FAMILIES.values() for c in family.shipped_configs]
+        shipped = [c for family in FAMILIES.values() for c in family.checkpoint.shipped_configs]
         fail("--model_id", model_id, "no local folder or shipped config under configs/ "
              f"(shipped: {', '.join(shipped)})")
-    hint = FAMILIES["wan2.1"].download_hint
+    hint = FAMILIES["wan"].checkpoint.download_hint
     if looks_local(model_id) and not os.path.isdir(model_id):
         fail("--model_id", model_id, "local folder not found; build the tiny test checkpoint "
              "with 'python tools/make_tiny_checkpoint.py --output PATH' or download real "
@@ -370,11 +370,12 @@ def _validate_model(args) -> str:
     key = detect_family(model_id)
     if looks_local(model_id):
         family = FAMILIES[key]
-        missing = [f for f in family.required_files
+        missing = [f for f in family.checkpoint.required_files
                    if not os.path.isfile(os.path.join(model_id, f))]
         if missing:
             fail("--model_id", model_id, f"not a diffusers {family.name} folder, missing "
-                 f"{', '.join(missing)}; download the weights with '{family.download_hint}'")
+                 f"{', '.join(missing)}; download the weights with "
+                 f"'{family.checkpoint.download_hint}'")
     return key
 
 

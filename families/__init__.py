@@ -18,7 +18,9 @@ from families.base import ModelFamily
 
 __all__ = ["FAMILIES", "ModelFamily", "detect_family", "family_for_class"]
 
-FAMILIES: dict[str, ModelFamily] = {"wan2.1": wan.FAMILY, "hunyuanvideo1.5": hunyuan.FAMILY}
+# Keys name a family, not a version: "wan" runs Wan 2.1 and 2.2, "hunyuanvideo" HunyuanVideo-1.5
+# (they were "wan2.1" and "hunyuanvideo1.5"; staged intermediates never recorded the key).
+FAMILIES: dict[str, ModelFamily] = {"wan": wan.FAMILY, "hunyuanvideo": hunyuan.FAMILY}
 
 
 
@@ -29,9 +31,9 @@ def family_for_class(class_name: str | None, model_id: str) -> str:
         UsageError: no family runs it; the line lists the supported classes.
     """
     for key, family in FAMILIES.items():
-        if class_name in family.pipeline_classes:
+        if class_name in family.checkpoint.pipeline_classes:
             return key
-    supported = ", ".join(c for f in FAMILIES.values() for c in f.pipeline_classes)
+    supported = ", ".join(c for f in FAMILIES.values() for c in f.checkpoint.pipeline_classes)
     raise UsageError(f"--model_id={model_id!r}: pipeline class {class_name!r} is not supported "
                      f"(supported: {supported})")
 

@@ -1,8 +1,12 @@
-"""The model-family interface: ``ModelFamily`` and the helpers family modules share.
+"""The model-family interface: ``ModelFamily``, its groups, and the helpers family modules share.
 
 A family module (``families/wan.py``, ...) builds one ``ModelFamily`` value; the package
-``families`` registers them. The engine receives that value and reads its fields; it never
-imports a family.
+``families`` registers them. The engine receives that value and reads its groups' fields
+(``family.text.encode_prompts``, ``family.vae.decoder``, ...); it never imports a family.
+
+Throughout, ``config`` is an ``engine.run.config.RunConfig`` (read by group:
+``config.video.height``, ``config.model.dtype``, ``config.layout.fsdp``); ``cfg`` is the
+transformer's config.json as a dict; tensors are torch CPU tensors.
 """
 
 from __future__ import annotations
@@ -13,153 +17,229 @@ from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelFamily:
-    """What a model family provides. ``config`` below is an ``engine.run.config.RunConfig``
-    (read by group: ``config.video.height``, ``config.model.dtype``, ``config.layout.fsdp``);
-    ``cfg`` is the transformer's config.json as a dict; tensors are torch CPU tensors.
+class Checkpoint:
+    """What a family's checkpoints are and where their files live.
 
-    Identity and defaults:
-        name: human name ("Wan 2.1").
-        pipeline_classes: ``model_index.json`` ``_class_name`` values it runs.
-        defaults: flag defaults (prompt, negative_prompt, height, width, frames, fps,
-            num_inference_steps, guidance_scale, max_sequence_length).
-        shipped_configs: Hub ids whose configs ``configs/`` holds, for dry runs.
-        download_hint: the command that downloads real weights.
-        required_files: files a local checkpoint folder must hold.
-        components: {stage: pipeline components that stage loads}.
-        weight_folders: {component: checkpoint subfolders holding its safetensors}, for
-            the checkpoint check before loading (``engine.files.integrity``); each folder's model
-            class is its ``model_index.json`` entry, as ``from_pretrained`` reads it.
-    Sizes:
-        frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
-        pixel_multiple: height and width must be multiples of it (VAE x patch).
-        default_flow_shift(height, width) -> float, with the source it documents.
-        latent_shape(vae_cfg, height, width, frames) -> (1, C, F', h, w).
-        token_count(cfg, height, width, frames) -> video tokens per sample.
-        num_heads(cfg) -> attention heads (what tp must divide).
-        transformer_flops(cfg, config) -> analytic FLOPs of one step's model call(s).
-        self_attention_flops(cfg, config) -> the self-attention part of it.
-    Loading and encoding (CPU, before any device work):
-        load_pipeline(config, components) -> diffusers pipeline, transformer with meta weights.
-        empty_transformer(cfg, torch dtype) -> transformer with meta weights, run dtypes.
-        empty_vae(folder) -> VAE with meta weights (dry run).
-        encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
-        embedding_names: the names ``encode_prompts`` returns (staged files hold these).
-        check_embeddings(embeds, settings, cfg) -> error text or None.
-        prepare_latents(pipe, config) -> float32 initial noise from ``config.video.seed``.
-    The model call:
-        model_inputs(embeds, config) -> pytree of (batch, ...) tensors the step takes,
-            CFG pairs concatenated on the batch axis (placed over "dp").
-        abstract_model_inputs(cfg, config) -> same pytree as ``jax.ShapeDtypeStruct`` shapes
-            and dtypes (no sharding), for the dry run.
-        step_fn(jm, config) -> torch function (params, buffers, latents, timestep, inputs)
-            -> noise prediction, CFG combined (to be viewed as JAX and jitted).
-        sharding_rules(config) -> ((regex, spec), ...) for the transformer's state dict.
-    VAE decode:
-        is_vae_decode_weight(name) -> whether the decode reads this VAE weight.
-        vae_decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
-            ``engine.programs.vae_decode.ChunkedDecoder`` or an object with its interface
-            (``compile``, ``memory``, ``spatial``, call).
-    Engine details:
-        block_stack: ``engine.weights.scan_layers.BlockStack``: the transformer's block list, what a
-            block carries, where the video tokens are (scan, sequence parallelism).
-        checkpoint_defaults(model_id) -> {flag: value} the checkpoint's own configs set
-            (e.g. its guider's guidance_scale, its scheduler's shift as "flow_shift"); they
-            win over ``defaults``. May raise ``UsageError``.
-        check_flags(values) -> (flag, rule) a resolved flag value breaks, or None; values
-            are the resolved family flags and "model_id".
-        scheduler_sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for
-            the scheduler's own spacing.
-        timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
-        optional_folders: weight folders a checkpoint may leave out (``model_index.json``
-            entry absent or [null, null]), e.g. Wan 2.2 A14B's ``transformer_2``.
-    Image-to-video (``--image``, ``engine/files/image.py``):
-        image_mode(model_id) -> "none" (text-to-video only), "optional" (either, e.g.
-            TI2V-5B) or "required" (an image-to-video checkpoint).
-        encode_image(pipe, config, image, devices, resident=None) -> {name: tensor}: the
-            image conditioning (image-encoder embeddings, condition latents), computed once
-            per run after the prompts and before the transformer is placed; ``image`` is an
-            RGB PIL image, ``devices`` the run's devices (for an on-device VAE encode). The
-            tensors join every video's embeddings: ``model_inputs`` gets them and the encode
-            stage stores them, so a staged denoise needs no image encoder. It frees its
-            encoders after the call; ``resident``, a dict the caller keeps across calls
-            (``--serve``: one image per job), keeps them (the image encoder in host RAM,
-            placed device encoders in the dict) for the next call.
-        image_names: the names ``encode_image`` returns.
-        image_size(model_id, engine.files.image.ImageInfo) -> (height, width) the pipeline gives a
-            video of this image when no --height/--width is given, or None (the flags' size).
-        finish_latents(latents, inputs) -> latents: applied to the final latents (a
-            ``jax.Array``, with the placed model inputs) before the decode; the identity
-            unless the pipeline edits them after its loop (TI2V-5B image-to-video).
-    Options the engine checks (what a family supports is a field, never a name test):
-        schedulers: the ``--scheduler`` values its pipeline runs; the first is the default.
-        make_scheduler(scheduler_config, --scheduler, flow_shift) -> the diffusers scheduler
-            the run samples with (None: not needed; a two-expert family sets it, so the step
-            caches know each expert's steps before any model loads).
-        supports_lora: whether ``--lora`` / ``--lora_2`` apply.
-        lora_state_dict(tensors) -> converted state dict: diffusers' LoRA key converter for
-            the family's transformer (a ``*LoraLoaderMixin.lora_state_dict``); read only when
-            ``supports_lora``.
-        default_sp: {chip name: sp size} of the default layout on that chip when neither
-            --tp nor --sp is given and the chip does not take Ulysses for this checkpoint
-            (``engine.weights.layout.resolve_run_mesh``; ``chips.prefers_ulysses`` gives tp 1 and
-            all of sp where the replicated weights leave room): chosen where the static
-            estimate says it is faster and the dry run says every such checkpoint fits
-            (docs/dry_run.md).
-        supports_window: whether ``--window_size`` applies (self-attention over video tokens
-            only, in the flattened frames x height x width order).
-        device_image_encode: whether ``encode_image`` VAE-encodes the condition on the
-            devices with ``engine.programs.vae_encode`` (Wan), so the dry run compiles and
-            sizes that encode; False where it is encoded on the host (HunyuanVideo-1.5).
+    pipeline_classes: ``model_index.json`` ``_class_name`` values it runs.
+    shipped_configs: Hub ids whose configs ``configs/`` holds, for dry runs.
+    download_hint: the command that downloads real weights.
+    required_files: files a local checkpoint folder must hold.
+    components: {stage: pipeline components that stage loads}.
+    weight_folders: {component: checkpoint subfolders holding its safetensors}, for the
+        checkpoint check before loading (``engine.files.integrity``); each folder's model class
+        is its ``model_index.json`` entry, as ``from_pretrained`` reads it.
+    optional_folders: weight folders a checkpoint may leave out (``model_index.json`` entry
+        absent or [null, null]), e.g. Wan 2.2 A14B's ``transformer_2``.
     """
 
-    name: str
     pipeline_classes: tuple[str, ...]
-    defaults: Mapping[str, Any]
     shipped_configs: tuple[str, ...]
     download_hint: str
     required_files: tuple[str, ...]
     components: Mapping[str, tuple[str, ...]]
     weight_folders: Mapping[str, tuple[str, ...]]
+    optional_folders: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """The family's flag defaults and the checks on resolved flags.
+
+    defaults: flag defaults (prompt, negative_prompt, height, width, frames, fps,
+        num_inference_steps, guidance_scale, max_sequence_length).
+    checkpoint_defaults(model_id) -> {flag: value} the checkpoint's own configs set (e.g. its
+        guider's guidance_scale, its scheduler's shift as "flow_shift"); they win over
+        ``defaults``. May raise ``UsageError``.
+    check(values) -> (flag, rule) a resolved flag value breaks, or None; values are the
+        resolved family flags and "model_id".
+    """
+
+    defaults: Mapping[str, Any]
+    checkpoint_defaults: Callable
+    check: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The video's and latents' geometry.
+
+    frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
+    pixel_multiple: height and width must be multiples of it (VAE x patch).
+    latent_shape(vae_cfg, height, width, frames) -> (1, C, F', h, w).
+    token_count(cfg, height, width, frames) -> video tokens per sample.
+    """
+
     frame_step: int
     pixel_multiple: int
-    default_flow_shift: Callable
     latent_shape: Callable
     token_count: Callable
-    num_heads: Callable
-    transformer_flops: Callable
-    self_attention_flops: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class TextEncoding:
+    """Loading the diffusers pipeline and encoding the prompts (CPU, before any device work).
+
+    load_pipeline(config, components) -> diffusers pipeline, transformer with meta weights.
+    encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
+    embedding_names: the names ``encode_prompts`` returns (staged files hold these).
+    check_embeddings(embeds, settings, cfg) -> error text or None.
+    prepare_latents(pipe, config) -> float32 initial noise from ``config.video.seed``.
+    """
+
     load_pipeline: Callable
-    empty_transformer: Callable
-    empty_vae: Callable
     encode_prompts: Callable
     embedding_names: tuple[str, ...]
     check_embeddings: Callable
     prepare_latents: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+    """The transformer: its model call, its layout on the mesh, what it costs and accepts.
+
+    empty(cfg, torch dtype) -> transformer with meta weights, run dtypes.
+    num_heads(cfg) -> attention heads (what tp must divide).
+    flops(cfg, config) -> analytic FLOPs of one step's model call(s).
+    self_attention_flops(cfg, config) -> the self-attention part of it.
+    model_inputs(embeds, config) -> pytree of (batch, ...) tensors the step takes, CFG pairs
+        concatenated on the batch axis (placed over "dp").
+    abstract_model_inputs(cfg, config) -> same pytree as ``jax.ShapeDtypeStruct`` shapes and
+        dtypes (no sharding), for the dry run.
+    step_fn(jm, config) -> torch function (params, buffers, latents, timestep, inputs) ->
+        noise prediction, CFG combined (to be viewed as JAX and jitted).
+    timestep_dtype: dtype of the (1,) timestep the step takes ("int32" or "float32").
+    sharding_rules(config) -> ((regex, spec), ...) for the transformer's state dict.
+    block_stack: ``engine.weights.scan_layers.BlockStack``: the transformer's block list, what
+        a block carries, where the video tokens are (scan, sequence parallelism).
+    default_sp: {chip name: sp size} of the default layout on that chip when neither --tp nor
+        --sp is given and the chip does not take Ulysses for this checkpoint
+        (``engine.weights.layout.resolve_run_mesh``; ``chips.prefers_ulysses`` gives tp 1 and
+        all of sp where the replicated weights leave room): chosen where the static estimate
+        says it is faster and the dry run says every such checkpoint fits (docs/dry_run.md).
+    masks: the attention mask classes (``custom_splash_attention``) its self-attention
+        accepts; ``LocalMask`` among them makes ``--window_size`` apply (self-attention over
+        video tokens only, in the flattened frames x height x width order).
+    lora_state_dict(tensors) -> converted state dict: diffusers' LoRA key converter for the
+        transformer (a ``*LoraLoaderMixin.lora_state_dict``); None: ``--lora`` / ``--lora_2``
+        are not supported.
+    """
+
+    empty: Callable
+    num_heads: Callable
+    flops: Callable
+    self_attention_flops: Callable
     model_inputs: Callable
     abstract_model_inputs: Callable
     step_fn: Callable
-    sharding_rules: Callable
-    is_vae_decode_weight: Callable
-    vae_decoder: Callable
-    block_stack: Any
-    checkpoint_defaults: Callable
-    check_flags: Callable
-    scheduler_sigmas: Callable
     timestep_dtype: str
-    optional_folders: tuple[str, ...] = ()
-    image_mode: Callable = lambda model_id: "none"
-    encode_image: Callable | None = None
-    image_names: tuple[str, ...] = ()
-    image_size: Callable = lambda model_id, info: None
-    finish_latents: Callable = lambda latents, inputs: latents
-    schedulers: tuple[str, ...] = ("euler",)
-    make_scheduler: Callable | None = None
-    supports_lora: bool = False
-    lora_state_dict: Callable = lambda tensors: _no_lora_loader()
-    supports_window: bool = False
+    sharding_rules: Callable
+    block_stack: Any
     default_sp: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    device_image_encode: bool = False
+    masks: tuple[type, ...] = ()
+    lora_state_dict: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VaePrograms:
+    """The VAE on device: the family's programs on the engine's chunked decoder.
+
+    empty(folder) -> VAE with meta weights (dry run).
+    is_decode_weight(name) -> whether the decode reads this VAE weight.
+    decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
+        ``engine.programs.vae_decode.ChunkedDecoder`` or an object with its interface
+        (``compile``, ``memory``, ``spatial``, call).
+    encoder(placed, mesh, vae, *, abstract) -> the on-device VAE encode of the image
+        conditioning (a ``ChunkedDecoder`` subclass: ``compile``, ``memory``, ``spatial``,
+        call), on weights placed with ``include=is_encode_weight`` over a mesh with every
+        device on "sp" (``engine.run.mesh.spatial_mesh``). Set where ``ImageConditioning.encode``
+        runs it (Wan), so the dry run compiles and sizes that encode; None
+        where the condition is encoded on the host (HunyuanVideo-1.5).
+    is_encode_weight(name) -> whether ``encoder`` reads this VAE weight (with ``encoder``).
+    """
+
+    empty: Callable
+    is_decode_weight: Callable
+    decoder: Callable
+    encoder: Callable | None = None
+    is_encode_weight: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageConditioning:
+    """Image-to-video (``--image``, ``engine/files/image.py``); the defaults are a
+    text-to-video family's.
+
+    mode(model_id) -> "none" (text-to-video only), "optional" (either, e.g. TI2V-5B) or
+        "required" (an image-to-video checkpoint).
+    encode(pipe, config, image, devices, resident=None) -> {name: tensor}: the image
+        conditioning (image-encoder embeddings, condition latents), computed once per run
+        after the prompts and before the transformer is placed; ``image`` is an RGB PIL image,
+        ``devices`` the run's devices (for an on-device VAE encode, ``VaePrograms.encoder``).
+        The tensors join every video's embeddings: ``model_inputs`` gets them and the encode
+        stage stores them, so a staged denoise needs no image encoder. It frees its encoders
+        after the call; ``resident``, a dict the caller keeps across calls (``--serve``: one
+        image per job), keeps them (the image encoder in host RAM, placed device encoders in
+        the dict) for the next call.
+    names: the names ``encode`` returns.
+    size(model_id, engine.files.image.ImageInfo) -> (height, width) the pipeline gives a
+        video of this image when no --height/--width is given, or None (the flags' size).
+    finish_latents(latents, inputs) -> latents: applied to the final latents (a
+        ``jax.Array``, with the placed model inputs) before the decode; the identity unless
+        the pipeline edits them after its loop (TI2V-5B image-to-video).
+    """
+
+    mode: Callable = lambda model_id: "none"
+    encode: Callable | None = None
+    names: tuple[str, ...] = ()
+    size: Callable = lambda model_id, info: None
+    finish_latents: Callable = lambda latents, inputs: latents
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduling:
+    """The sampler: which schedulers, their timesteps and their shift.
+
+    default_flow_shift(height, width) -> float, with the source it documents.
+    sigmas(num_inference_steps) -> sigmas for ``set_timesteps``, or None for the scheduler's
+        own spacing.
+    names: the ``--scheduler`` values its pipeline runs; the first is the default.
+    make(scheduler_config, --scheduler, flow_shift) -> the diffusers scheduler the run
+        samples with (None: not needed; a two-expert family sets it, so the step caches know
+        each expert's steps before any model loads).
+    """
+
+    default_flow_shift: Callable
+    sigmas: Callable
+    names: tuple[str, ...] = ("euler",)
+    make: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """What a model family provides: its name and one frozen value per concern. What a family
+    supports is a field (``transformer.masks``, ``transformer.lora_state_dict``,
+    ``vae.encoder``, ``image.mode``), never a name test.
+
+    name: human name ("Wan 2.1").
+    checkpoint: ``Checkpoint``: pipeline classes, shipped configs, files and weight folders.
+    flags: ``Flags``: flag defaults, the checkpoint's own defaults, flag checks.
+    sizes: ``Sizes``: frame step, pixel multiple, latent shape, token count.
+    text: ``TextEncoding``: the pipeline load, prompt encode and initial noise (CPU).
+    transformer: ``Transformer``: model call, sharding, block stack, FLOPs, masks, LoRA.
+    vae: ``VaePrograms``: the device VAE decode (and encode) programs.
+    image: ``ImageConditioning``: image-to-video.
+    scheduler: ``Scheduling``: schedulers, sigmas, default flow shift.
+    """
+
+    name: str
+    checkpoint: Checkpoint
+    flags: Flags
+    sizes: Sizes
+    text: TextEncoding
+    transformer: Transformer
+    vae: VaePrograms
+    scheduler: Scheduling
+    image: ImageConditioning = dataclasses.field(default_factory=ImageConditioning)
 
 
 def empty_model(cls, cfg: dict, dtype):
@@ -182,7 +262,3 @@ def empty_model(cls, cfg: dict, dtype):
         if keep.intersection(name.split(".")):
             param.data = param.data.float()
     return model
-
-
-def _no_lora_loader():
-    raise NotImplementedError("this family has no LoRA loader (ModelFamily.supports_lora)")

@@ -23,13 +23,23 @@ sources under ``settings.default_sources``).
 
 from __future__ import annotations
 
+from custom_splash_attention import LocalMask
 from engine.files.checkpoint import expert_count, read_component_config, read_model_index
-from engine.programs.vae_decode import ChunkedDecoder, feat_cache, split_feat_cache
-from engine.programs.vae_encode import DeviceEncode
 from engine.run.errors import GenerationError, first_line
 from engine.weights.scan_layers import BlockStack
-from families import wan_ti2v
-from families.base import ModelFamily, empty_model
+from families import wan_ti2v, wan_vae
+from families.base import (
+    Checkpoint,
+    Flags,
+    ImageConditioning,
+    ModelFamily,
+    Scheduling,
+    Sizes,
+    TextEncoding,
+    Transformer,
+    VaePrograms,
+    empty_model,
+)
 
 # Wan's VAEs compress 4x in time; the transformer patchifies 2x2. The spatial factor is the
 # VAE's: 8 for Wan 2.1's (z_dim 16), 16 for Wan 2.2's (z_dim 48: 8x from its blocks, 2x from
@@ -144,7 +154,7 @@ def is_two_expert(model_index: dict) -> bool:
 
 def lora_state_dict(tensors: dict) -> dict:
     """diffusers' Wan LoRA key conversion (``WanLoraLoaderMixin.lora_state_dict``: PEFT,
-    original, ComfyUI and lightx2v keys), the ``ModelFamily.lora_state_dict`` of Wan."""
+    original, ComfyUI and lightx2v keys), the ``Transformer.lora_state_dict`` of Wan."""
     from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 
     return WanLoraLoaderMixin.lora_state_dict(tensors)
@@ -432,7 +442,7 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
         "first_frame" (TI2V-5B only, in place of "condition"): (1, 48, 1, h, w) float32, the
             normalised posterior mode of the image alone (``families.wan_ti2v``).
     The VAE encode of the whole conditioning video (TI2V-5B: of the image) runs on
-    ``devices`` (``engine.programs.vae_encode``: chunked, width-sharded; about 3.8e14 FLOPs at
+    ``devices`` (``families.wan_vae.DeviceEncode``: chunked, width-sharded; about 3.8e14 FLOPs at
     720p x 81, minutes on a CPU; 34 s for TI2V-5B's one 704x1280 frame on a 2-core host), standing
     in for ``vae.encode`` inside diffusers' own ``prepare_latents``; with ``resident`` its
     ``DeviceEncode`` (weights placed once, one compiled program set per video shape) is
@@ -454,7 +464,7 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
         # the posterior mode), so any seed gives the same condition.
         args = (video, 1, pipe.vae.config.z_dim, config.video.height, config.video.width,
                 config.video.frames, torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
-        encode = (resident or {}).get("vae_encode") or DeviceEncode(pipe.vae, devices)
+        encode = (resident or {}).get("vae_encode") or wan_vae.DeviceEncode(pipe.vae, devices)
         if resident is not None:
             resident["vae_encode"] = encode
         pipe.vae.encode = encode
@@ -618,158 +628,78 @@ def sharding_rules(config) -> tuple:
     return transformer_sharding_rules(replicate_row_parallel=config.layout.replicate_row_parallel)
 
 
-# The VAE decode reads only these weights; the encoder (~0.2 GB float32) stays on the host.
-VAE_DECODE_PREFIXES = ("decoder.", "post_quant_conv.")
-
-
-def is_vae_decode_weight(name: str) -> bool:
-    return name.startswith(VAE_DECODE_PREFIXES)
-
-
-def _vae_full_fn(jm):
-    """Torch function: normalised latents (1, z_dim, F', H/s, W/s) -> video (1, 3, F, H, W)
-    in [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
-    import torch
-
-    def decode(params, buffers, latents, mean, inv_std):
-        z = latents.to(torch.float32) / inv_std + mean
-        return jm.functional_call("decode", params, buffers, z, return_dict=False)[0]
-
-    return decode
-
-
-def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
-                  patch_size: int | None = None):
-    """Torch function decoding ONE latent frame with the causal-conv cache as explicit state.
-
-    diffusers' ``AutoencoderKLWan._decode`` loops over latent frames in Python, keeping each
-    causal conv's last input frames in a list (``feat_cache``) whose entries are None, the
-    string "Rep" (an upsampler's first chunk) or a tensor. Jitting that whole loop unrolls it:
-    at 720p x 81 frames XLA then needs 88 GB of temporaries per v6e chip. Here one call decodes
-    one latent frame; the tensor entries go in and out as arrays and the None/"Rep" pattern
-    (``kinds``) is static, so the decode compiles to three programs (first frame, second
-    frame, every later frame) whose memory is one frame's worth.
-
-    ``record[(kinds, first)]`` receives the kinds of the cache this call returns. ``spatial``
-    (a ``NamedSharding``) splits the frame's width over the mesh: GSPMD then partitions every
-    conv spatially, exchanging halos, so each chip decodes 1/n of the width instead of all chips
-    decoding the same frame.
-    The Wan 2.2 VAE (``patch_size`` 2) runs the same decoder loop (its residual up blocks
-    carry their own ``first_chunk`` slicing and cache entries) and then ``unpatchify``s the
-    whole output once (``AutoencoderKLWan._decode``); ``unpatchify`` only moves channels into
-    2x2 pixel blocks of the same frame, so applying it to each frame's chunk is the same, and
-    so is clamping before or after it.
-    Signature of the returned function:
-        (params, buffers, z (1, z_dim, 1, h, w), mean, inv_std, cache list)
-        -> (video chunk (1, 3, 1 or 4, s*h, s*w) float32 in [-1, 1] with s the VAE's spatial
-        scale (8, or 16 with patch_size 2), new cache list)
-    """
-    import jax
-    import torch
-    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-    from torchax import interop
-
-    def run(model, z, feat):
-        x = model.post_quant_conv(z)
-        return model.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first)
-
-    def chunk(params, buffers, z, mean, inv_std, cache):
-        if spatial is not None:
-            z = interop.call_jax(jax.lax.with_sharding_constraint, z, spatial)
-        z = z.to(torch.float32) / inv_std + mean
-        feat = feat_cache(kinds, cache)
-        out = jm.functional_call(run, params, buffers, z, feat)
-        record[(kinds, first)], new_cache = split_feat_cache(feat)
-        if patch_size is not None:
-            out = unpatchify(out, patch_size=patch_size)
-        out = torch.clamp(out, min=-1.0, max=1.0)
-        if spatial is not None:
-            # Keep the carried cache and the frames width-sharded too, or they come back
-            # replicated: at 720p the cache alone is ~8 GB per chip.
-            out, *new_cache = (interop.call_jax(jax.lax.with_sharding_constraint, t, spatial)
-                               for t in (out, *new_cache))
-        return out, list(new_cache)
-
-    return chunk
-
-
-
-
-def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
-                fallbacks=None):
-    """The Wan VAE decode (Wan 2.1's, or Wan 2.2's with ``patch_size``) as an
-    ``engine.programs.vae_decode.ChunkedDecoder``: frame-chunked with the causal-conv cache as
-    explicit state (default) or, with ``tiling``, diffusers' spatially tiled ``decode`` in one
-    program."""
-    import functools
-
-    if tiling:
-        vae.enable_tiling()
-    return ChunkedDecoder(
-        placed, mesh, chunk_fn=functools.partial(_vae_chunk_fn,
-                                                 patch_size=vae.config.patch_size),
-        initial_kinds=("none",) * vae._cached_conv_counts["decoder"],
-        latents_mean=vae.config.latents_mean, latents_std=vae.config.latents_std,
-        full_fn=_vae_full_fn if tiling else None, abstract=abstract, fallbacks=fallbacks)
-
-
 FAMILY = ModelFamily(
     name="Wan",
-    pipeline_classes=("WanPipeline", I2V_PIPELINE),
-    defaults=DEFAULTS,
-    shipped_configs=("Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-                     "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-                     "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
-    download_hint=DOWNLOAD_HINT,
-    required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
-    components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
-                "denoise": ("transformer",), "decode": ("vae",)},
-    weight_folders={"text_encoder": ("text_encoder", "image_encoder"),
-                    "transformer": ("transformer", "transformer_2"), "vae": ("vae",)},
-    frame_step=VAE_TEMPORAL_SCALE,
-    # Wan 2.1's VAE x patch; a Wan 2.2 VAE (16x) makes it 32 (``checkpoint_defaults``).
-    pixel_multiple=8 * PATCH_SIDE,
-    default_flow_shift=default_flow_shift,
-    latent_shape=latent_shape,
-    token_count=token_count,
-    num_heads=num_heads,
-    transformer_flops=transformer_flops,
-    self_attention_flops=self_attention_flops,
-    load_pipeline=load_pipeline,
-    empty_transformer=empty_transformer,
-    empty_vae=empty_vae,
-    encode_prompts=encode_prompts,
-    embedding_names=EMBEDDING_NAMES,
-    check_embeddings=check_embeddings,
-    prepare_latents=prepare_latents,
-    model_inputs=model_inputs,
-    abstract_model_inputs=abstract_model_inputs,
-    step_fn=step_fn,
-    sharding_rules=sharding_rules,
-    is_vae_decode_weight=is_vae_decode_weight,
-    vae_decoder=vae_decoder,
-    block_stack=WAN_BLOCKS,
-    checkpoint_defaults=checkpoint_defaults,
-    check_flags=check_flags,
-    scheduler_sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
-    timestep_dtype="int32",
-    optional_folders=("transformer_2", "image_encoder"),
-    image_size=lambda model_id, info: None,  # the flags' (or family default) size
-    image_mode=image_mode,
-    encode_image=encode_image,
-    image_names=IMAGE_NAMES,
-    finish_latents=wan_ti2v.finish,
-    # WanPipeline's default is UniPC; Euler serves the few-step distilled LoRAs.
-    schedulers=("unipc", "euler"),
-    make_scheduler=make_scheduler,
-    supports_lora=True,
-    lora_state_dict=lora_state_dict,
-    supports_window=True,
-    # v6e, for the checkpoints whose replicated weights are too large for Ulysses
-    # (chips.ULYSSES_WEIGHT_FRACTION: Wan 2.1 I2V 14B, the Wan 2.2 A14B pairs): dp2 x tp2 x sp2
-    # on v6e-8 (tp2 x sp2 for any v6e slice whose tp stays >= 2). By the static estimate it
-    # beats dp2 x tp4 (14B 720p 3.46 -> 3.21 s/step), and those checkpoints fit by the dry run
-    # (A14B T2V/I2V with --park_weights auto); docs/dry_run.md.
-    default_sp={"v6e": 2},
-    device_image_encode=True,
+    checkpoint=Checkpoint(
+        pipeline_classes=("WanPipeline", I2V_PIPELINE),
+        shipped_configs=("Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                         "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                         "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+                         "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
+        download_hint=DOWNLOAD_HINT,
+        required_files=("model_index.json", "transformer/config.json", "vae/config.json"),
+        components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
+                    "denoise": ("transformer",), "decode": ("vae",)},
+        weight_folders={"text_encoder": ("text_encoder", "image_encoder"),
+                        "transformer": ("transformer", "transformer_2"), "vae": ("vae",)},
+        optional_folders=("transformer_2", "image_encoder"),
+    ),
+    flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags),
+    sizes=Sizes(
+        frame_step=VAE_TEMPORAL_SCALE,
+        # Wan 2.1's VAE x patch; a Wan 2.2 VAE (16x) makes it 32 (``checkpoint_defaults``).
+        pixel_multiple=8 * PATCH_SIDE,
+        latent_shape=latent_shape,
+        token_count=token_count,
+    ),
+    text=TextEncoding(
+        load_pipeline=load_pipeline,
+        encode_prompts=encode_prompts,
+        embedding_names=EMBEDDING_NAMES,
+        check_embeddings=check_embeddings,
+        prepare_latents=prepare_latents,
+    ),
+    transformer=Transformer(
+        empty=empty_transformer,
+        num_heads=num_heads,
+        flops=transformer_flops,
+        self_attention_flops=self_attention_flops,
+        model_inputs=model_inputs,
+        abstract_model_inputs=abstract_model_inputs,
+        step_fn=step_fn,
+        timestep_dtype="int32",
+        sharding_rules=sharding_rules,
+        block_stack=WAN_BLOCKS,
+        # v6e, for the checkpoints whose replicated weights are too large for Ulysses
+        # (chips.ULYSSES_WEIGHT_FRACTION: Wan 2.1 I2V 14B, the Wan 2.2 A14B pairs): dp2 x tp2 x
+        # sp2 on v6e-8 (tp2 x sp2 for any v6e slice whose tp stays >= 2). By the static
+        # estimate it beats dp2 x tp4 (14B 720p 3.46 -> 3.21 s/step), and those checkpoints
+        # fit by the dry run (A14B T2V/I2V with --park_weights auto); docs/dry_run.md.
+        default_sp={"v6e": 2},
+        # Self-attention over video tokens only (text enters by cross-attention), in the
+        # flattened frames x height x width order: --window_size applies.
+        masks=(LocalMask,),
+        lora_state_dict=lora_state_dict,
+    ),
+    vae=VaePrograms(
+        empty=empty_vae,
+        is_decode_weight=wan_vae.is_vae_decode_weight,
+        decoder=wan_vae.vae_decoder,
+        encoder=wan_vae.ChunkedEncoder,
+        is_encode_weight=wan_vae.is_encode_weight,
+    ),
+    image=ImageConditioning(
+        mode=image_mode,
+        encode=encode_image,
+        names=IMAGE_NAMES,
+        size=lambda model_id, info: None,  # the flags' (or family default) size
+        finish_latents=wan_ti2v.finish,
+    ),
+    scheduler=Scheduling(
+        default_flow_shift=default_flow_shift,
+        sigmas=lambda num_inference_steps: None,  # UniPC's own spacing, as WanPipeline
+        # WanPipeline's default is UniPC; Euler serves the few-step distilled LoRAs.
+        names=("unipc", "euler"),
+        make=make_scheduler,
+    ),
 )

@@ -318,8 +318,9 @@ def test_damaged_checkpoint_is_one_line_before_loading(request, tmp_path, capsys
     damage(ck)
     for key, family in families.FAMILIES.items():
         monkeypatch.setitem(families.FAMILIES, key, dataclasses.replace(
-            family, load_pipeline=lambda *a, **k: pytest.fail("weights loaded"),
-            encode_prompts=lambda *a, **k: pytest.fail("text encoder ran")))
+            family, text=dataclasses.replace(
+                family.text, load_pipeline=lambda *a, **k: pytest.fail("weights loaded"),
+                encode_prompts=lambda *a, **k: pytest.fail("text encoder ran"))))
     out = tmp_path / "out"
     code = gf.cli(["--model_id", str(ck), "--output_dir", str(out), "--work_dir",
                    str(tmp_path / "work"), *flags])
@@ -397,5 +398,5 @@ def test_window_size_is_wan_only():
 
     args = argparse.Namespace(window_size=8, k_smoothing=False, attention="splash")
     with pytest.raises(UsageError, match=r"--window_size=8: not supported for HunyuanVideo"):
-        check_attention_options(args, FAMILIES["hunyuanvideo1.5"])
-    check_attention_options(args, FAMILIES["wan2.1"])
+        check_attention_options(args, FAMILIES["hunyuanvideo"])
+    check_attention_options(args, FAMILIES["wan"])

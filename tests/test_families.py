@@ -17,21 +17,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_every_shipped_config_detects_its_own_family():
     for key, family in families.FAMILIES.items():
-        assert family.shipped_configs, key
-        for hub_id in family.shipped_configs:
+        assert family.checkpoint.shipped_configs, key
+        for hub_id in family.checkpoint.shipped_configs:
             assert model_config_dir(hub_id) is not None, hub_id
             assert families.detect_family(hub_id) == key
 
 
 def test_tiny_checkpoints_detect_their_families(tiny_checkpoint, hunyuan_checkpoint):
-    assert families.detect_family(tiny_checkpoint) == "wan2.1"
-    assert families.detect_family(hunyuan_checkpoint) == "hunyuanvideo1.5"
+    assert families.detect_family(tiny_checkpoint) == "wan"
+    assert families.detect_family(hunyuan_checkpoint) == "hunyuanvideo"
 
 
 def test_every_interface_field_is_set():
+    """Every group is set, and so is every field of it without a default (a default of None,
+    such as ``vae.encoder``, says the family lacks that option)."""
     for family in families.FAMILIES.values():
         for field in dataclasses.fields(families.ModelFamily):
-            assert getattr(family, field.name) is not None, field.name
+            group = getattr(family, field.name)
+            assert group is not None, field.name
+            if not dataclasses.is_dataclass(group):
+                continue
+            for sub in dataclasses.fields(group):
+                if sub.default is dataclasses.MISSING and \
+                        sub.default_factory is dataclasses.MISSING:
+                    assert getattr(group, sub.name) is not None, f"{field.name}.{sub.name}"
+
+
+def test_family_options_are_fields():
+    """What a family supports is a field of its value, never a name test."""
+    from custom_splash_attention import LocalMask
+
+    wan, hunyuan = families.FAMILIES["wan"], families.FAMILIES["hunyuanvideo"]
+    assert wan.transformer.masks == (LocalMask,) and hunyuan.transformer.masks == ()
+    assert wan.transformer.lora_state_dict is not None
+    assert hunyuan.transformer.lora_state_dict is None
+    assert wan.vae.encoder is not None and wan.vae.is_encode_weight is not None
+    assert hunyuan.vae.encoder is None
 
 
 def test_unknown_pipeline_class_is_one_line_listing_the_supported_ones(tmp_path):

@@ -109,7 +109,7 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     frames and fps the family's; a flag still wins."""
     config = generate_flax.validate_args(generate_flax.parse_args(
         ["--model_id", hunyuan_checkpoint]))
-    assert config.model.family == "hunyuanvideo1.5"
+    assert config.model.family == "hunyuanvideo"
     video = config.video
     assert (video.guidance_scale, video.flow_shift, video.flow_shift_source) == (
         6.0, 9.0, "checkpoint")

@@ -45,10 +45,11 @@ def test_valid_checkpoints_pass_without_a_warning(request, which, caplog, tmp_pa
                                         ("denoise", ["transformer"]), ("decode", ["vae"])])
 def test_each_stage_checks_only_what_it_loads(tiny_checkpoint, tmp_path, stage, want):
     config = _config(tiny_checkpoint, "--stage", stage, "--output_dir", str(tmp_path))
-    assert sorted(integrity.check_checkpoint(config, FAMILIES["wan2.1"])["components"]) == want
+    assert sorted(integrity.check_checkpoint(config, FAMILIES["wan"])["components"]) == want
 
 
-@pytest.mark.parametrize("model_id", [c for f in FAMILIES.values() for c in f.shipped_configs])
+@pytest.mark.parametrize("model_id", [c for f in FAMILIES.values()
+                                      for c in f.checkpoint.shipped_configs])
 def test_dry_run_checks_the_shipped_real_configs(model_id, tmp_path):
     """Configs only (no weights): the real 14B / 8.3B configs parse and their models build."""
     config = _config(model_id, "--dry_run", "--topology", "v6e:2x4", "--output_dir",
@@ -62,7 +63,7 @@ def test_dry_run_checks_the_shipped_real_configs(model_id, tmp_path):
 
 def test_hub_id_without_local_files_is_not_checked(tmp_path):
     config = _config("Wan-AI/Wan2.1-T2V-14B-Diffusers", "--output_dir", str(tmp_path))
-    assert integrity.check_checkpoint(config, FAMILIES["wan2.1"])["ran"] is False
+    assert integrity.check_checkpoint(config, FAMILIES["wan"])["ran"] is False
 
 
 def test_truncated_file_is_found_by_its_size_alone(tiny_checkpoint, tmp_path):

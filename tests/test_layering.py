@@ -10,8 +10,9 @@ The rules (docs/architecture.md):
 - No import cycle between our modules. Function-local imports count as edges, and our own
   modules are imported at module top (only third-party imports may be deferred).
 - The engine names no model family: not in a string literal, an identifier, an attribute or
-  an imported module path (docstrings and comments may). A family arrives as a ``families.ModelFamily`` value.
-- No function over 80 lines outside the kernel file; ``generate_flax.py`` at most 500 lines.
+  an imported module path (docstrings and comments may). A family arrives as a
+  ``families.ModelFamily`` value.
+- No function over 80 lines, the kernel's included; ``generate_flax.py`` at most 500 lines.
 
 The checks read the source with ``ast`` (nothing is imported), so they see imports inside
 functions, which import-linter's static graph also sees but cannot tell from top-level ones.
@@ -254,12 +255,13 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("folder", ["engine", "families", "tools", "benchmarks", "."])
+@pytest.mark.parametrize("folder", ["engine", "families", KERNEL_PACKAGE, "tools", "benchmarks",
+                                    "."])
 def test_functions_are_short(folder):
     paths = sorted((ROOT / folder).rglob("*.py")) if folder != "." else \
         sorted(ROOT.glob("*.py"))
     wrong = [f"{p.relative_to(ROOT)}:{line} {name} is {n} lines (max {MAX_FUNCTION_LINES})"
-             for p in paths if p.name != f"{KERNEL}.py"
+             for p in paths
              for name, line, n in long_functions(ast.parse(p.read_text()))]
     assert not wrong, "\n".join(wrong)
 

@@ -85,15 +85,15 @@ def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
 
     v6e, v5e = chips.CHIPS["v6e"], chips.CHIPS["v5e"]
     for model_id, family, on_v6e in (
-            ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1", MeshShape(2, 1, 4)),
-            ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1", MeshShape(2, 1, 4)),
-            ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2.1", MeshShape(2, 1, 4)),
-            ("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
-            ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
-            ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan2.1", MeshShape(2, 2, 2)),
-            ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v", "hunyuanvideo1.5",
+            ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "wan", MeshShape(2, 2, 2)),
+            ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan", MeshShape(2, 2, 2)),
+            ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan", MeshShape(2, 2, 2)),
+            ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v", "hunyuanvideo",
              MeshShape(2, 1, 4)),
-            ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v", "hunyuanvideo1.5",
+            ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v", "hunyuanvideo",
              MeshShape(2, 1, 4))):
         config = gf.validate_args(gf.parse_args(["--model_id", model_id, "--dry_run",
                                                  "--topology", "v6e:2x4"]))
@@ -101,7 +101,7 @@ def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
         assert resolve_mesh(config, FAMILIES[family], 8, v5e) == MeshShape(2, 4, 1)
 
 
-@pytest.mark.parametrize("family", ["wan2.1", "hunyuanvideo1.5"])
+@pytest.mark.parametrize("family", ["wan", "hunyuanvideo"])
 def test_resident_weight_bytes_equals_the_loaded_transformer(family, tiny_checkpoint,
                                                              hunyuan_checkpoint):
     # The meta-device count against the transformer diffusers loads from the checkpoint's
@@ -109,9 +109,9 @@ def test_resident_weight_bytes_equals_the_loaded_transformer(family, tiny_checkp
     # included.
     from engine.files.checkpoint import read_component_config
 
-    path = tiny_checkpoint if family == "wan2.1" else hunyuan_checkpoint
+    path = tiny_checkpoint if family == "wan" else hunyuan_checkpoint
     params = list(loaded_transformer(path, "transformer").parameters())
-    kept = {torch.bfloat16, torch.float32} if family == "wan2.1" else {torch.bfloat16}
+    kept = {torch.bfloat16, torch.float32} if family == "wan" else {torch.bfloat16}
     assert {p.dtype for p in params} == kept
     cfg = read_component_config(path, "transformer")
     assert resident_weight_bytes(FAMILIES[family], path, cfg, "bfloat16") == sum(

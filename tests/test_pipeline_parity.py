@@ -115,7 +115,7 @@ def test_bfloat16_model_call_as_accurate_as_diffusers(tiny_checkpoint):
         "--model_id", tiny_checkpoint, "--dtype", "bfloat16", "--attention", "xla",
         "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
         "--frames", str(SHAPE["frames"]), "--dp", "1", "--tp", "1", "--sp", "8"]))
-    pipe = wan.load_pipeline(args, wan.FAMILY.components["all"])
+    pipe = wan.load_pipeline(args, wan.FAMILY.checkpoint.components["all"])
     embeds = wan.encode_prompts(pipe, args)
     pos, neg = embeds["prompt_embeds"], embeds["negative_prompt_embeds"]
     latents = wan.prepare_latents(pipe, args)

@@ -13,10 +13,11 @@ import torch
 import custom_splash_attention as csa
 import families
 import generate_flax as gf
+from engine.pipeline import stages
 from engine.run import runtime
 from engine.run.mesh import MeshShape, make_mesh
 from engine.weights import sharding
-from families import wan
+from families import wan, wan_vae
 
 SMALL = ["--height", "64", "--width", "96", "--frames", "9", "--num_inference_steps", "2",
          "--warmup_steps", "0", "--compilation_cache_dir", "none"]
@@ -38,8 +39,9 @@ def test_wrong_kernel_stops_before_loading_with_one_line(tiny_checkpoint, tmp_pa
                                        k.astype(jnp.float32), v.astype(jnp.float32))
 
     monkeypatch.setattr(csa, "splash_attention", wrong)
-    monkeypatch.setitem(families.FAMILIES, "wan2.1", dataclasses.replace(
-        wan.FAMILY, load_pipeline=lambda *a, **k: pytest.fail("weights loaded")))
+    monkeypatch.setitem(families.FAMILIES, "wan", dataclasses.replace(
+        wan.FAMILY, text=dataclasses.replace(
+            wan.FAMILY.text, load_pipeline=lambda *a, **k: pytest.fail("weights loaded"))))
     out = tmp_path / "out"
     code, lines = _cli(capsys, ["--model_id", tiny_checkpoint, *SMALL, "--attention",
                                 "splash", "--output_dir", str(out)])
@@ -80,7 +82,7 @@ def test_device_oom_is_one_line_naming_stage_bytes_and_dry_run(tiny_checkpoint, 
             "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate "
             "12.50G. That was not possible. There are 3.10G free.; (0x0x0_HBM0)")
 
-    monkeypatch.setattr(gf, "compile_transformer", oom)
+    monkeypatch.setattr(stages, "compile_transformer", oom)
     out = tmp_path / "out"
     code, lines = _cli(capsys, ["--model_id", tiny_checkpoint, *SMALL, *mesh, "--output_dir",
                                 str(out)])
@@ -163,11 +165,11 @@ def test_vae_attention_never_reaches_a_splash_kernel(tiny_checkpoint, monkeypatc
                               interpret=True)
     vae = AutoencoderKLWan.from_pretrained(tiny_checkpoint, subfolder="vae",
                                            dtype=torch.float32).eval()
-    placed = sharding.place_module(vae, mesh, include=wan.is_vae_decode_weight)
+    placed = sharding.place_module(vae, mesh, include=wan_vae.is_vae_decode_weight)
     # Only the decode path's weights were placed; the encoder stayed on the host.
-    assert placed["params"] and all(wan.is_vae_decode_weight(k) for k in placed["params"])
+    assert placed["params"] and all(wan_vae.is_vae_decode_weight(k) for k in placed["params"])
     assert any(k.startswith("encoder.") for k in placed["module"].params)
-    decoder = wan.vae_decoder(placed, vae, mesh)
+    decoder = wan_vae.vae_decoder(placed, vae, mesh)
     latents = jnp.zeros((1, vae.config.z_dim, 2, 4, 6), jnp.float32)
     decoder.compile(latents)
     video = decoder(latents)

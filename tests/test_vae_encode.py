@@ -1,4 +1,4 @@
-"""The chunked, width-sharded Wan VAE encode (engine/programs/vae_encode.py) against diffusers'
+"""The chunked, width-sharded Wan VAE encode (families/wan_vae.py) against diffusers'
 ``AutoencoderKLWan.encode(x).latent_dist.mode()``, on 1 and 8 devices: Wan 2.1's VAE and
 Wan 2.2's (patchify, residual down blocks; TI2V-5B's one-frame image encode)."""
 
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.programs import vae_encode
+from engine.run.mesh import spatial_mesh
 from engine.weights.sharding import place_module
+from families import wan_vae
 
 
 def wan21_vae():
@@ -52,7 +53,7 @@ def test_chunked_encode_equals_diffusers(case, n_devices):
     x = torch.rand(*shape, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         want = vae.encode(x).latent_dist.mode().numpy()
-    encode = vae_encode.DeviceEncode(vae, jax.devices()[:n_devices])
+    encode = wan_vae.DeviceEncode(vae, jax.devices()[:n_devices])
     got = encode(x).latent_dist.mode().numpy()
     assert got.shape == want.shape == expected
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
@@ -67,7 +68,7 @@ def test_one_device_encode_serves_many_calls_and_shapes():
     and a third of another shape on them, each equal to diffusers' encode of a fresh VAE
     with the same weights."""
     vae, reference = wan21_vae(), wan21_vae()
-    encode = vae_encode.DeviceEncode(vae, jax.devices()[:1])
+    encode = wan_vae.DeviceEncode(vae, jax.devices()[:1])
     g = torch.Generator().manual_seed(2)
     for shape in ((1, 3, 1, 16, 32), (1, 3, 1, 16, 32), (1, 3, 1, 32, 16)):
         x = torch.rand(*shape, generator=g) * 2 - 1
@@ -79,16 +80,16 @@ def test_one_device_encode_serves_many_calls_and_shapes():
     assert encode.seconds["compile_s"] > 0  # the new shape compiled; the repeat did not
     # The host copies are gone (placing freed them): only the placed weights can serve.
     assert all(p.numel() == 0 for n, p in vae.named_parameters()
-               if vae_encode.is_encode_weight(n))
+               if wan_vae.is_encode_weight(n))
 
 
 def test_encode_shards_the_width_on_every_device(vae):
     """On 8 devices the input chunks, the carried caches and the output are width-sharded:
     each device holds 1/8 of the width of each, nothing whole."""
     devices = jax.devices()[:8]
-    mesh = vae_encode.mesh_for(devices)
-    placed = place_module(vae, mesh, include=vae_encode.is_encode_weight, desc="VAE encoder")
-    encoder = vae_encode.ChunkedEncoder(placed, mesh, vae)
+    mesh = spatial_mesh(devices)
+    placed = place_module(vae, mesh, include=wan_vae.is_encode_weight, desc="VAE encoder")
+    encoder = wan_vae.ChunkedEncoder(placed, mesh, vae)
     x = jax.device_put(np.zeros((1, 3, 5, 32, 128), np.float32),
                        encoder.spatial((1, 3, 5, 32, 128)))
     out = encoder(x)

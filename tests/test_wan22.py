@@ -13,7 +13,7 @@ import torch
 import generate_flax
 from engine.files.checkpoint import expert_count
 from engine.pipeline import generate
-from families import FAMILIES, wan
+from families import FAMILIES, wan, wan_vae
 
 # Latent width 128 / 8 (Wan 2.1 VAE) or 128 / 16 (Wan 2.2 VAE) splits over 8 devices, so
 # the decode on the 8-device mesh is width-sharded too.
@@ -134,7 +134,7 @@ def test_resident_weight_bytes_count_both_experts(two_expert_checkpoint):
                  for name in ("transformer", "transformer_2")
                  for p in loaded_transformer(two_expert_checkpoint, name).parameters())
     cfg = read_component_config(two_expert_checkpoint, "transformer")
-    assert resident_weight_bytes(FAMILIES["wan2.1"], two_expert_checkpoint, cfg,
+    assert resident_weight_bytes(FAMILIES["wan"], two_expert_checkpoint, cfg,
                                  "bfloat16") == loaded
 
 
@@ -190,8 +190,8 @@ def test_wan22_vae_decode_equals_diffusers(ti2v_checkpoint, n_devices):
     with torch.no_grad():  # as WanPipeline de-normalises: latents / (1 / std) + mean
         ref = vae.decode(z / (1.0 / std) + mean, return_dict=False)[0].numpy()
     mesh = make_mesh(MeshShape(1, 1, n_devices), jax.devices()[:n_devices])
-    placed = place_module(vae, mesh, include=wan.is_vae_decode_weight, desc="vae")
-    decoder = wan.vae_decoder(placed, vae, mesh)
+    placed = place_module(vae, mesh, include=wan_vae.is_vae_decode_weight, desc="vae")
+    decoder = wan_vae.vae_decoder(placed, vae, mesh)
     zj = jax.device_put(z.numpy(), NamedSharding(mesh, P()))
     decoder.compile(zj)
     video = decoder(zj)

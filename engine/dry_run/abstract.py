@@ -33,15 +33,16 @@ def abstract_transformer(config, family, cfg: dict, mesh) -> dict:
     import torch
     from torchax import interop
 
-    transformer = family.empty_transformer(cfg, getattr(torch, config.model.dtype))
+    model = family.transformer
+    transformer = model.empty(cfg, getattr(torch, config.model.dtype))
     if config.layout.scan_layers:
-        scan_layers.scan_blocks(transformer, stack=family.block_stack)
+        scan_layers.scan_blocks(transformer, stack=model.block_stack)
     axes = residual_token_axes(mesh, config.layout.megatron_sp)
     if axes:
-        add_sequence_parallel_hooks(transformer, mesh, stack=family.block_stack, axes=axes)
+        add_sequence_parallel_hooks(transformer, mesh, stack=model.block_stack, axes=axes)
     jm = interop.JittableModule(transformer)
     specs, counts, _ = module_sharding_specs(
-        transformer, {k: v.shape for k, v in jm.params.items()}, family.sharding_rules(config),
+        transformer, {k: v.shape for k, v in jm.params.items()}, model.sharding_rules(config),
         mesh, fsdp=config.layout.fsdp)
     return dict(module=jm, specs=specs, rule_counts=counts,
                 params=abstract_arrays(jm.params, mesh, specs),
@@ -52,9 +53,9 @@ def abstract_vae(family, folder: str, mesh):
     """(VAE module with meta weights, its decode weights as sharded ``ShapeDtypeStruct``s)."""
     from torchax import interop
 
-    vae = family.empty_vae(folder)
+    vae = family.vae.empty(folder)
     jv = interop.JittableModule(vae)
-    keep = family.is_vae_decode_weight
+    keep = family.vae.is_decode_weight
     params = {k: v for k, v in jv.params.items() if keep(k)}
     buffers = {k: v for k, v in jv.buffers.items() if keep(k)}
     return vae, dict(module=jv, params=abstract_arrays(params, mesh),
@@ -69,9 +70,10 @@ def abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
 
     rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     video = config.video
-    shape = family.latent_shape(vae_cfg, video.height, video.width, video.frames)
+    shape = family.sizes.latent_shape(vae_cfg, video.height, video.width, video.frames)
     latents = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
     inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=over_dp),
-                          family.abstract_model_inputs(cfg, config))
-    t = jax.ShapeDtypeStruct((1,), getattr(jax.numpy, family.timestep_dtype), sharding=rep)
+                          family.transformer.abstract_model_inputs(cfg, config))
+    t = jax.ShapeDtypeStruct((1,), getattr(jax.numpy, family.transformer.timestep_dtype),
+                             sharding=rep)
     return latents, t, inputs

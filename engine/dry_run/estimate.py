@@ -42,6 +42,9 @@ How a step is put together (per chip; see the project's shared notes, tpu-static
 The clock is an assumption, not a value read from libtpu: the published bf16 peak divided
 by the MXU FLOPs per cycle (v6e 918 TFLOP/s / (4 x 256^2 x 2) = 1.75 GHz; v5e 197 /
 (4 x 128^2 x 2) = 1.5 GHz).
+
+The profile and HLO text parsers are ``engine.dry_run.hlo``; the kernel's calls are seen
+(and stubbed) through its public hook, ``custom_splash_attention.describe_calls``.
 """
 
 from __future__ import annotations
@@ -59,12 +62,31 @@ import sys
 import tempfile
 import time
 
-import custom_splash_attention as csa
-from custom_splash_attention import KERNEL_NAME
+from custom_splash_attention import (
+    KERNEL_NAME,
+    AttentionOptions,
+    BlockSizes,
+    LocalMask,
+    describe_calls,
+    splash_attention,
+)
 from engine.dry_run.abstract import abstract_inputs, abstract_transformer
+from engine.dry_run.hlo import (  # noqa: F401 (parse_textproto, profile_ops: estimate's API)
+    COLLECTIVES,
+    collectives,
+    hlo_computations,
+    hlo_multipliers,
+    hlo_op_bytes,
+    instruction_flops,
+    matmul_flops,
+    parse_textproto,
+    profile_ops,
+    read_profile,
+)
 from engine.files.checkpoint import PROJECT_ROOT, read_component_config
 from engine.run import chips
 from engine.weights import sharding as sharding_mod
+from splash.blocks import fit_block_sizes, vmem_limit_bytes
 
 # MXU bf16 FLOPs per cycle per TensorCore, as libtpu's cycle counts imply. v5e: 4 MXUs of
 # 128^2 (Google Cloud's v5e page) x 2. v6e: Google's v6e page lists two 256^2 MXUs per
@@ -90,11 +112,6 @@ STUB_NAME = "estimate_attention_stub"
 # The one-block program's name (``jit_estimate_block``): what the HLO dump is filtered by.
 BLOCK_NAME = "estimate_block"
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
-                "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-                "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
 
 def clock_hz(chip: str) -> float:
@@ -133,289 +150,9 @@ def label(chip: str) -> str:
             f"{clock_hz(chip) / 1e9:.2f} GHz, not a measurement, not checked on hardware")
 
 
-# ---------------------------------------------------------------------------------------
-# Reading the static profile (textproto) and the compiled HLO
-# ---------------------------------------------------------------------------------------
-
-
-def parse_textproto(text: str) -> dict:
-    """A protobuf text-format message as {field: [values]}; nested messages are dicts.
-
-    Scalars stay strings (quotes removed); enough for the static-profile files, which hold
-    no comments, maps or escaped quotes inside strings.
-    """
-    tokens = re.findall(r'"(?:[^"\\]|\\.)*"|[{}]|[^\s{}:]+:?', text)
-    stack, out, key = [], {}, None
-    for tok in tokens:
-        if tok == "{":
-            child = {}
-            out.setdefault(key, []).append(child)
-            stack.append(out)
-            out, key = child, None
-        elif tok == "}":
-            out = stack.pop()
-        elif key is None:
-            key = tok.rstrip(":")
-        else:
-            out.setdefault(key, []).append(tok[1:-1] if tok.startswith('"') else tok)
-            key = None
-    return out
-
-
-def profile_ops(text: str) -> list[dict]:
-    """The ``hlo_op_estimate`` entries of one profile file: {name, cycles}. (Some entries
-    also describe the instruction; not all do, so bytes come from the HLO text.)"""
-    return [dict(name=est["hlo_op_name"][0], cycles=int(est["estimated_cycles"][0]))
-            for est in parse_textproto(text).get("hlo_op_estimate", [])]
-
-
-def read_profile(profile_dir: str) -> list[dict]:
-    """Every op of every ``*_static_llo_profile.textproto`` in ``profile_dir``."""
-    ops = []
-    for path in sorted(glob.glob(os.path.join(profile_dir, "*_static_llo_profile.textproto"))):
-        with open(path) as f:
-            ops += profile_ops(f.read())
-    return ops
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
-
-
-def hlo_computations(hlo_text: str) -> dict:
-    """{computation: [(name, result type, opcode, rest of line)]} of an HLO module's text;
-    the entry computation is also under the key "ENTRY"."""
-    comps, current = {}, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = comps.setdefault(m.group(1), [])
-            if line.startswith("ENTRY"):
-                comps["ENTRY"] = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTRUCTION.match(line) if current is not None else None
-        if m:
-            current.append(m.groups())
-    return comps
-
-
-def _trip_count(rest: str, comps: dict) -> int:
-    """A while loop's trip count: XLA's ``known_trip_count``, else the bound its condition
-    compares the counter against (``lax.scan``/``fori_loop`` count from 0, step 1)."""
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-    if m:
-        return int(m.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", rest)
-    for _, _, opcode, args in comps.get(cond.group(1) if cond else "", []):
-        if opcode == "constant":
-            m = re.match(r"(\d+)\)", args)
-            if m:
-                return int(m.group(1))
-    return 1
-
-
-def hlo_multipliers(hlo_text: str) -> dict:
-    """{instruction name: how many times it runs per program call}: x the trip count of
-    every ``while`` it sits in; everything else 1."""
-    comps = hlo_computations(hlo_text)
-    times, todo = {"ENTRY": 1}, ["ENTRY"]
-    while todo:
-        comp = todo.pop()
-        for _, _, opcode, rest in comps.get(comp, []):
-            calls = re.findall(r"(?:body|condition|calls|to_apply|branch_computations)="
-                               r"\{?%?([\w.\-]+)", rest)
-            factor = _trip_count(rest, comps) if opcode == "while" else 1
-            for callee in calls:
-                if callee in comps and callee not in times:
-                    times[callee] = times[comp] * factor
-                    todo.append(callee)
-    return {name: times.get(comp, 1) for comp, insts in comps.items() if comp != "ENTRY"
-            for name, *_ in insts}
-
-
-def _type_bytes(text: str, *, hbm_only: bool = False) -> float:
-    """Bytes of every array type such as ``bf16[2,128]{1,0}`` in ``text``.
-
-    ``hbm_only``: skip arrays whose layout names an on-chip memory space (``S(1)``, VMEM,
-    where XLA's memory-space assignment prefetches weights and keeps small buffers;
-    ``S(2)``, SMEM): reading or writing them is no HBM traffic."""
-    total = 0.0
-    for dtype, dims, layout in re.findall(
-            r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\](\{[^}]*\})?", text):
-        if dtype in _DTYPE_BYTES and not (hbm_only and re.search(r"S\([1-9]", layout)):
-            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def _operand_list(rest: str) -> str:
-    """The operand list of an instruction, from the text after its opening parenthesis
-    (attributes such as backend_config follow the closing one)."""
-    depth = 1
-    for i, ch in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return rest[:i]
-    return rest
-
-
-def _group_size(rest: str) -> int:
-    """Devices per replica group: ``{{0,1,2,3},...}``, iota ``[2,4]<=[8]`` or the mesh form
-    ``mesh['a'=2,'b'=4] {'b'}``, also with a non-iota device order
-    (``mesh['a'=2,'b'=4], device_ids=(...) {'b'}``, which XLA prints between the axes and
-    the group) and sub-axes (``{'a':(1)2}``: 2 devices of axis a)."""
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", rest)
-    if m:
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(.*?\))?\s*\{([^}]*)\}",
-                  rest)
-    if m:
-        sizes = {a: int(n) for a, n in re.findall(r"'?(\w+)'?=(\d+)", m.group(1))}
-        n = 1
-        for axis, sub in re.findall(r"'?(\w+)'?(?::\(\d+\)(\d+))?", m.group(2)):
-            n *= int(sub) if sub else sizes[axis]
-        return n
-    m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
-    return 2 if m else 1
-
-
-def collectives(hlo_text: str) -> list[dict]:
-    """The collectives of a compiled (SPMD-partitioned) HLO module, per chip per call.
-
-    Returns dicts: kind, name, group (devices per group), count (x while trip counts),
-    operand_bytes and result_bytes (per-device shapes), sent_bytes (what one chip sends by
-    a ring algorithm; see the module docstring). An all-reduce whose computation keeps only
-    a dynamic-slice of it (libtpu's all-reduce-scatter fusion) counts as a reduce-scatter.
-    """
-    comps = hlo_computations(hlo_text)
-    times = hlo_multipliers(hlo_text)
-    out = []
-    for comp, insts in comps.items():
-        if comp == "ENTRY":
-            continue
-        root_slices = any(op == "dynamic-slice" and re.search(r"%?all-reduce[\w.\-]*\W", rest)
-                          for _, _, op, rest in insts)
-        types = {name: result for name, result, _, _ in insts}
-        for name, result, opcode, rest in insts:
-            kind = opcode.removesuffix("-start")
-            if kind not in COLLECTIVES:
-                continue
-            operand = sum(_type_bytes(types.get(o, ""))
-                          for o in re.findall(r"%([\w.\-]+)", _operand_list(rest)))
-            res = _result_bytes(opcode, result, operand)
-            n = _group_size(rest)
-            if kind == "all-reduce" and root_slices:
-                kind = "reduce-scatter"
-            sent = {"all-reduce": 2 * (n - 1) / n * operand,
-                    "reduce-scatter": (n - 1) / n * operand,
-                    "all-gather": (n - 1) / n * res,
-                    "all-to-all": (n - 1) / n * operand,
-                    "collective-permute": operand}[kind]
-            out.append(dict(kind=kind, name=name, group=n, count=times.get(name, 1),
-                            operand_bytes=operand, result_bytes=res,
-                            sent_bytes=sent if n > 1 else 0.0))
-    return out
-
-
-def _result_bytes(opcode: str, result: str, operand_bytes: float) -> float:
-    """Bytes of what an op produces. An async ``*-start``'s result is a tuple that holds its
-    operands again (aliased) beside the new buffer: only the part beyond them is new."""
-    res = _type_bytes(result)
-    if opcode.endswith("-start") and res > operand_bytes:
-        res -= operand_bytes
-    return res
-
-
-def hlo_op_bytes(hlo_text: str) -> dict:
-    """{instruction name: (opcode, HBM bytes of its operands and result)}: the HBM traffic of
-    each op if nothing else stays on chip (per-device shapes; tile padding and in-fusion
-    slicing not modelled, so a fused dynamic-slice counts its whole operand).
-
-    Arrays that XLA placed in on-chip memory (``S(1)``/``S(2)`` layouts) are not counted. An
-    async ``*-start`` (``copy-start``; ``async-start`` of a slice: XLA's memory-space
-    assignment prefetching a weight into VMEM in slices) moves its payload once: its result
-    tuple holds the operand again (aliased), so its bytes are the result's minus the
-    operands'. Counting them whole charged a 52 MB weight prefetched in 13 slices as 1.4 GB
-    (Wan 14B, one dp2 x sp4 block on v6e: 80 slice-starts, 8.7 GB charged for 0.3 GB moved).
-    """
-    out = {}
-    for insts in hlo_computations(hlo_text).values():
-        types = {name: result for name, result, _, _ in insts}
-        for name, result, opcode, rest in insts:
-            operands = [types.get(o, "") for o in re.findall(r"%([\w.\-]+)",
-                                                               _operand_list(rest))]
-            if opcode.endswith("-start"):
-                out[name] = (opcode, _result_bytes(opcode, result,
-                                                   sum(_type_bytes(t) for t in operands)))
-                continue
-            out[name] = (opcode, _type_bytes(result, hbm_only=True) + sum(
-                _type_bytes(t, hbm_only=True) for t in operands))
-    return out
-
-
 _NO_WORK = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "partition-id",
             "replica-id", "after-all", "while", "conditional", "call", "opt-barrier"}
 _INT64_MAX = 2**63 - 1
-
-
-def _dims(type_text: str) -> list[int]:
-    m = re.search(r"\[([\d,]*)\]", type_text or "")
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _instruction_flops(types: dict, result: str, opcode: str, rest: str) -> float:
-    """FLOPs (2 per multiply-add) of a convolution or dot instruction: 2 x output elements
-    x contraction size; 0 for anything else.
-
-    A convolution's contraction is its input features (the rhs ``i`` dimension) times the
-    real taps of its window: per spatial dimension ``ceil(size / lhs_dilate)``, since an
-    lhs-dilated input holds ``lhs_dilate - 1`` zeros between real elements. XLA lowers a
-    batched dot as such a convolution (``window={size=W stride=W-1 lhs_dilate=W}``, the
-    batch as a spatial dimension): one real tap per output, not W.
-    """
-    operands = re.findall(r"%([\w.\-]+)", _operand_list(rest))
-    out = math.prod(_dims(result))
-    if opcode == "convolution" and len(operands) == 2:
-        rhs = _dims(types.get(operands[1]))
-        labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
-        i = labels.group(1).find("i") if labels else -1
-        if not rhs or not 0 <= i < len(rhs):
-            return 0.0
-        spatial = [rhs[k] for k, c in enumerate(labels.group(1)) if c.isdigit()]
-        window = re.search(r"window=\{([^}]*)\}", rest)
-        size = re.search(r"size=([\dx]+)", window.group(1)) if window else None
-        dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1)) if window else None
-        sizes = [int(d) for d in size.group(1).split("x")] if size else spatial
-        dilates = ([int(d) for d in dilate.group(1).split("x")] if dilate
-                   else [1] * len(sizes))
-        taps = math.prod(-(-s // d) for s, d in zip(sizes, dilates, strict=True))
-        return 2.0 * out * rhs[i] * taps
-    if opcode == "dot" and operands:
-        lhs = _dims(types.get(operands[0]))
-        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-        if lhs and contract:
-            return 2.0 * out * math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i)
-    return 0.0
-
-
-def _matmul_flops(comps: dict, comp: str, seen=None) -> float:
-    """FLOPs of the convolutions and dots in a fused computation, nested fusions included."""
-    seen = seen if seen is not None else set()
-    if comp in seen or comp not in comps:
-        return 0.0
-    seen.add(comp)
-    types = {name: result for name, result, _, _ in comps[comp]}
-    flops = 0.0
-    for _, result, opcode, rest in comps[comp]:
-        flops += _instruction_flops(types, result, opcode, rest)
-        for callee in re.findall(r"calls=%?([\w.\-]+)", rest):
-            flops += _matmul_flops(comps, callee, seen)
-    return flops
 
 
 def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
@@ -464,7 +201,7 @@ def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
                 continue
             n = times.get(name, 1)
             called = re.findall(r"calls=%?([\w.\-]+)", rest)
-            flops = (_matmul_flops(comps, called[0]) if called else 0.0) or _instruction_flops(
+            flops = (matmul_flops(comps, called[0]) if called else 0.0) or instruction_flops(
                 types, result, opcode, rest)
             xla = re.search(r'"window_config":\{[^}]*?"estimated_cycles":"(\d+)"', rest)
             if profile is not None and name in profile:
@@ -587,13 +324,15 @@ def topology_device(topology: str):
 def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int = 1,
                   q_blocks: int = 2, kv_blocks: int = 2, q_len: int | None = None,
                   kv_len: int | None = None, dtype="bfloat16", segment_ids: bool = False,
-                  **kernel_kwargs) -> tuple[int, int]:
+                  window_size: int | None = None,
+                  real_keys_before: int = 0) -> tuple[int, int]:
     """(estimated cycles of our Splash kernel, its grid steps) from one profiled deviceless
     compile on device 0 of ``topology``, batch 1. An estimate from libtpu's static model.
 
     ``block_sizes`` are fitted to the sequences as the kernel fits them; by default the
     sequences are ``q_blocks`` and ``kv_blocks`` whole blocks. ``segment_ids`` adds all-ones
-    ids (the masked variant the sequence-parallel padding uses).
+    ids (the masked variant the sequence-parallel padding uses); ``window_size`` a
+    ``LocalMask``; ``real_keys_before`` as ``splash_attention``'s.
     """
     import jax
     import jax.numpy as jnp
@@ -601,11 +340,10 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    bs = block_sizes if isinstance(block_sizes, csa.BlockSizes) else csa.BlockSizes(
-        *block_sizes)
+    bs = block_sizes if isinstance(block_sizes, BlockSizes) else BlockSizes(*block_sizes)
     q_len = q_len or q_blocks * bs.block_q
     kv_len = kv_len or kv_blocks * bs.block_kv
-    fitted = csa._fit_block_sizes(bs, q_len, kv_len)
+    fitted = fit_block_sizes(bs, q_len, kv_len)
     steps = heads * -(-q_len // fitted.block_q) * -(-kv_len // fitted.block_kv)
     rep = NamedSharding(Mesh(np.array([topology_device(topology)]), ("x",)), P())
     dt = getattr(jnp, dtype) if isinstance(dtype, str) else dtype
@@ -617,14 +355,17 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     # (a 2 x 3 grid with segment ids: 130.4 of 127.9 MiB), so profiles ask for the estimated
     # need itself, 1.5-2x Mosaic's. The cycles do not depend on it (73,659 either way, v6e,
     # 3328/3072/1024, 2 x 2).
-    vmem = csa._vmem_limit_bytes(fitted, head_dim, jnp.dtype(dt).itemsize, margin=1)
+    vmem = vmem_limit_bytes(fitted, head_dim, jnp.dtype(dt).itemsize, margin=1)
+
+    options = AttentionOptions(block_sizes=bs, mask=None if window_size is None
+                               else LocalMask(window_size))
 
     def fn(q, k, v):
         seg = None
         if segment_ids:
             seg = (jnp.ones((1, q_len), jnp.int32), jnp.ones((1, kv_len), jnp.int32))
-        return csa.splash_attention(q, k, v, block_sizes=bs, segment_ids=seg,
-                                    vmem_limit_bytes=vmem, **kernel_kwargs)
+        return splash_attention(q, k, v, options=options, segment_ids=seg,
+                                vmem_limit_bytes=vmem, real_keys_before=real_keys_before)
 
     path = clear_profile()
     jax.jit(fn).lower(*args).compile()
@@ -634,52 +375,42 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     return cycles, steps
 
 
-class _StubPallas:
-    """Stands in for ``jax.experimental.pallas`` inside ``custom_splash_attention`` while the
-    model is compiled for its non-attention ops: ``pallas_call`` becomes a no-op Pallas call
-    over the same operands (so their producers, the q scaling and the V transpose, stay in
-    the program) whose output aliases q, and each call's grid and block sizes are
-    recorded."""
+def _recorded(call) -> dict:
+    """A ``splash.kernel.KernelCall`` as the JSON-able dict the estimate passes around (the
+    profiling worker rebuilds the kernel from it: only ``LocalMask`` has a field here)."""
+    bs = call.block_sizes
+    return dict(grid=list(call.grid), head_dim=call.head_dim, dtype=call.dtype,
+                q_len=call.q_len, kv_len=call.kv_len,
+                block_sizes=[bs.block_q, bs.block_kv, bs.block_kv_compute],
+                segment_ids=call.segment_ids,
+                window_size=call.mask.window_size if isinstance(call.mask, LocalMask) else None,
+                real_kv_blocks=call.real_kv_blocks)
 
-    def __init__(self, real, calls: list):
-        self._real, self.calls = real, calls
 
-    def __getattr__(self, name):
-        return getattr(self._real, name)
+def _stub_kernel(call, inputs):
+    """A no-op Pallas call over the kernel's operands (so their producers, the q scaling
+    and the V transpose, stay in the program) whose output aliases q (``inputs[0]``)."""
+    from jax.experimental import pallas as pl
 
-    def pallas_call(self, kernel, *, out_shape, grid_spec=None, name=None, **_):
-        pl, calls = self._real, self.calls
-
-        def call(*args):
-            arrays = [a for a in args if a is not None and getattr(a, "ndim", 0) >= 2]
-            qs = next(i for i, a in enumerate(arrays)
-                      if a.shape == out_shape.shape and a.dtype == out_shape.dtype)
-            kw = getattr(kernel, "keywords", {})
-            calls.append(dict(
-                grid=list(grid_spec.grid), head_dim=int(out_shape.shape[-1]),
-                dtype=str(out_shape.dtype), q_len=int(out_shape.shape[2]),
-                kv_len=int(kw.get("kv_len", 0)),
-                block_sizes=[kw.get("block_q"), kw.get("block_kv"), kw.get("block_kv_compute")],
-                segment_ids=args[-1] is not None, window_size=kw.get("window_size"),
-                real_kv_blocks=int(kw.get("real_kv_blocks", 0))))
-            any_spec = pl.BlockSpec(memory_space=pl.ANY)
-            return pl.pallas_call(
-                lambda *refs: None, out_shape=out_shape, name=STUB_NAME,
-                in_specs=[any_spec] * len(arrays), out_specs=any_spec,
-                input_output_aliases={qs: 0})(*arrays)
-
-        return call
+    arrays = [a for a in inputs if a is not None]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        lambda *refs: None, out_shape=call.out_shape, name=STUB_NAME,
+        in_specs=[any_spec] * len(arrays), out_specs=any_spec,
+        input_output_aliases={0: 0})(*arrays)
 
 
 @contextlib.contextmanager
 def stub_attention_kernel(calls: list):
-    """Within: our kernel is a recorded no-op (``_StubPallas``)."""
-    real = csa.pl
-    csa.pl = _StubPallas(real, calls)
-    try:
+    """Within: our kernel is a no-op (``_stub_kernel``) and each call traced is appended to
+    ``calls`` (``_recorded``), through the kernel's public hook ``describe_calls``."""
+
+    def hook(call, inputs):
+        calls.append(_recorded(call))
+        return _stub_kernel(call, inputs)
+
+    with describe_calls(hook):
         yield
-    finally:
-        csa.pl = real
 
 
 def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
@@ -700,10 +431,10 @@ def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
                 tuple(x.shape), mappings.t2j_dtype(x.dtype)) if isinstance(x, torch.Tensor)
                 else x, args))
 
-    blocks = getattr(placed["module"]._model, family.block_stack.attr)
+    blocks = getattr(placed["module"]._model, family.transformer.block_stack.attr)
     handle = blocks[0].register_forward_pre_hook(record)
     try:
-        jax.eval_shape(interop.jax_view(family.step_fn(placed["module"], config)),
+        jax.eval_shape(interop.jax_view(family.transformer.step_fn(placed["module"], config)),
                        placed["params"], placed["buffers"], latents, t, inputs)
     finally:
         handle.remove()
@@ -728,7 +459,7 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     placed = abstract_transformer(unrolled, family, cfg, mesh)
     args = _block_inputs(unrolled, family, cfg, mesh, placed)
     batch, tokens = args[0].shape[:2]
-    stack = family.block_stack
+    stack = family.transformer.block_stack
     axes = sharding_mod.residual_token_axes(mesh, config.layout.megatron_sp)
     shards = math.prod(mesh.shape[a] for a in axes)
 
@@ -991,7 +722,7 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
         kernels = json.loads(proc.stdout.strip().splitlines()[-1])
     chips_in_mesh = mesh_shape.dp * mesh_shape.tp * mesh_shape.sp
     out = combine(block, kernels, chip=chip, layers=cfg["num_layers"],
-                  model_flops_per_chip=family.transformer_flops(cfg, config) / chips_in_mesh)
+                  model_flops_per_chip=family.transformer.flops(cfg, config) / chips_in_mesh)
     out["elapsed_s"] = time.perf_counter() - t0
     return out
 

@@ -32,12 +32,12 @@ from engine.files.checkpoint import (
 )
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
-from engine.programs import parking, step_cache, vae_encode
+from engine.programs import parking, step_cache
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
 from engine.run.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
-from engine.run.mesh import make_mesh
+from engine.run.mesh import make_mesh, spatial_mesh
 from engine.weights import lora, placement
 from engine.weights.layout import resolve_run_mesh
 
@@ -116,8 +116,8 @@ def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
           flush=True)
     t0 = time.perf_counter()
     try:
-        compiled, seconds = compile_step(placed, mesh, family.step_fn(placed["module"], config),
-                                         latents, t, inputs)
+        fn = family.transformer.step_fn(placed["module"], config)
+        compiled, seconds = compile_step(placed, mesh, fn, latents, t, inputs)
         return _memory_row("transformer step", compiled, seconds, capacity)
     except Exception as e:  # the compiler reports real OOMs as errors
         weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
@@ -135,8 +135,8 @@ def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
     t0 = time.perf_counter()
     try:
         lowered = step_cache.compile_cache_programs(
-            placed, mesh, family.step_fn(placed["module"], config), family.block_stack,
-            settings, latents, t, inputs, lower_only=True)
+            placed, mesh, family.transformer.step_fn(placed["module"], config),
+            family.transformer.block_stack, settings, latents, t, inputs, lower_only=True)
     except Exception as e:
         weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
         return [_oom_row("transformer step (full)", e, time.perf_counter() - t0, capacity,
@@ -184,28 +184,28 @@ def _vae_rows(config, decoder, latents, capacity: int) -> list:
 
 
 def _encode_rows(config, family, vae, devices, capacity: int) -> list:
-    """Image-to-video: the chunked VAE encode of the conditioning video (``engine/
-    vae_encode.py``), on its own all-device mesh as a run builds it. It runs before the
-    transformer is placed, so nothing else is resident. None for a family that encodes on
-    the host (``ModelFamily.device_image_encode``)."""
+    """Image-to-video: the family's chunked VAE encode of the conditioning video
+    (``family.vae.encoder``), on its own all-device mesh as a run builds it
+    (``spatial_mesh``). It runs before the transformer is placed, so nothing else is resident.
+    None for a family that encodes on the host (no ``vae.encoder``)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    mode = family.image_mode(config.model.model_id)
-    if config.dry.dry_run_skip_vae or not family.device_image_encode or mode == "none" or (
+    mode = family.image.mode(config.model.model_id)
+    if config.dry.dry_run_skip_vae or family.vae.encoder is None or mode == "none" or (
             mode == "optional" and not config.video.image):
         return []
     print(f"compiling the VAE encode for {config.dry.topology}...", flush=True)
     t0 = time.perf_counter()
     try:
-        mesh = vae_encode.mesh_for(devices)
+        mesh = spatial_mesh(devices)
         jv = interop.JittableModule(vae)
         parts = {kind: abstract_arrays({k: v for k, v in getattr(jv, kind).items()
-                                        if vae_encode.is_encode_weight(k)}, mesh)
+                                        if family.vae.is_encode_weight(k)}, mesh)
                  for kind in ("params", "buffers")}
-        encoder = vae_encode.ChunkedEncoder(dict(module=jv, **parts), mesh, vae, abstract=True)
+        encoder = family.vae.encoder(dict(module=jv, **parts), mesh, vae, abstract=True)
         # An "optional" checkpoint (TI2V-5B) encodes the image alone, one frame.
         frames = 1 if mode == "optional" else config.video.frames
         shape = (1, 3, frames, config.video.height, config.video.width)
@@ -293,7 +293,8 @@ def dry_run(config, family) -> tuple[int, dict]:
     shape = resolve_run_mesh(config, family, cfg, len(devices), chip)  # all layers' weights
     if config.dry.dry_run_layers:
         cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
-    tokens = family.token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    tokens = family.sizes.token_count(cfg, config.video.height, config.video.width,
+                                      config.video.frames)
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     lowering.install(torchax.default_env())
@@ -309,7 +310,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     else:
         rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity,
                           cfg["num_layers"])]
-    decoder = family.vae_decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling, abstract=True)
+    decoder = family.vae.decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling, abstract=True)
     rows += _vae_rows(config, decoder, latents, capacity)
     rows += _encode_rows(config, family, vae, devices, capacity)
     video = 3 * config.video.frames * config.video.height * config.video.width * 4 // (
@@ -326,8 +327,8 @@ def dry_run(config, family) -> tuple[int, dict]:
         settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
         mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
         experts_resident=n_experts, park_weights=parked,
-        per_chip=rows, analytic_transformer_flops_per_step=family.transformer_flops(cfg, config),
-        analytic_self_attention_flops_per_step=family.self_attention_flops(cfg, config),
+        per_chip=rows, analytic_transformer_flops_per_step=family.transformer.flops(cfg, config),
+        analytic_self_attention_flops_per_step=family.transformer.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
         hosts=_hosts(placed, vae_placed, n_experts))
     if cache is not None:
@@ -336,7 +337,7 @@ def dry_run(config, family) -> tuple[int, dict]:
         # transformer_2 has the first expert's tree and specs (one program serves both).
         report["loras"] = [dict(x.report(), expert=loras.component,
                                 replicated_weights=lora.touched_replicated(
-                                    x, placed["specs"], family.block_stack))
+                                    x, placed["specs"], family.transformer.block_stack))
                            for loras in (config.model.lora, config.model.lora_2) if loras
                            for x in loras]
     if config.dry.estimate:

@@ -76,14 +76,14 @@ def check_image(path: str, flag: str = "--image") -> ImageInfo:
 
 
 def check_for_model(args, family, values: dict | None = None) -> ImageInfo | None:
-    """``args.image`` against what ``args.model_id`` takes: ``family.image_mode(model_id)``
+    """``args.image`` against what ``args.model_id`` takes: ``family.image.mode(model_id)``
     is "none" (text-to-video only), "optional" (TI2V-5B: either), or "required" (an
     image-to-video checkpoint). ``--stage denoise`` / ``decode`` need no image (the encode
     stage stored the image conditioning with the prompt embeddings), nor does ``--dry_run``
     (it compiles with abstract inputs), nor does ``--serve`` (each job sends its own,
     ``engine.serve.uploads``).
 
-    A family whose pipeline sizes the video from the image (``family.image_size``:
+    A family whose pipeline sizes the video from the image (``family.image.size``:
     HunyuanVideo-1.5's aspect-ratio bucket) sets ``values["height"]`` / ``["width"]`` here
     unless ``--height`` / ``--width`` were given.
 
@@ -92,7 +92,7 @@ def check_for_model(args, family, values: dict | None = None) -> ImageInfo | Non
             or a bad image (``check_image``).
     """
     path, model_id = args.image, args.model_id
-    mode = family.image_mode(model_id)
+    mode = family.image.mode(model_id)
     if path is None:
         if mode == "required" and args.stage in ("all", "encode") and not args.dry_run \
                 and not getattr(args, "serve", False):  # --serve: each job sends its own
@@ -103,7 +103,7 @@ def check_for_model(args, family, values: dict | None = None) -> ImageInfo | Non
     if mode == "none":
         fail("--image", path, f"--model_id={model_id!r} is a text-to-video checkpoint; "
              "--image needs an image-to-video one (see docs/models.md 'Image-to-video')")
-    size = family.image_size(model_id, info) if values is not None else None
+    size = family.image.size(model_id, info) if values is not None else None
     if size is not None:
         values["height"] = values["height"] if args.height is not None else size[0]
         values["width"] = values["width"] if args.width is not None else size[1]

@@ -300,10 +300,11 @@ def check_component(folder: str, library: str, class_name: str, *,
 def components_to_check(family, stage: str, dry_run: bool) -> tuple[str, ...]:
     """Checkpoint subfolders the run reads: the stage's components' weight folders, or, for
     a dry run, the configs it reads (transformer and VAE)."""
+    checkpoint = family.checkpoint
     if dry_run:
-        return ("transformer", "vae") + tuple(f for f in family.optional_folders
-                                              if f in family.weight_folders["transformer"])
-    return tuple(f for c in family.components[stage] for f in family.weight_folders[c])
+        return ("transformer", "vae") + tuple(f for f in checkpoint.optional_folders
+                                              if f in checkpoint.weight_folders["transformer"])
+    return tuple(f for c in checkpoint.components[stage] for f in checkpoint.weight_folders[c])
 
 
 def check_checkpoint(config, family) -> dict:
@@ -326,7 +327,7 @@ def check_checkpoint(config, family) -> dict:
     out = {}
     for sub in components_to_check(family, config.run.stage, config.dry.dry_run):
         spec = index.get(sub)
-        if sub in family.optional_folders and not (isinstance(spec, list) and all(spec)):
+        if sub in family.checkpoint.optional_folders and not (isinstance(spec, list) and all(spec)):
             continue  # e.g. Wan's transformer_2: [null, null] unless the model has two experts
         if not (isinstance(spec, list) and len(spec) == 2 and all(spec)):
             raise UsageError(f"--model_id={config.model.model_id!r}: model_index.json: no "

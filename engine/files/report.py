@@ -195,7 +195,7 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
         timings=summary, fallbacks=fallbacks.items)
     if placed is not None:
         out.update(
-            tokens=family.token_count(cfg, config.video.height, config.video.width,
+            tokens=family.sizes.token_count(cfg, config.video.height, config.video.width,
                                       config.video.frames),
             layout=dict(replicate_row_parallel=config.layout.replicate_row_parallel,
                         fsdp=config.layout.fsdp, megatron_sp=config.layout.megatron_sp,

@@ -163,10 +163,10 @@ def read_intermediates(config, family):
         for video in videos:
             folder = video_dir(config.run.work_dir, video)
             embeds, settings = load_embeddings(
-                folder, family.embedding_names,
-                check=lambda e, s: family.check_embeddings(
+                folder, family.text.embedding_names,
+                check=lambda e, s: family.text.check_embeddings(
                     e, {**s, "model_id": config.model.model_id}, cfg),
-                optional=family.image_names)  # image-to-video: the image conditioning
+                optional=family.image.names)  # image-to-video: the image conditioning
             _check_video(os.path.join(folder, EMBEDDINGS_FILE), settings, video,
                          ("prompt", "negative_prompt"))
             out.append(embeds)
@@ -180,7 +180,7 @@ def read_intermediates(config, family):
             folder = video_dir(config.run.work_dir, video)
             latents, settings = load_latents(
                 folder, vae_cfg, config.model.model_id,
-                lambda s: family.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
+                lambda s: family.sizes.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
             _check_video(os.path.join(folder, LATENTS_FILE), settings, video,
                          ("prompt", "negative_prompt", "seed"))
             out.append(latents)

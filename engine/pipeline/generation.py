@@ -192,11 +192,11 @@ def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | Non
                                                 config.video.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
     flops = None if programs.step is None else experts.flops_per_step(
-        programs.step, lambda k: family.transformer_flops(dict(
+        programs.step, lambda k: family.transformer.flops(dict(
             (pipe.transformer, pipe.transformer_2)[k].config), config))
     if flops is not None:
         out["experts"] = programs.step.report()
     if programs.step is not None:  # a cached step counts what it runs
-        flops = step_cache.flops_per_step(flops or family.transformer_flops(cfg, config), config,
+        flops = step_cache.flops_per_step(flops or family.transformer.flops(cfg, config), config,
                                           cfg)
     return out, flops, cfg

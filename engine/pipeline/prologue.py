@@ -47,7 +47,7 @@ class Prologue:
         transformer's weights stay on the meta device until they are placed."""
         t0 = time.perf_counter()
         stage = self.config.run.stage
-        pipe = self.family.load_pipeline(self.config, self.family.components[stage])
+        pipe = self.family.text.load_pipeline(self.config, self.family.checkpoint.components[stage])
         return pipe, time.perf_counter() - t0
 
 

@@ -45,15 +45,15 @@ def encode(pipe, config: RunConfig, family, videos):
         for name, module in encoders.items():  # the family frees them after each call
             if module is not None:
                 setattr(pipe, name, module)
-        embeds.append(family.encode_prompts(pipe, for_video(config, video)))
+        embeds.append(family.text.encode_prompts(pipe, for_video(config, video)))
     return embeds, time.perf_counter() - t0
 
 
 def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
-    """The image conditioning (``family.encode_image``), computed once and joined to every
+    """The image conditioning (``family.image.encode``), computed once and joined to every
     video's embeddings: (embeds, seconds)."""
     t0 = time.perf_counter()
-    cond = family.encode_image(pipe, config, read_image(config.video.image), devices)
+    cond = family.image.encode(pipe, config, read_image(config.video.image), devices)
     return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
@@ -84,7 +84,8 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
             step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
                                               inputs, timings, second)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
-                     sigmas=family.scheduler_sigmas, cache=cache, finish=family.finish_latents)
+                     sigmas=family.scheduler.sigmas, cache=cache,
+                     finish=family.image.finish_latents)
     else:
         latents0 = placement.place_array(placement.host_array(staged), replicated)
     if config.run.stage in ("all", "decode"):
@@ -112,8 +113,8 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     """The model inputs (batch over "dp") and the seeded initial latents (replicated),
     streamed to their shardings. Every host encoded the prompt and drew the noise itself
     (no broadcast), so the hosts' copies of one global array must agree: checked."""
-    inputs = family.model_inputs(embeds, config)
-    latents = family.prepare_latents(pipe, config)
+    inputs = family.transformer.model_inputs(embeds, config)
+    latents = family.text.prepare_latents(pipe, config)
     for name, x in {**inputs, "initial latents": latents}.items():
         runtime.check_same_on_every_host(name, placement.host_array(x))
     # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
@@ -131,12 +132,12 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
     what changes (``transformer_step.compile_transformer_step``): with step caching the full
     and the cached programs; with a ``second`` expert one program serves both."""
-    set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler_sigmas)
+    set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler.sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
-    fn = family.step_fn(placed["module"], config)
-    return transformer_step.compile_transformer_step(config, family.block_stack, pipe, placed,
-                                                     second, mesh, fn, latents0, t, inputs,
-                                                     timings)
+    fn = family.transformer.step_fn(placed["module"], config)
+    return transformer_step.compile_transformer_step(config, family.transformer.block_stack, pipe,
+                                                     placed, second, mesh, fn, latents0, t,
+                                                     inputs, timings)
 
 
 def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,
@@ -144,10 +145,10 @@ def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oo
     """Place the VAE's decode weights (replicated: a conv net's weights are small; its
     activations are what the decode shards) and AOT-compile its programs."""
     with runtime.hardware_errors("placing the VAE weights", oom_hint):
-        placed = place_module(pipe.vae, mesh, include=family.is_vae_decode_weight,
+        placed = place_module(pipe.vae, mesh, include=family.vae.is_decode_weight,
                               desc="VAE decoder")
     timings["place_vae_s"] = placed["seconds"]
-    decoder = family.vae_decoder(placed, pipe.vae, mesh, tiling=run.vae_tiling,
+    decoder = family.vae.decoder(placed, pipe.vae, mesh, tiling=run.vae_tiling,
                                  fallbacks=fallbacks)
     with runtime.hardware_errors("compiling the VAE decode", oom_hint):
         timings["compile_vae_s"] = decoder.compile(latents0)

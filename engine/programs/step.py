@@ -12,7 +12,7 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
         placed: the transformer as ``sharding.place_module`` returns it (``params`` and
             ``buffers`` may be ``ShapeDtypeStruct``s: a deviceless compile).
         mesh: the ("dp", "tp", "sp") mesh.
-        fn: the family's torch step function (``ModelFamily.step_fn``).
+        fn: the family's torch step function (``ModelFamily.transformer.step_fn``).
         latents: (1, C, F', h, w) float32, replicated.
         timestep: (1,) int32 or float32, replicated.
         inputs: the family's model-inputs pytree, batch over "dp".

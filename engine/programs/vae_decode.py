@@ -20,21 +20,6 @@ import time
 from custom_splash_attention import forced_attention
 
 
-def feat_cache(kinds: tuple, cache) -> list:
-    """The ``feat_cache`` list a causal VAE's convolutions take (diffusers' Wan VAE), from a
-    program's static cache ``kinds`` and its cache tensors in order: None for "none", the
-    placeholder string "Rep" for "rep", the next tensor for "tensor"."""
-    tensors = iter(cache)
-    return [None if k == "none" else "Rep" if k == "rep" else next(tensors) for k in kinds]
-
-
-def split_feat_cache(feat: list) -> tuple[tuple, list]:
-    """``feat_cache``'s inverse, after a chunk ran: (its kinds, its tensors in order)."""
-    kinds = tuple("none" if f is None else "rep" if isinstance(f, str) else "tensor"
-                  for f in feat)
-    return kinds, [f for f in feat if f is not None and not isinstance(f, str)]
-
-
 class ChunkedDecoder:
     """Latents (1, C, F', h, w) float32 -> video (1, 3, F, H, W) float32 in [-1, 1], on device.
 

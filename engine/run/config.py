@@ -265,8 +265,8 @@ def check_attention_options(args, family) -> None:
     """--window_size and --k_smoothing against the attention backend and the family (a
     ``families.ModelFamily``), before any model loads (one-line ``UsageError``s).
 
-    The window needs a family whose self-attention runs over video tokens only
-    (``family.supports_window``): a joint attention that appends text tokens to the video
+    The window needs a family whose self-attention runs over video tokens only (``LocalMask``
+    in ``family.transformer.masks``): a joint attention that appends text tokens to the video
     tokens gives a band over positions no video meaning. JAX's stock splash kernel gets neither
     option here (our wrapper passes it segment ids only; its ``LocalMask`` is not wired up): a
     usage error rather than a silent global run.
@@ -274,7 +274,7 @@ def check_attention_options(args, family) -> None:
     w = args.window_size
     if w is not None and w < 0:
         fail("--window_size", w, "must be an int >= 0 (omit it for global attention)")
-    if w is not None and not family.supports_window:
+    if w is not None and LocalMask not in family.transformer.masks:
         fail("--window_size", w, f"not supported for {family.name} (its self-attention "
                                  "mixes in text tokens)")
     for flag, given in (("--window_size", w is not None), ("--k_smoothing", args.k_smoothing)):
@@ -284,15 +284,15 @@ def check_attention_options(args, family) -> None:
 
 
 def resolve_scheduler(value: str | None, family) -> str:
-    """``--scheduler`` resolved against ``family.schedulers`` (the first is its default).
+    """``--scheduler`` resolved against ``family.scheduler.names`` (the first is its default).
 
     Raises:
         UsageError: a scheduler the family's pipeline does not run.
     """
-    if value is not None and value not in family.schedulers:
-        fail("--scheduler", value, f"{family.name} runs {' or '.join(family.schedulers)} "
+    if value is not None and value not in family.scheduler.names:
+        fail("--scheduler", value, f"{family.name} runs {' or '.join(family.scheduler.names)} "
              "only")
-    return value or family.schedulers[0]
+    return value or family.scheduler.names[0]
 
 
 def validate_block_size_flags(args) -> None:
@@ -357,13 +357,13 @@ def check_numbers(args) -> None:
 
 
 def check_size(family, values: dict, multiple: int) -> None:
-    """--frames against ``family.frame_step`` and --height/--width against ``multiple``
+    """--frames against ``family.sizes.frame_step`` and --height/--width against ``multiple``
     pixels (VAE compression times patch size), with the family's name in the rule.
 
     Raises:
         UsageError: one line naming the flag, the value and the rule.
     """
-    step = family.frame_step
+    step = family.sizes.frame_step
     if values["frames"] < 1 or (values["frames"] - 1) % step:
         fail("--frames", values["frames"], f"must be of the form {step}n+1 (1, {step + 1}, "
              f"{2 * step + 1}, ...) for {family.name}")

@@ -87,3 +87,10 @@ def make_mesh(shape: MeshShape, devices=None):
         grid = mesh_utils.create_device_mesh(sizes, devices or jax.devices(),
                                              allow_split_physical_axes=True)
         return Mesh(grid, AXES, axis_types=types)
+
+
+def spatial_mesh(devices):
+    """A mesh over ``devices`` with all of them on "sp" (dp = tp = 1), for a program that
+    splits a frame's width over every device, such as a family's on-device VAE encode
+    (``families.base.VaePrograms.encoder``), which runs before the transformer's mesh exists."""
+    return make_mesh(MeshShape(dp=1, tp=1, sp=len(devices)), devices)

@@ -86,11 +86,11 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     if api_key is not None and not api_key.strip():
         fail("--api_key", "''", f"must not be empty (omit it and unset ${API_KEY_ENV} for "
              "no key)")
-    multiple = defaults.get("pixel_multiple", family.pixel_multiple)
+    multiple = defaults.get("pixel_multiple", family.sizes.pixel_multiple)
     sizes = _parse_sizes(args.serve_sizes, values, multiple, family.name)
-    frames = _parse_frames(args.serve_frames, values, family.frame_step, family.name)
+    frames = _parse_frames(args.serve_frames, values, family.sizes.frame_step, family.name)
     if args.flow_shift is None and "flow_shift" not in defaults:
-        shifts = {family.default_flow_shift(h, w) for w, h in sizes}
+        shifts = {family.scheduler.default_flow_shift(h, w) for w, h in sizes}
         if len(shifts) > 1:  # one scheduler serves every bucket
             fail("--serve_sizes", args.serve_sizes, f"these sizes take different default "
                  f"flow shifts ({', '.join(map(str, sorted(shifts)))}); give --flow_shift")

@@ -43,7 +43,7 @@ class Served:
     variable_guidance: the CFG scale is a traced input of the step (any value on the same
         side of 1); else only ``guidance_scale`` as served. fixed_steps: step caching's
         schedule was checked for ``num_inference_steps`` only. image_mode:
-        ``ModelFamily.image_mode``: "required" (image-to-video: every job sends
+        ``ModelFamily.image.mode``: "required" (image-to-video: every job sends
         ``input_reference``), "none" or "optional" (served as text-to-video).
     """
 
@@ -99,7 +99,7 @@ class WarmModel:
         self.config, self.family, self.pipe = config, family, pipe
         self.mesh, self.devices, self.oom_hint = mesh, devices, oom_hint
         self.encoders = {k: getattr(pipe, k, None) for k in ENCODERS}
-        self.image_mode = family.image_mode(config.model.model_id)
+        self.image_mode = family.image.mode(config.model.model_id)
         # The image encoder and the placed VAE encoder, kept by the family's encode_image
         # for every job (families/base.py ``encode_image``'s ``resident``).
         self.resident: dict = {}
@@ -119,7 +119,7 @@ class WarmModel:
         """(the image conditioning of ``image``, an RGB PIL image, at this config's shape,
         {"image_encode_s": seconds}), on encoders placed once (``self.resident``)."""
         t0 = time.perf_counter()
-        cond = self.family.encode_image(self.pipe, config, image, self.devices,
+        cond = self.family.image.encode(self.pipe, config, image, self.devices,
                                         resident=self.resident)
         return cond, {"image_encode_s": time.perf_counter() - t0}
 
@@ -194,7 +194,7 @@ def build(config, family, devices=None) -> WarmModel:
 
 def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
     """Place once (with the first bucket, by ``prepare_programs``), then compile the step
-    (``compile_transformer``) and the VAE decode (``family.vae_decoder``, as
+    (``compile_transformer``) and the VAE decode (``family.vae.decoder``, as
     ``prepare_decode`` makes it) for each other bucket on the placed weights; warm each up."""
     fallbacks, first, placed, second, embeds = Fallbacks(), None, None, None, None
     for config in configs:
@@ -223,7 +223,7 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
                     timings, second)
             # The VAE decoder's weights placed with the first bucket (placing frees the host
             # copies), compiled for this shape.
-            decode = model.family.vae_decoder(first.vae_decode.placed, model.pipe.vae,
+            decode = model.family.vae.decoder(first.vae_decode.placed, model.pipe.vae,
                                               model.mesh, tiling=config.run.vae_tiling,
                                               fallbacks=fallbacks)
             with runtime.hardware_errors("compiling the VAE decode", model.oom_hint):
@@ -254,9 +254,9 @@ def _served(config, family, model: WarmModel) -> Served:
     v = config.video
     return Served(
         model=model_name(config.model.model_id), model_id=config.model.model_id,
-        sizes=config.serve.sizes, frames=config.serve.frames, frame_step=family.frame_step,
+        sizes=config.serve.sizes, frames=config.serve.frames, frame_step=family.sizes.frame_step,
         fps=v.fps, num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
         guidance_scale_2=v.guidance_scale_2, negative_prompt=v.negative_prompt,
         variable_guidance="guidance_scale" in programs.embeds and not two_experts,
         fixed_steps=programs.cache is not None,
-        image_mode=family.image_mode(config.model.model_id))
+        image_mode=family.image.mode(config.model.model_id))

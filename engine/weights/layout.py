@@ -15,7 +15,7 @@ from engine.run.mesh import MeshShape, resolve_mesh_shape
 def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str) -> int:
     """Bytes of transformer weights one device holds when they are replicated.
 
-    Every parameter of ``family.empty_transformer(cfg, dtype)`` (meta tensors: no RAM, about
+    Every parameter of ``family.transformer.empty(cfg, dtype)`` (meta tensors: no RAM, about
     0.3 s for a 14B config) at the dtype a run loads it in (``dtype``, float32 where
     ``from_pretrained`` keeps it), times the experts that stay resident
     (``checkpoint.expert_count``: 2 for Wan 2.2 A14B). Wan 2.1 T2V 14B in bfloat16:
@@ -23,7 +23,7 @@ def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str) -> int:
     """
     import torch
 
-    model = family.empty_transformer(cfg, getattr(torch, dtype))
+    model = family.transformer.empty(cfg, getattr(torch, dtype))
     one = sum(p.numel() * p.element_size() for p in model.parameters())
     return one * expert_count(read_model_index(model_id))
 
@@ -45,7 +45,8 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
                                     config.model.dtype) if weighed else None
     return resolve_mesh_shape(
         layout.dp, layout.tp, layout.sp, n_devices, batch=video.batch,
-        num_heads=family.num_heads(cfg) if cfg else None,
-        tokens=family.token_count(cfg, video.height, video.width, video.frames) if cfg else None,
+        num_heads=family.transformer.num_heads(cfg) if cfg else None,
+        tokens=(family.sizes.token_count(cfg, video.height, video.width, video.frames) if cfg
+                else None),
         prefer_sp=chips.prefers_ulysses(chip, weights),
-        default_sp=chip and family.default_sp.get(chip.name))
+        default_sp=chip and family.transformer.default_sp.get(chip.name))

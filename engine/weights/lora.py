@@ -146,7 +146,7 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
         path: a .safetensors LoRA file.
         scale: the user's scale (``fuse_lora(lora_scale=...)``).
         shapes: {name: shape} of the transformer's unscanned state dict (``blocks.N.*``).
-        convert: the family's diffusers key converter (``ModelFamily.lora_state_dict``).
+        convert: the family's diffusers key converter (``ModelFamily.transformer.lora_state_dict``).
         flag: the flag errors name (``--lora``, or ``--lora_2`` for the second expert).
 
     Raises:
@@ -245,8 +245,9 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
     ``--lora_2`` fuses into a two-expert checkpoint's ``transformer_2`` (the low-noise
     expert), as diffusers' ``load_lora_weights(..., load_into_transformer_2=True)``; its names
     and shapes are checked against ``transformer_2``'s config. The transformer's names and
-    shapes come from a meta model of its config (``family.empty_transformer``: no weights
-    load); the keys are converted by the family's diffusers loader (``family.lora_state_dict``).
+    shapes come from a meta model of its config (``family.transformer.empty``: no weights
+    load); the keys are converted by the family's diffusers loader
+    (``family.transformer.lora_state_dict``).
 
     Returns:
         the ``LoraSet`` the run's configuration carries (empty without the flag).
@@ -258,7 +259,8 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
     specs = tuple(parse_flag(v, flag) for v in values or ())
     if not specs:
         return LoraSet(flag)
-    if not family.supports_lora:
+    convert = family.transformer.lora_state_dict
+    if convert is None:  # the family has no LoRA key converter
         fail(flag, values[0], f"LoRAs are not supported for {family.name} yet")
     import torch
 
@@ -267,9 +269,8 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
         fail(flag, values[0], "needs a two-expert checkpoint (transformer_2 and "
              "boundary_ratio in model_index.json); use --lora for the one transformer")
     cfg = read_component_config(model_id, component, download=True)
-    shapes = transformer_shapes(family.empty_transformer(cfg, getattr(torch, dtype)))
-    return LoraSet(flag, tuple(load(path, scale, shapes, family.lora_state_dict, flag)
-                               for path, scale in specs))
+    shapes = transformer_shapes(family.transformer.empty(cfg, getattr(torch, dtype)))
+    return LoraSet(flag, tuple(load(path, scale, shapes, convert, flag) for path, scale in specs))
 
 
 def fusers(loras) -> dict:

@@ -219,10 +219,10 @@ def place_expert(config, family, module, component: str, mesh, fallbacks) -> dic
     """
     loras = config.model.lora if component == "transformer" else config.model.lora_2
     placed = place_transformer(
-        module, mesh, family.sharding_rules(config),
+        module, mesh, family.transformer.sharding_rules(config),
         checkpoint=component_folder(config.model.model_id, component), fsdp=config.layout.fsdp,
         scan=config.layout.scan_layers, megatron_sp=config.layout.megatron_sp, fallbacks=fallbacks,
-        stack=family.block_stack, loras=loras)
+        stack=family.transformer.block_stack, loras=loras)
     placed["loras"] = loras.report() if loras else []
     return placed
 

@@ -1,4 +1,15 @@
-"""The chunked, width-sharded Wan VAE encode on device (image-to-video conditioning).
+"""Wan's VAE programs on the engine's chunked decoder: the decode and the image-to-video encode.
+
+diffusers' ``AutoencoderKLWan`` keeps each causal conv's last input frames in a list
+(``feat_cache``) whose entries are None, the string "Rep" or a tensor; ``feat_cache`` and
+``split_feat_cache`` turn that list into a program's static "kinds" and its tensors and back,
+so ``engine.programs.vae_decode.ChunkedDecoder`` can run one compiled program per chunk with
+the cache as explicit arrays (``families/hunyuan_vae.py`` is the other family's example).
+
+Decode: ``vae_decoder`` (one latent frame per program, or diffusers' tiled decode).
+
+Encode: ``ChunkedEncoder`` / ``DeviceEncode``, the chunked, width-sharded encode on device
+(image-to-video conditioning).
 
 Wan 2.1 I2V and Wan 2.2 I2V-A14B condition on the VAE encode of a whole video at output size
 (the image, then ``frames - 1`` zero frames): about 3.8e14 FLOPs at 720p x 81, minutes on a
@@ -20,13 +31,122 @@ runs here too: on this project's 2-core CPU host a 704x1280 frame took 33.9 s in
 
 from __future__ import annotations
 
+import functools
+import time
 import types
 
-from engine.programs.vae_decode import ChunkedDecoder, feat_cache, split_feat_cache
+from engine.programs.vae_decode import ChunkedDecoder
 from engine.run import runtime
-from engine.run.mesh import MeshShape, make_mesh
+from engine.run.mesh import spatial_mesh
 from engine.weights import placement
 from engine.weights.sharding import place_module
+
+
+def feat_cache(kinds: tuple, cache) -> list:
+    """The ``feat_cache`` list a causal VAE's convolutions take (diffusers' Wan VAE), from a
+    program's static cache ``kinds`` and its cache tensors in order: None for "none", the
+    placeholder string "Rep" for "rep", the next tensor for "tensor"."""
+    tensors = iter(cache)
+    return [None if k == "none" else "Rep" if k == "rep" else next(tensors) for k in kinds]
+
+
+def split_feat_cache(feat: list) -> tuple[tuple, list]:
+    """``feat_cache``'s inverse, after a chunk ran: (its kinds, its tensors in order)."""
+    kinds = tuple("none" if f is None else "rep" if isinstance(f, str) else "tensor"
+                  for f in feat)
+    return kinds, [f for f in feat if f is not None and not isinstance(f, str)]
+
+
+# The VAE decode reads only these weights; the encoder (~0.2 GB float32) stays on the host.
+VAE_DECODE_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+def is_vae_decode_weight(name: str) -> bool:
+    return name.startswith(VAE_DECODE_PREFIXES)
+
+
+def _vae_full_fn(jm):
+    """Torch function: normalised latents (1, z_dim, F', H/s, W/s) -> video (1, 3, F, H, W)
+    in [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
+    import torch
+
+    def decode(params, buffers, latents, mean, inv_std):
+        z = latents.to(torch.float32) / inv_std + mean
+        return jm.functional_call("decode", params, buffers, z, return_dict=False)[0]
+
+    return decode
+
+
+def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
+                  patch_size: int | None = None):
+    """Torch function decoding ONE latent frame with the causal-conv cache as explicit state.
+
+    diffusers' ``AutoencoderKLWan._decode`` loops over latent frames in Python, keeping each
+    causal conv's last input frames in a list (``feat_cache``) whose entries are None, the
+    string "Rep" (an upsampler's first chunk) or a tensor. Jitting that whole loop unrolls it:
+    at 720p x 81 frames XLA then needs 88 GB of temporaries per v6e chip. Here one call decodes
+    one latent frame; the tensor entries go in and out as arrays and the None/"Rep" pattern
+    (``kinds``) is static, so the decode compiles to three programs (first frame, second
+    frame, every later frame) whose memory is one frame's worth.
+
+    ``record[(kinds, first)]`` receives the kinds of the cache this call returns. ``spatial``
+    (a ``NamedSharding``) splits the frame's width over the mesh: GSPMD then partitions every
+    conv spatially, exchanging halos, so each chip decodes 1/n of the width instead of all chips
+    decoding the same frame.
+    The Wan 2.2 VAE (``patch_size`` 2) runs the same decoder loop (its residual up blocks
+    carry their own ``first_chunk`` slicing and cache entries) and then ``unpatchify``s the
+    whole output once (``AutoencoderKLWan._decode``); ``unpatchify`` only moves channels into
+    2x2 pixel blocks of the same frame, so applying it to each frame's chunk is the same, and
+    so is clamping before or after it.
+    Signature of the returned function:
+        (params, buffers, z (1, z_dim, 1, h, w), mean, inv_std, cache list)
+        -> (video chunk (1, 3, 1 or 4, s*h, s*w) float32 in [-1, 1] with s the VAE's spatial
+        scale (8, or 16 with patch_size 2), new cache list)
+    """
+    import jax
+    import torch
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+    from torchax import interop
+
+    def run(model, z, feat):
+        x = model.post_quant_conv(z)
+        return model.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first)
+
+    def chunk(params, buffers, z, mean, inv_std, cache):
+        if spatial is not None:
+            z = interop.call_jax(jax.lax.with_sharding_constraint, z, spatial)
+        z = z.to(torch.float32) / inv_std + mean
+        feat = feat_cache(kinds, cache)
+        out = jm.functional_call(run, params, buffers, z, feat)
+        record[(kinds, first)], new_cache = split_feat_cache(feat)
+        if patch_size is not None:
+            out = unpatchify(out, patch_size=patch_size)
+        out = torch.clamp(out, min=-1.0, max=1.0)
+        if spatial is not None:
+            # Keep the carried cache and the frames width-sharded too, or they come back
+            # replicated: at 720p the cache alone is ~8 GB per chip.
+            out, *new_cache = (interop.call_jax(jax.lax.with_sharding_constraint, t, spatial)
+                               for t in (out, *new_cache))
+        return out, list(new_cache)
+
+    return chunk
+
+
+def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
+                fallbacks=None):
+    """The Wan VAE decode (Wan 2.1's, or Wan 2.2's with ``patch_size``) as an
+    ``engine.programs.vae_decode.ChunkedDecoder``: frame-chunked with the causal-conv cache as
+    explicit state (default) or, with ``tiling``, diffusers' spatially tiled ``decode`` in one
+    program."""
+    if tiling:
+        vae.enable_tiling()
+    return ChunkedDecoder(
+        placed, mesh, chunk_fn=functools.partial(_vae_chunk_fn,
+                                                 patch_size=vae.config.patch_size),
+        initial_kinds=("none",) * vae._cached_conv_counts["decoder"],
+        latents_mean=vae.config.latents_mean, latents_std=vae.config.latents_std,
+        full_fn=_vae_full_fn if tiling else None, abstract=abstract, fallbacks=fallbacks)
+
 
 # Wan's VAE: frame 0 alone, then 4 frames per chunk (one latent frame each).
 TEMPORAL_CHUNK = 4
@@ -97,8 +217,6 @@ class ChunkedEncoder(ChunkedDecoder):
     """
 
     def __init__(self, placed: dict, mesh, vae, *, abstract: bool = False):
-        import functools
-
         super().__init__(placed, mesh, chunk_fn=functools.partial(
                              _encode_chunk_fn, patch_size=vae.config.patch_size),
                          initial_kinds=("none",) * vae._cached_conv_counts["encoder"],
@@ -117,8 +235,6 @@ class ChunkedEncoder(ChunkedDecoder):
         return self._slicers[key](video, start)
 
     def compile(self, video) -> float:
-        import time
-
         import jax
 
         t0 = time.perf_counter()
@@ -144,12 +260,6 @@ class ChunkedEncoder(ChunkedDecoder):
         return jnp.concatenate(out, axis=2)
 
 
-def mesh_for(devices):
-    """A mesh over ``devices`` for the encode alone (the transformer's mesh comes later): all
-    devices on "sp", so the width splits over every one of them."""
-    return make_mesh(MeshShape(dp=1, tp=1, sp=len(devices)), devices)
-
-
 class DeviceEncode:
     """Stands in for ``vae.encode`` inside a diffusers pipeline call (``prepare_latents``):
     runs ``ChunkedEncoder`` on ``devices`` and returns what ``retrieve_latents(...,
@@ -165,12 +275,10 @@ class DeviceEncode:
     """
 
     def __init__(self, vae, devices):
-        self.vae, self.mesh = vae, mesh_for(devices)
+        self.vae, self.mesh = vae, spatial_mesh(devices)
         self.placed, self.encoders, self.seconds = None, {}, {}
 
     def __call__(self, x, return_dict: bool = True):
-        import time
-
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
