@@ -30,6 +30,7 @@ import dataclasses
 import functools
 
 import jax
+import torch
 
 from splash.blocks import (
     DEFAULT_BLOCK_SIZES,
@@ -368,8 +369,6 @@ def install_sdpa_override(
     Raises:
         ValueError: unknown ``attention``.
     """
-    import torch  # deferred: torch is heavy, and only the override needs it
-
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
     options = _options(options)

@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
@@ -247,7 +249,6 @@ def empty_model(cls, cfg: dict, dtype):
     for weights), in ``dtype`` except the parameters ``from_pretrained`` keeps in float32.
     Buffers (RoPE tables) are real. The weights come later, streamed from the checkpoint
     into their shards."""
-    import torch
     from accelerate import init_empty_weights
 
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}

@@ -30,6 +30,12 @@ What differs from diffusers, and why (none of it changes a real token's output):
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+
 import custom_splash_attention as csa
 from engine.files.checkpoint import read_component_config, read_model_index
 from engine.files.image import read_image
@@ -127,8 +133,6 @@ def make_scheduler(scheduler_config, kind: str, flow_shift: float):
 def scheduler_sigmas(num_inference_steps: int) -> list:
     """``HunyuanVideo15Pipeline``'s sigmas: linspace(1, 0, n + 1)[:-1] (the scheduler's shift
     is applied to them in ``set_timesteps``)."""
-    import numpy as np
-
     return list(np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1])
 
 
@@ -223,7 +227,6 @@ def load_pipeline(config, components):
     Raises:
         GenerationError: the weights could not be found or read.
     """
-    import torch
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         HunyuanVideo15Pipeline,
@@ -282,8 +285,6 @@ def encode_prompts(pipe, config) -> dict:
         writes both). Embeddings and masks in the transformer dtype, as diffusers casts them;
         the ByT5 pair is zeros when the prompt has no quoted text.
     """
-    import torch
-
     dtype = getattr(torch, config.model.dtype)
     out = {}
     sides = [("", config.video.prompt)]
@@ -321,8 +322,6 @@ def prepare_latents(pipe, config):
     """Initial noise as ``HunyuanVideo15Pipeline.prepare_latents`` draws it: a CPU
     ``torch.Generator`` seeded with ``config.video.seed``, in the transformer dtype. Returns a
     float32 CPU tensor (1, 32, (frames-1)/4+1, height/16, width/16)."""
-    import torch
-
     generator = torch.Generator("cpu").manual_seed(config.video.seed)
     return pipe.prepare_latents(1, pipe.num_channels_latents, config.video.height,
                                 config.video.width,
@@ -336,8 +335,6 @@ def model_inputs(embeds: dict, config) -> dict:
     model dtype, their masks (B, 1000) and (B, 256) bool. Image-to-video adds, the same for
     both passes as the pipeline passes them: "image_embeds" (B, 729, 1152) and "condition"
     (B, 33, F', h, w) = [image latents on frame 0, first-frame mask], model dtype."""
-    import torch
-
     dtype = getattr(torch, config.model.dtype)
     sides = ("", "negative_") if config.video.use_cfg else ("",)
 
@@ -390,8 +387,6 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
     5e12 FLOPs: seconds on a host CPU (``devices`` unused). Frees the image encoder after
     the call unless ``resident`` is given (a dict the caller keeps across calls: the
     server; nothing is placed, so nothing goes in it)."""
-    import torch
-
     del devices
     cpu, dtype = torch.device("cpu"), getattr(torch, config.model.dtype)
     image = pipe.video_processor.resize(image, height=config.video.height, width=config.video.width,
@@ -410,9 +405,6 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
-    import jax
-    import jax.numpy as jnp
-
     b, dtype = config.video.batch, getattr(jnp, config.model.dtype)
     return {
         "encoder_hidden_states": jax.ShapeDtypeStruct((b, QWEN_TOKENS, cfg["text_embed_dim"]),
@@ -440,8 +432,6 @@ class KeyPaddingAttnProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        import torch
-        import torch.nn.functional as F
         from diffusers.models.embeddings import apply_rotary_emb
 
         def heads(x):  # (B, N, H*D) -> (B, N, H, D)
@@ -512,8 +502,6 @@ def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_a
     Returns:
         (B, 32, F, h, w) noise prediction in the model dtype.
     """
-    import torch
-
     b, _, f, h, w = hidden_states.shape
     cfg = model.config
     pt, p = cfg.patch_size_t, cfg.patch_size
@@ -555,8 +543,6 @@ def step_fn(jm, config):
     casts the new latents to the prediction's dtype: so they stay float32 between steps
     (diffusers' bf16 run rounds them to bf16 every step).
     """
-    import torch
-
     dtype = getattr(torch, config.model.dtype)
     cfg, scale = config.video.use_cfg, config.video.guidance_scale
 

@@ -33,6 +33,13 @@ import contextvars
 import functools
 import time
 
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+import torchax.tensor
+from torchax import interop
+
 from engine.programs.vae_decode import ChunkedDecoder
 from engine.run.errors import GenerationError
 
@@ -65,9 +72,6 @@ def _cached_conv_forward(conv, original, x):
     previous two input frames in front instead. Either way the last two input frames (after
     the time padding) are kept for the next frame. x (B, C, T, H, W) -> (B, C', T, H, W).
     """
-    import torch
-    import torch.nn.functional as F
-
     cache = _CONV_CACHE.get()
     if cache is None:
         return original(x)
@@ -102,9 +106,6 @@ def block_causal_attention(q, k, v, frames: int):
     (B, S/frames, S) scores live at a time, and no (S, S) mask is built. Scores and softmax
     in float32 (highest matmul precision), scale 1/sqrt(C) as torch SDPA.
     """
-    import jax
-    import jax.numpy as jnp
-
     b, s, c = q.shape
     per_frame = s // frames
     key_frame = jnp.arange(s) // per_frame
@@ -128,9 +129,6 @@ def _attention_forward(block, original, x):
     """``HunyuanVideo15AttnBlock.forward`` with ``block_causal_attention`` instead of the
     dense mask (under torchax; plain torch keeps diffusers' forward). Same norm, 1x1
     projections, layout and residual as diffusers. x (B, C, F, H, W)."""
-    import torchax.tensor
-    from torchax import interop
-
     if not isinstance(x, torchax.tensor.Tensor):
         return original(x)
     identity = x
@@ -164,8 +162,6 @@ def install_decode_overrides(vae) -> None:
 def _mid_fn(jm):
     """Torch function: latents (1, C, F', h, w) -> mid-block features (1, 1024, F', h, w)
     float32, latents scaled as ``HunyuanVideo15Pipeline`` does (z / scaling_factor)."""
-    import torch
-
     def run(model, z):
         d = model.decoder
         x = d.conv_in(z) + z.repeat_interleave(repeats=d.repeat, dim=1)
@@ -185,10 +181,6 @@ def _frame_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None):
     (params, buffers, x (1, 1024, 1, h, w), mean, inv_std (unused: the mid program scaled
     the latents), cache list) -> (frames (1, 3, 1 or 4, 16h, 16w) float32 in [-1, 1],
     new cache list: each causal conv's last two input frames)."""
-    import jax
-    import torch
-    from torchax import interop
-
     def constrain(t):
         if spatial is None:
             return t
@@ -239,9 +231,6 @@ class HunyuanVaeDecoder:
 
     def compile(self, latents) -> float:
         """AOT-compile the mid program and every frame program; returns seconds."""
-        import jax
-        from torchax import interop
-
         t0 = time.perf_counter()
         lowered = jax.jit(interop.jax_view(_mid_fn(self.placed["module"])),
                           out_shardings=self.frames.replicated).lower(*self._mid_args(latents))

@@ -23,6 +23,10 @@ sources under ``settings.default_sources``).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import torch
+
 from custom_splash_attention import LocalMask
 from engine.files.checkpoint import expert_count, read_component_config, read_model_index
 from engine.run.errors import GenerationError, first_line
@@ -294,7 +298,6 @@ def load_pipeline(config, components):
     Raises:
         GenerationError: the weights could not be found or read.
     """
-    import torch
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     dtype = getattr(torch, config.model.dtype)
@@ -370,8 +373,6 @@ def encode_prompts(pipe, config) -> dict:
         takes no mask); the negative is absent without CFG (``--stage encode`` always
         writes it, so later stages may use either).
     """
-    import torch
-
     with torch.no_grad():
         pos, neg = pipe.encode_prompt(
             prompt=config.video.prompt,
@@ -413,7 +414,6 @@ def prepare_latents(pipe, config):
     ``in_channels``, 36 for Wan I2V, also count the mask and condition), and the pipelines'
     own ``vae_scale_factor_spatial`` is 8 whenever no VAE is loaded, as in a staged denoise.
     """
-    import torch
     from diffusers.utils.torch_utils import randn_tensor
 
     generator = torch.Generator("cpu").manual_seed(config.video.seed)
@@ -448,8 +448,6 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
     ``DeviceEncode`` (weights placed once, one compiled program set per video shape) is
     ``resident["vae_encode"]``.
     """
-    import torch
-
     cpu = torch.device("cpu")
     out = {}
     with torch.no_grad():
@@ -484,8 +482,6 @@ def model_inputs(embeds: dict, config) -> dict:
     float32, every entry ``config.video.guidance_scale``: the CFG scale is an argument of the step
     program, not a constant compiled into it, so a two-expert model's second scale
     (``--guidance_scale_2``) runs the same program (``engine.programs.experts``)."""
-    import torch
-
     dtype = getattr(torch, config.model.dtype)
     pos = embeds["prompt_embeds"]
     x = torch.cat([pos, embeds["negative_prompt_embeds"]]) if config.video.use_cfg else pos
@@ -509,9 +505,6 @@ CLIP_TOKENS = 257
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
-    import jax
-    import jax.numpy as jnp
-
     dtype = getattr(jnp, config.model.dtype)
     out = {"encoder_hidden_states": jax.ShapeDtypeStruct(
         (config.video.batch, config.video.max_sequence_length, cfg["text_dim"]), dtype),
@@ -553,8 +546,6 @@ def step_fn(jm, config):
     TI2V-5B image-to-video (a "first_frame" input) has two values of t per step, t and 0:
     the scalar path runs at t and ``families.wan_ti2v`` recomputes frame 0's rows at t = 0.
     """
-    import torch
-
     dtype = getattr(torch, config.model.dtype)
     cfg, constant = config.video.use_cfg, config.video.guidance_scale
 

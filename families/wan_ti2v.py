@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 
+import jax
 import torch
 
 from engine.weights.scan_layers import slice_tokens
@@ -226,7 +227,5 @@ def finish(latents, inputs: dict):
 @functools.cache
 def _first_frame_setter(sharding):
     """Jitted once per sharding: the decode's AOT programs take the latents as placed."""
-    import jax
-
     return jax.jit(lambda latents, first: latents.at[:, :, :1].set(
         first[:1].astype(latents.dtype)), out_shardings=sharding)

@@ -35,6 +35,13 @@ import functools
 import time
 import types
 
+import jax
+import jax.numpy as jnp
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
 from engine.programs.vae_decode import ChunkedDecoder
 from engine.run import runtime
 from engine.run.mesh import spatial_mesh
@@ -68,8 +75,6 @@ def is_vae_decode_weight(name: str) -> bool:
 def _vae_full_fn(jm):
     """Torch function: normalised latents (1, z_dim, F', H/s, W/s) -> video (1, 3, F, H, W)
     in [-1, 1], float32, through diffusers' own ``decode`` (used with ``--vae_tiling``)."""
-    import torch
-
     def decode(params, buffers, latents, mean, inv_std):
         z = latents.to(torch.float32) / inv_std + mean
         return jm.functional_call("decode", params, buffers, z, return_dict=False)[0]
@@ -103,11 +108,7 @@ def _vae_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
         -> (video chunk (1, 3, 1 or 4, s*h, s*w) float32 in [-1, 1] with s the VAE's spatial
         scale (8, or 16 with patch_size 2), new cache list)
     """
-    import jax
-    import torch
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-    from torchax import interop
-
     def run(model, z, feat):
         x = model.post_quant_conv(z)
         return model.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first)
@@ -173,10 +174,7 @@ def _encode_chunk_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None,
     (``DiagonalGaussianDistribution``). The Wan 2.2 VAE (``patch_size`` 2) ``patchify``s the
     whole video first (``AutoencoderKLWan._encode``); it moves each frame's 2x2 pixel blocks
     into channels, so patchifying each chunk is the same."""
-    import jax
     from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
-    from torchax import interop
-
     def run(model, x, feat):
         return model.quant_conv(model.encoder(x, feat_cache=feat, feat_idx=[0]))
 
@@ -224,8 +222,6 @@ class ChunkedEncoder(ChunkedDecoder):
                          latents_std=vae.config.latents_std, abstract=abstract)
 
     def _chunk(self, video, start: int, length: int):
-        import jax
-
         sharding = self.spatial(video.shape) or self.replicated
         key = (sharding, length)
         if key not in self._slicers:
@@ -235,8 +231,6 @@ class ChunkedEncoder(ChunkedDecoder):
         return self._slicers[key](video, start)
 
     def compile(self, video) -> float:
-        import jax
-
         t0 = time.perf_counter()
         b, c, f, h, w = video.shape
         kinds, cache = self.initial_kinds, []
@@ -248,8 +242,6 @@ class ChunkedEncoder(ChunkedDecoder):
         return time.perf_counter() - t0
 
     def __call__(self, video):
-        import jax.numpy as jnp
-
         kinds, cache, out = self.initial_kinds, [], []
         for i, (start, length) in enumerate(chunks(video.shape[2])):
             x = self._chunk(video, start, length)
@@ -279,9 +271,6 @@ class DeviceEncode:
         self.placed, self.encoders, self.seconds = None, {}, {}
 
     def __call__(self, x, return_dict: bool = True):
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
         t0 = time.perf_counter()
         if self.placed is None:
             self.placed = place_module(self.vae, self.mesh, include=is_encode_weight,

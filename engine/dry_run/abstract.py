@@ -7,6 +7,13 @@ The transformer and VAE are built from the model's configs with meta weights
 
 from __future__ import annotations
 
+import jax
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+from torchax.ops import mappings
+
 from engine.weights import scan_layers
 from engine.weights.sharding import (
     add_sequence_parallel_hooks,
@@ -17,11 +24,6 @@ from engine.weights.sharding import (
 
 def abstract_arrays(tensors: dict, mesh, specs=None, dtype=None) -> dict:
     """torch tensors (meta or real) -> ``jax.ShapeDtypeStruct``s laid out on ``mesh``."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax.ops import mappings
-
     return {k: jax.ShapeDtypeStruct(
         tuple(v.shape), dtype or mappings.t2j_dtype(v.dtype),
         sharding=NamedSharding(mesh, (specs or {}).get(k, P()))) for k, v in tensors.items()}
@@ -30,9 +32,6 @@ def abstract_arrays(tensors: dict, mesh, specs=None, dtype=None) -> dict:
 def abstract_transformer(config, family, cfg: dict, mesh) -> dict:
     """The transformer with meta weights, as ``place_module`` would place it: ``params`` and
     ``buffers`` are sharded ``ShapeDtypeStruct``s."""
-    import torch
-    from torchax import interop
-
     model = family.transformer
     transformer = model.empty(cfg, getattr(torch, config.model.dtype))
     if config.layout.scan_layers:
@@ -51,8 +50,6 @@ def abstract_transformer(config, family, cfg: dict, mesh) -> dict:
 
 def abstract_vae(family, folder: str, mesh):
     """(VAE module with meta weights, its decode weights as sharded ``ShapeDtypeStruct``s)."""
-    from torchax import interop
-
     vae = family.vae.empty(folder)
     jv = interop.JittableModule(vae)
     keep = family.vae.is_decode_weight
@@ -64,10 +61,6 @@ def abstract_vae(family, folder: str, mesh):
 
 def abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
     """(latents, timestep, model inputs) as sharded ``ShapeDtypeStruct``s."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     video = config.video
     shape = family.sizes.latent_shape(vae_cfg, video.height, video.width, video.frames)

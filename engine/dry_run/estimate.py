@@ -62,6 +62,16 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.experimental import pallas as pl
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+from torchax.ops import mappings
+
 from custom_splash_attention import (
     KERNEL_NAME,
     AttentionOptions,
@@ -334,12 +344,6 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     ids (the masked variant the sequence-parallel padding uses); ``window_size`` a
     ``LocalMask``; ``real_keys_before`` as ``splash_attention``'s.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     bs = block_sizes if isinstance(block_sizes, BlockSizes) else BlockSizes(*block_sizes)
     q_len = q_len or q_blocks * bs.block_q
     kv_len = kv_len or kv_blocks * bs.block_kv
@@ -390,8 +394,6 @@ def _recorded(call) -> dict:
 def _stub_kernel(call, inputs):
     """A no-op Pallas call over the kernel's operands (so their producers, the q scaling
     and the V transpose, stay in the program) whose output aliases q (``inputs[0]``)."""
-    from jax.experimental import pallas as pl
-
     arrays = [a for a in inputs if a is not None]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
@@ -416,11 +418,6 @@ def stub_attention_kernel(calls: list):
 def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
     """Abstract shapes and dtypes of the first block's call in the real model: the model's
     step is traced (``jax.eval_shape``, no compile) with a hook that records them."""
-    import jax
-    import torch
-    from torchax import interop
-    from torchax.ops import mappings
-
     vae_cfg = read_component_config(config.model.model_id, "vae")
     latents, t, inputs = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     seen = []
@@ -449,11 +446,6 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
     Only a block, not the whole model: libtpu 0.0.42.1's static profiler exhausted this
     host's memory (over 14 GB) on the whole model's program and aborted on a tiny one
     ("Unsupported DMA direction"), in ops outside the blocks (patch embedding)."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-
     cfg = dict(cfg, num_layers=1)
     unrolled = config.replace(scan_layers=False)
     placed = abstract_transformer(unrolled, family, cfg, mesh)

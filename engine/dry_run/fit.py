@@ -14,6 +14,12 @@ import os
 import re
 import time
 
+import jax
+import torchax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
 from custom_splash_attention import install_sdpa_override
 from engine.dry_run import estimate
 from engine.dry_run.abstract import (
@@ -188,11 +194,6 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
     (``family.vae.encoder``), on its own all-device mesh as a run builds it
     (``spatial_mesh``). It runs before the transformer is placed, so nothing else is resident.
     None for a family that encodes on the host (no ``vae.encoder``)."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-
     mode = family.image.mode(config.model.model_id)
     if config.dry.dry_run_skip_vae or family.vae.encoder is None or mode == "none" or (
             mode == "optional" and not config.video.image):
@@ -219,8 +220,6 @@ def _encode_rows(config, family, vae, devices, capacity: int) -> list:
 
 
 def _leaves(tree) -> list:
-    import jax
-
     return jax.tree.leaves(tree)
 
 
@@ -283,8 +282,6 @@ def dry_run(config, family) -> tuple[int, dict]:
                                profile_libtpu=True)
     runtime.configure_jax_platform()
     runtime.quiet_known_warnings()
-    import torchax
-
     devices, chip = _topology(config.dry.topology)
     capacity = chip.usable_hbm_bytes  # per JAX device (a v7x chip is 2 devices)
     folder = model_config_dir(config.model.model_id)

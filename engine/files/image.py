@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import os
+
+from PIL import Image, UnidentifiedImageError
 
 from engine.run.errors import fail
 
@@ -49,8 +52,6 @@ def check_image(path: str, flag: str = "--image") -> ImageInfo:
     Raises:
         UsageError: one line naming ``flag``, the path and the rule broken.
     """
-    from PIL import Image, UnidentifiedImageError
-
     if not os.path.isfile(path):
         fail(flag, path, "file not found")
     try:
@@ -121,9 +122,5 @@ def read_image(info: ImageInfo):
 def decode_image(data: bytes):
     """A checked image's bytes (``check_image``'s rules) as ``read_image`` gives its file:
     an RGB ``PIL.Image.Image``, EXIF orientation applied (diffusers' ``load_image``)."""
-    import io
-
     from diffusers.utils import load_image
-    from PIL import Image
-
     return load_image(Image.open(io.BytesIO(data)))

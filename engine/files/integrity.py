@@ -27,6 +27,7 @@ are not checked.
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import logging
 import math
@@ -167,8 +168,6 @@ def build_empty(library: str, class_name: str, folder: str):
     Raises:
         CheckpointError: the config does not parse, or the model does not build from it.
     """
-    import importlib
-
     from accelerate import init_empty_weights
 
     path = os.path.join(folder, "config.json")

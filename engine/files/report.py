@@ -8,11 +8,15 @@ output.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata as md
 import json
+import logging
 import os
 import time
 
+import jax
 import numpy as np
+import torch
 
 from engine.files import plots as drawing
 from engine.run import chips, runtime
@@ -22,8 +26,6 @@ from engine.run.runtime import to_host
 def to_frames(pipe, video):
     """(1, 3, F, H, W) in [-1, 1] -> (F, H, W, 3) float32 in [0, 1], via diffusers'
     ``VideoProcessor.postprocess_video`` as ``WanPipeline`` does."""
-    import torch
-
     frames = pipe.video_processor.postprocess_video(torch.from_numpy(to_host(video)),
                                                     output_type="np")
     return frames[0]
@@ -82,8 +84,6 @@ def save_report(report: dict, path: str) -> None:
 def save_picture(draw, report: dict, path: str) -> list[str]:
     """``draw(report, tmp_path)`` (an ``engine.files.plots`` function) written atomically; a failure
     is a warning, never a failed run. Returns [path] when written, else []."""
-    import logging
-
     try:
         atomic_write(path, lambda tmp: draw(report, tmp))
         return [path]
@@ -166,8 +166,6 @@ def print_summary(s: dict, device_kind: str, n_devices: int) -> None:
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
     out = {}
     for pkg in ("jax", "jaxlib", "libtpu", "torch", "torchax", "diffusers", "transformers"):
         try:
@@ -181,8 +179,6 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
                cache) -> dict:
     """The report's run-wide entries: mesh, devices, processes, cache, timings, fallbacks
     and, when the transformer ran, its tokens, layout and weights."""
-    import jax
-
     out = dict(
         mesh=dataclasses.asdict(mesh_shape),
         devices=dict(kind=devices[0].device_kind, count=len(devices),

@@ -16,6 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torchax
+from tqdm import tqdm
+
 from engine.run.errors import GenerationError
 from engine.run.runtime import is_writer, to_host
 
@@ -55,8 +61,6 @@ class Programs:
 def timestep_array(t):
     """A scheduler timestep as a (1,) numpy array: int32 for integer timesteps (JAX runs
     without x64), float32 otherwise; the transformers cast it to float themselves."""
-    import numpy as np
-
     a = t.reshape(1).numpy()
     return a.astype(np.int32 if a.dtype.kind in "iu" else np.float32)
 
@@ -76,8 +80,6 @@ def new_scheduler(scheduler_config, num_inference_steps: int, timesteps_sharding
     """A fresh scheduler of the config's class with its timesteps set (see
     ``set_timesteps``), and [(torch t, (1,) jax.Array t)]."""
     import diffusers
-    import jax
-
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
     set_timesteps(scheduler, num_inference_steps, sigmas)
     timesteps = [(t, jax.device_put(timestep_array(t), timesteps_sharding))
@@ -89,8 +91,6 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds):
     """One denoising step: the compiled model call, then diffusers' scheduler step run eagerly
     on JAX arrays through torchax (its float32 math is exactly upstream's). Returns the next
     float32 latents as a ``jax.Array`` (not yet synchronised)."""
-    import torchax
-
     env = torchax.default_env()
     if hasattr(step, "at_timestep"):  # two experts: the host picks one (engine/programs/experts.py)
         step = step.at_timestep(t_torch)
@@ -124,8 +124,6 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_time
     Returns:
         final latents, float32 ``jax.Array`` (not yet synchronised).
     """
-    from tqdm import tqdm
-
     scheduler.set_begin_index(0)
     for i, (t_torch, t) in enumerate(tqdm(timesteps, desc=desc, leave=False)):
         t0 = time.perf_counter()
@@ -139,8 +137,6 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_time
 
 
 def check_finite(x, stage: str) -> None:
-    import jax.numpy as jnp
-
     if not bool(to_host(jnp.isfinite(x).all())):
         raise GenerationError(f"{stage} produced NaN or Inf values; no video was written")
 
@@ -287,8 +283,6 @@ def profile_step(profile_dir: str, programs: Programs, latents0, *,
 
     Returns dict(dir, files (paths relative to ``profile_dir``), traced_step, seconds).
     """
-    import jax
-
     p = programs
     scheduler, steps = new_scheduler(p.scheduler_config, num_inference_steps,
                                      p.timesteps_sharding, p.sigmas)

@@ -13,6 +13,9 @@ each streamed from its own safetensors (``place_second``).
 
 from __future__ import annotations
 
+import jax
+import numpy as np
+
 from engine.programs.denoise import set_timesteps
 from engine.run.errors import GenerationError, fail
 from engine.weights import sharding
@@ -90,8 +93,6 @@ def place_second(config, family, pipe, mesh, fallbacks) -> dict:
 def _layout(placed: dict):
     """What the compiled program fixes of an expert's weights: tree, shapes, dtypes,
     shardings."""
-    import jax
-
     return jax.tree.map(lambda a: (a.shape, str(a.dtype), a.sharding),
                         (placed["params"], placed["buffers"]))
 
@@ -119,9 +120,6 @@ class ExpertStep:
 
     def __init__(self, compiled, experts: list, scales: tuple, inputs, *,
                  boundary_ratio: float, num_train_timesteps: int, timesteps):
-        import jax
-        import numpy as np
-
         if _layout(experts[0]) != _layout(experts[1]):
             raise GenerationError("transformer and transformer_2 differ in their weights' "
                                   "tree, shapes, dtypes or shardings: one compiled step "

@@ -24,6 +24,10 @@ from __future__ import annotations
 import math
 import time
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from engine.weights import placement
 
 MODES = ("auto", "on", "off")
@@ -41,8 +45,6 @@ def parked_spec(spec, shape: tuple, mesh):
         shape: the weight's global shape.
         mesh: the run's ``jax.sharding.Mesh``.
     """
-    from jax.sharding import PartitionSpec as P
-
     entries = list(spec) + [None] * (len(shape) - len(spec))
     axes_of = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
     used = {a for axes in axes_of for a in axes}
@@ -60,8 +62,6 @@ def parked_spec(spec, shape: tuple, mesh):
 def parked_sharding(arr):
     """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
     while parked (``parked_spec`` of its own)."""
-    from jax.sharding import NamedSharding
-
     sh = arr.sharding
     return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
 
@@ -70,8 +70,6 @@ def weights_bytes(weights: list) -> tuple[int, int]:
     """(bytes per device now, bytes per device parked) of the placed weights ``weights``
     (dicts with ``params`` and ``buffers``: ``jax.Array``s or sharded ``ShapeDtypeStruct``s),
     the largest over devices. Works deviceless (``--dry_run``)."""
-    import jax
-
     arrays = [a for placed in weights for group in ("params", "buffers")
               for a in placed[group].values()]
     parked = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=parked_sharding(a))
@@ -157,8 +155,6 @@ class ParkingDecoder:
 def _move(weights: list, homes: dict | None) -> dict:
     """Park every weight (``homes`` None; returns each moved weight's original sharding), or
     put each back at its ``homes`` sharding. One weight at a time, its old buffer donated."""
-    import jax
-
     moved = {}
     for i, placed in enumerate(weights):
         for group in ("params", "buffers"):

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import time
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
 
 def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
     """JIT and AOT-compile one model call; returns (compiled, seconds).
@@ -21,9 +26,6 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
     replicated noise prediction. Weights keep the shardings they were placed with; GSPMD
     propagates the rest.
     """
-    import jax
-    from torchax import interop
-
     in_shardings, out_shardings = step_shardings(placed, mesh)
     jitted = jax.jit(interop.jax_view(fn), in_shardings=in_shardings,
                      out_shardings=out_shardings)
@@ -36,9 +38,6 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
 def step_shardings(placed: dict, mesh):
     """(in_shardings, out_sharding) of a step program: weights as placed, buffers, latents
     and timestep replicated, model inputs over "dp"; the noise prediction replicated."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     replicated = NamedSharding(mesh, P())
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
     return (param_sh, replicated, replicated, replicated, NamedSharding(mesh, P("dp"))), \

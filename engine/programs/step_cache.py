@@ -43,6 +43,13 @@ import math
 import os
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
 from engine.files.checkpoint import CONFIGS_DIR, read_component_config, read_model_index
 from engine.programs.experts import EXPERT_NAMES, expert_steps
 from engine.programs.step import step_shardings
@@ -470,8 +477,6 @@ def kept_specs(shapes, mesh) -> list:
     """A ``PartitionSpec`` per kept array: batch over "dp" and tokens over the other mesh axes
     that divide them (the residual stream is replicated over "tp" between blocks; what the
     cache keeps across steps need not be, and costs 1/(tp*sp) of the HBM this way)."""
-    from jax.sharding import PartitionSpec as P
-
     out = []
     for shape in shapes:
         batch = "dp" if shape[0] % mesh.shape["dp"] == 0 and mesh.shape["dp"] > 1 else None
@@ -596,8 +601,6 @@ class _Runner:
         calibration formula: mean over tokens of |r_t| / (|r_t-1| + 1e-8), 1.0 at step 0.
         For a two-expert model each holds one list per expert (``EXPERT_NAMES`` order), each
         starting at 1.0, as diffusers' hook on that expert alone measures it."""
-        import numpy as np
-
         rows = [(k, np.ones(1) if r is None else np.asarray(r, np.float64))
                 for k, r in self.ratios]
         width = max(len(r) for _, r in rows)
@@ -620,9 +623,6 @@ def magnitude_ratio(current, previous):
 @functools.cache
 def _magnitude_ratio_fn():
     # Jitted once per process: a fresh jax.jit per calibration step would trace it every step.
-    import jax
-    import jax.numpy as jnp
-
     @jax.jit
     def ratio(c, p):
         cn = jnp.linalg.norm(c.astype(jnp.float32), axis=-1)
@@ -664,10 +664,6 @@ def compile_cache_programs(placed: dict, mesh, step_fn, stack, settings: CacheSe
     Returns a ``StepCache`` whose calls bind ``placed``'s weights; with ``lower_only`` its
     ``full`` and ``cached`` are the ``jax.stages.Lowered`` programs.
     """
-    import jax
-    from jax.sharding import NamedSharding
-    from torchax import interop
-
     blocks = install_cached_blocks(placed["module"]._model, stack, settings.kind,
                                    settings.recompute_blocks)
     full_fn, cached_fn = step_functions(step_fn, blocks)

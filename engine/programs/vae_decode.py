@@ -17,6 +17,13 @@ from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
 from custom_splash_attention import forced_attention
 
 
@@ -45,11 +52,6 @@ class ChunkedDecoder:
 
     def __init__(self, placed: dict, mesh, *, chunk_fn, initial_kinds: tuple, latents_mean,
                  latents_std, full_fn=None, abstract: bool = False, fallbacks=None):
-        import jax
-        import numpy as np
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
         self.placed, self.chunk_fn, self.full_fn = placed, chunk_fn, full_fn
         self.initial_kinds, self.fallbacks = tuple(initial_kinds), fallbacks
         self.replicated = NamedSharding(mesh, P())
@@ -69,8 +71,6 @@ class ChunkedDecoder:
 
     def _frame(self, latents, i):
         """Latent frame i as (1, C, 1, h, w), laid out as the chunk programs expect."""
-        import jax
-
         sharding = self.spatial(latents.shape) or self.replicated
         if sharding not in self._slicers:
             self._slicers[sharding] = jax.jit(
@@ -80,9 +80,6 @@ class ChunkedDecoder:
 
     def spatial(self, shape):
         """Width sharding over every mesh device when the latent width allows it, else None."""
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
         mesh = self.replicated.mesh
         if mesh.size == 1:
             return None
@@ -99,9 +96,6 @@ class ChunkedDecoder:
         return (p["params"], p["buffers"], z, self.mean, self.inv_std, cache)
 
     def _program(self, kinds, first, z, cache):
-        import jax
-        from torchax import interop
-
         key = (kinds, first, tuple((c.shape, str(c.dtype)) for c in cache))
         if key not in self.programs:
             spatial = self.spatial(z.shape)
@@ -117,9 +111,6 @@ class ChunkedDecoder:
 
     def compile(self, latents) -> float:
         """AOT-compile every program decoding ``latents`` (array or ShapeDtypeStruct)."""
-        import jax
-        from torchax import interop
-
         t0 = time.perf_counter()
         if self.full_fn is not None:
             with forced_attention("xla"):
@@ -155,8 +146,6 @@ class ChunkedDecoder:
                     peak_bytes=total(peak), programs=len(programs))
 
     def __call__(self, latents):
-        import jax.numpy as jnp
-
         if self.full is not None:
             return self.full(*self._args(latents, [])[:5])
         kinds, cache, chunks = self.initial_kinds, [], []

@@ -39,7 +39,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import torch
+import torchax.tensor
 from jax import lax
+from torchax import interop
 
 # unbind over a last dimension up to this size takes the strided-slice path: pairs (RoPE's
 # real and imaginary parts) and small tuples; larger ones keep torchax's select lowering.
@@ -117,8 +120,6 @@ def unbind_minor(x: jax.Array) -> list[jax.Array]:
 
 
 def _unbind(x, dim=0):
-    from torchax import interop
-
     if _unbinds_minor(tuple(x.shape), dim):
         return tuple(interop.call_jax(unbind_minor, x))
     return tuple(x.select(dim, i) for i in range(x.shape[dim]))  # torch's own decomposition
@@ -128,9 +129,6 @@ def install(env) -> None:
     """Lower strided slice assignment (``strided_set``) and small minor-dimension ``unbind``
     (``unbind_minor``) in torchax; ``env`` is ``torchax.default_env()``. Idempotent; the
     same values as torchax's own lowerings, bit for bit."""
-    import torch
-    import torchax.tensor
-
     cls = torchax.tensor.Tensor
     if not getattr(cls.__setitem__, "strided_set", False):
         original = cls.__setitem__

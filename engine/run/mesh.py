@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+from jax.sharding import AxisType, Mesh
+
 from engine.run.errors import fail
 
 AXES = ("dp", "tp", "sp")
@@ -73,10 +76,7 @@ def make_mesh(shape: MeshShape, devices=None):
     Axes are ``AxisType.Auto``: the torch model code carries no sharding annotations, so GSPMD
     propagates shardings from the weights and inputs we place.
     """
-    import jax
     from jax.experimental import mesh_utils
-    from jax.sharding import AxisType, Mesh
-
     sizes, types = (shape.dp, shape.tp, shape.sp), (AxisType.Auto,) * 3
     try:
         return jax.make_mesh(sizes, AXES, axis_types=types, devices=devices)

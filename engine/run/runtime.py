@@ -11,8 +11,12 @@ import math
 import os
 import re
 import sys
+import warnings
+import zlib
 
+import jax
 import numpy as np
+import torch
 
 import custom_splash_attention as csa
 from engine.run.errors import GenerationError, UsageError, fail, first_line
@@ -104,8 +108,6 @@ def profile_libtpu_path() -> str:
 
 def quiet_known_warnings() -> None:
     """Silence three warnings that are understood and harmless, so real ones stay visible."""
-    import warnings
-
     # torchax writes float32 RoPE products into a bf16 buffer through a JAX scatter where
     # engine.run.lowering is not installed (or declines the key); torch casts on assignment
     # too, so the values are the ones diffusers computes.
@@ -151,8 +153,6 @@ def enable_compilation_cache(path: str) -> bool:
     """
     if path.lower() == "none":
         return False
-    import jax
-
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
@@ -183,8 +183,6 @@ def start_distributed(coordinator_address, num_processes, process_id) -> bool:
         GenerationError: the runtime could not start (coordinator unreachable...).
     """
     configure_jax_platform()
-    import jax
-
     explicit = num_processes is not None
     if explicit and num_processes == 1:
         return False
@@ -210,18 +208,10 @@ def start_distributed(coordinator_address, num_processes, process_id) -> bool:
 
 
 def in_multi_process_run() -> bool:
-    import sys
-
-    if "jax" not in sys.modules:  # failed before JAX started: certainly one process
-        return False
-    import jax
-
     return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
 def process_index() -> int:
-    import jax
-
     return jax.process_index()
 
 
@@ -233,8 +223,6 @@ def is_writer() -> bool:
 def to_host(x) -> np.ndarray:
     """A ``jax.Array`` as a NumPy array on this host; gathered from every process when its
     shards live on several (``multihost_utils.process_allgather``)."""
-    import jax
-
     if x.is_fully_addressable:
         return np.array(jax.device_get(x))  # a writable copy
     from jax.experimental import multihost_utils
@@ -244,8 +232,6 @@ def to_host(x) -> np.ndarray:
 
 def torch_from_jax(x):
     """A ``jax.Array`` gathered to this host as a CPU torch tensor."""
-    import torch
-
     return torch.from_numpy(to_host(x))
 
 
@@ -257,9 +243,6 @@ def check_same_on_every_host(what: str, array: np.ndarray) -> None:
     Raises:
         GenerationError: the hosts' arrays differ.
     """
-    import zlib
-
-    import jax
 
     if jax.process_count() == 1:
         return
@@ -325,8 +308,6 @@ def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
     Raises:
         GenerationError: the kernel's error exceeds the tested tolerance.
     """
-    import jax
-
     if attention not in csa.SPLASH_KERNELS:
         return None
     result = csa.kernel_self_check(attention, interpret=interpret)

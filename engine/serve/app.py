@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 
+import jax
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
@@ -310,8 +311,6 @@ def _check_listen(host: str, port: int) -> None:
 
 def _load_and_work(config, family, state: State, on_fatal, worker: list) -> None:
     """The thread behind the server: build the warm model, say ready, run jobs."""
-    import jax
-
     try:
         model = warm.build(config, family)
     except Exception as e:

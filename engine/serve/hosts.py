@@ -22,6 +22,8 @@ import os
 import subprocess
 import sys
 
+from jax._src import distributed
+
 from engine.run.errors import GenerationError, first_line
 from engine.serve.requests import VideoJob
 
@@ -33,8 +35,6 @@ _FILTERS: list = []  # the stderr filter process: it ends after this one (kept, 
 
 
 def _client():
-    from jax._src import distributed  # what multihost_utils uses; no public handle yet
-
     if distributed.global_state.client is None:
         raise GenerationError("multi-host serving needs jax.distributed to be initialized")
     return distributed.global_state.client

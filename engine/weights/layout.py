@@ -7,6 +7,8 @@ transformer from its config alone (meta tensors), before any weight is read.
 
 from __future__ import annotations
 
+import torch
+
 from engine.files.checkpoint import expert_count, read_model_index
 from engine.run import chips
 from engine.run.mesh import MeshShape, resolve_mesh_shape
@@ -21,8 +23,6 @@ def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str) -> int:
     (``checkpoint.expert_count``: 2 for Wan 2.2 A14B). Wan 2.1 T2V 14B in bfloat16:
     26.67 GiB; its I2V: 30.59; HunyuanVideo-1.5: 15.51.
     """
-    import torch
-
     model = family.transformer.empty(cfg, getattr(torch, dtype))
     one = sum(p.numel() * p.element_size() for p in model.parameters())
     return one * expert_count(read_model_index(model_id))

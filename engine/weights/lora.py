@@ -34,6 +34,8 @@ import math
 import os
 import re
 
+import torch
+
 from engine.files.checkpoint import expert_count, read_component_config, read_model_index
 from engine.run.errors import fail
 
@@ -262,8 +264,6 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
     convert = family.transformer.lora_state_dict
     if convert is None:  # the family has no LoRA key converter
         fail(flag, values[0], f"LoRAs are not supported for {family.name} yet")
-    import torch
-
     component = COMPONENTS[flag]
     if component == "transformer_2" and expert_count(read_model_index(model_id)) != 2:
         fail(flag, values[0], "needs a two-expert checkpoint (transformer_2 and "
@@ -276,8 +276,6 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
 def fusers(loras) -> dict:
     """{weight or bias name: f(index) -> float32 torch delta of that slice} summed over
     ``loras``; ``index`` is the device's tuple of slices (``make_array_from_callback``)."""
-    import torch
-
     terms: dict = {}
     for lora in loras:
         for name, term in lora.weights.items():

@@ -21,7 +21,11 @@ import json
 import math
 import os
 
+import jax
+import ml_dtypes
 import numpy as np
+import torch
+from tqdm import tqdm
 
 
 def host_array(tensor) -> np.ndarray:
@@ -37,9 +41,6 @@ def host_array(tensor) -> np.ndarray:
         ``np.ndarray`` of the same shape and dtype sharing the tensor's memory (a contiguous
         copy only when the tensor is not contiguous).
     """
-    import ml_dtypes
-    import torch
-
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -53,8 +54,6 @@ def release(tensor) -> None:
 
     Called once the tensor's device copy exists, so host RAM is freed weight by weight.
     """
-    import torch
-
     tensor.data = torch.empty(0, dtype=tensor.dtype)
 
 
@@ -68,8 +67,6 @@ def place_array(host: np.ndarray, sharding):
     Returns:
         ``jax.Array`` of ``host.shape`` laid out as ``sharding``, ready (transfers done).
     """
-    import jax
-
     arr = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return arr.block_until_ready()
 
@@ -89,8 +86,6 @@ def place_tensors(tensors: dict, shardings: dict, *, desc: str, release_host: bo
     Returns:
         {name: ``jax.Array``} in the order of ``tensors``.
     """
-    from tqdm import tqdm
-
     total = sum(int(math.prod(t.shape)) * t.element_size() for t in tensors.values())
     out = {}
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, leave=False,
@@ -115,8 +110,6 @@ def per_device_bytes(arrays=None) -> dict:
     Returns:
         {jax.Device: bytes}.
     """
-    import jax
-
     totals: dict = {}
     for arr in jax.live_arrays() if arrays is None else arrays:
         if arr.is_deleted():
@@ -240,9 +233,6 @@ def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: d
         {name: ``jax.Array``}. Each device receives only its own slice; slices shared by
         several local devices (replicated weights) are read once.
     """
-    import jax
-    from tqdm import tqdm
-
     stacked, fuse = stacked or {}, fuse or {}
     total = sum(int(math.prod(t.shape)) * t.element_size() for t in params.values())
     out = {}

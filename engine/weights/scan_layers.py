@@ -35,7 +35,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import torch
+import torchax.tensor
+from jax.sharding import PartitionSpec as P
+from torchax import interop
 
 STACKED = "stacked"
 
@@ -188,8 +192,6 @@ class ScannedBlocks(torch.nn.Module):
         (1, N, 1, head_dim) float32; returns (B, N, dim) in the model dtype. The first
         ``stack.carry`` arguments are carried (and returned, as a tuple when more than one).
         """
-        import torchax.tensor
-
         n = self.stack.carry
         stacked = self.stacked_params()
         start, stop = self.layer_range or (0, self.num_layers)
@@ -201,9 +203,6 @@ class ScannedBlocks(torch.nn.Module):
                     self.recorded = carry
                 carry = self._layer({k: v[i] for k, v in stacked.items()}, *carry, *args[n:])
             return self._result(carry)
-
-        import jax
-        from torchax import interop
 
         # The body is torch code viewed as a JAX function: JAX arrays in, torchax tensors
         # inside (call_torch enters the default env), JAX arrays out.
@@ -318,8 +317,6 @@ def stacked_sharding_specs(sharding_specs, names_shapes: dict, rules, mesh, *,
         ({name: PartitionSpec} for the scanned names, {regex: parameter count as unrolled},
         [unmatched scanned names]).
     """
-    from jax.sharding import PartitionSpec as P
-
     prefix = stack.prefix
     flat = {}
     for name, shape in names_shapes.items():
@@ -352,8 +349,6 @@ def slice_tokens(x, n: int):
         return x
     if not type(x).__module__.startswith("torchax"):
         return x[:, :n]
-    from torchax import interop
-
     return interop.call_jax(lambda a: a[:, :n], x)
 
 

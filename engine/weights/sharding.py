@@ -13,6 +13,12 @@ import math
 import re
 import time
 
+import jax
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
 import custom_splash_attention as csa
 from engine.files.checkpoint import component_folder
 from engine.run.errors import GenerationError
@@ -53,8 +59,6 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
     Returns:
         ({name: PartitionSpec}, {regex: matched parameter count}, [unmatched names]).
     """
-    from jax.sharding import PartitionSpec as P
-
     specs, counts, unmatched = {}, {rx: 0 for rx, _ in rules}, []
     for name, shape in names_shapes.items():
         axes = (None,) * len(shape)
@@ -144,10 +148,6 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
             module has.
         ValueError: ``loras`` without ``checkpoint``.
     """
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-
     jm = interop.JittableModule(module)
     keep = include or (lambda name: True)
     params = {k: v for k, v in jm.params.items() if keep(k)}
@@ -265,11 +265,6 @@ def _megatron_sublayer_hooks(blocks, mesh, axes: tuple, stack) -> list:
     reduce-scatter of the row-parallel partial sums). Without these constraints GSPMD is
     free to all-gather the weights instead: on 8 CPU devices it gathered every q/k/v/out
     weight of a Wan block."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-
     if not stack.sublayers:
         raise ValueError("Megatron sequence parallelism needs the family's block sublayers")
 
@@ -332,12 +327,6 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
     Returns:
         the hook handles.
     """
-    import jax
-    import torch
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-
     axes = tuple(axes)
     sharding = NamedSharding(mesh, P("dp", axes if len(axes) > 1 else axes[0], None))
     shards, padding = math.prod(mesh.shape[a] for a in axes), {}
