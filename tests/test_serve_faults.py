@@ -93,25 +93,34 @@ MH_FLAGS = ["--height", "32", "--width", "64", "--frames", "5", "--num_inference
 
 
 def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
-    """2 processes x 4 CPU devices: process 0 serves, both run each job; the frames equal a
-    one-process 8-device CLI run; Ctrl-C on process 0 ends both cleanly."""
+    """2 processes x 4 CPU devices: process 0 serves, both run each job; a running job's
+    cancel stops both processes at the same step (the jobs after it run in lockstep); the
+    frames equal a one-process 8-device CLI run; Ctrl-C on process 0 ends both cleanly."""
     out, port = tmp_path / "out", None
     address = f"127.0.0.1:{free_port()}"
     servers = []
     for pid in range(2):
         s = Server(["--model_id", tiny_checkpoint_8h, *MH_FLAGS, "--save_frames",
                     "--coordinator_address", address, "--num_processes", "2",
-                    "--process_id", str(pid)], out, port=port, environ=env(4),
+                    "--process_id", str(pid)], out, port=port,
+                   environ=env(4, GENERATE_FLAX_TEST_STEP_DELAY_S="0.3"),
                    log=tmp_path / f"p{pid}.log").start()
         port = s.port
         servers.append(s)
     try:
         servers[0].wait_ready()
         with servers[0].client(key=None) as c:
+            long = c.post("/v1/videos", json={"prompt": PROMPT, "seed": 3,
+                                              "num_inference_steps": 8}).json()["id"]
+            while c.get(f"/v1/videos/{long}").json()["progress"] == 0:
+                time.sleep(0.05)
+            assert c.post(f"/v1/videos/{long}/cancel").status_code == 200
             ids = {c.post("/v1/videos", json={"prompt": PROMPT, "seed": s}).json()["id"]: s
                    for s in (1, 2)}
             done = wait_done(c, ids)
+            cancelled = c.get(f"/v1/videos/{long}").json()
         assert {j["status"] for j in done.values()} == {"completed"}, done
+        assert cancelled["status"] == "cancelled" and cancelled["steps_done"] < 8, cancelled
     finally:
         codes = [servers[0].stop()] + [servers[1].proc.wait(60)]
     assert codes == [0, 0], (servers[0].tail(), servers[1].tail())
@@ -119,7 +128,7 @@ def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
                                            "--prompt", PROMPT, "--seeds", "1,2"]))
     want = {}
     generate(args, FAMILIES[args.model.family], devices=jax.devices()[:8],
-                on_video=lambda video, frames: want.__setitem__(video.seed, frames) or [])
+             on_video=lambda video, frames: want.__setitem__(video.seed, frames) or [])
     for video_id, seed in ids.items():
         np.testing.assert_allclose(server_frames(out, video_id), want[seed], atol=1e-5, rtol=0)
     assert sorted(os.listdir(out)) == sorted(

@@ -11,7 +11,7 @@ import sqlite3
 import pytest
 
 from engine.serve import requests as checks
-from engine.serve.jobs import DB_NAME, Job, JobStore
+from engine.serve.jobs import CANCEL, CANCEL_AND_DELETE, DB_NAME, Job, JobStore
 from engine.serve.model import Served
 from engine.serve.requests import ApiError, InputReference, VideoJob
 
@@ -77,3 +77,56 @@ def test_rows_written_before_the_typed_value_still_load(tmp_path):
     store._run("INSERT INTO jobs (id, status, created_at, settings) VALUES (?, 'queued', 0, ?)",
                ("video_" + "0" * 32, json.dumps(old)))
     assert store.next_queued().settings.to_json() == {**old, "input_reference": None}
+
+
+def test_cancel_a_queued_job_ends_it_and_a_running_one_is_asked(tmp_path):
+    store = JobStore(str(tmp_path))
+    queued = store.add(checks.check(checks.parse(dict(prompt="q", seed=1)), SERVED))
+    running = store.add(checks.check(checks.parse(dict(prompt="r", seed=2)), SERVED))
+    store.start(running.id)
+    assert store.queue_position(store.get(queued.id)) == 0
+    assert store.cancel(queued.id) == "queued"
+    assert store.get(queued.id).status == "cancelled" and store.next_queued() is None
+    assert store.queue_position(store.get(queued.id)) is None
+    assert store.cancel(running.id) == "in_progress"
+    assert store.get(running.id).status == "in_progress"  # the worker stops it
+    assert store.pending_cancel(running.id) == CANCEL
+    store.cancelled(running.id, dict(files=[], timings={}, steps_done=3, wall_s=0.1))
+    end = store.get(running.id)
+    assert (end.status, end.result["steps_done"], end.cancel) == ("cancelled", 3, None)
+    assert store.cancel(running.id) is None  # ended: nothing to cancel
+
+
+def test_a_cancel_pending_at_a_crash_is_honoured_on_restart(tmp_path):
+    store = JobStore(str(tmp_path))
+    jobs = [store.add(checks.check(checks.parse(dict(prompt=p, seed=i)), SERVED))
+            for i, p in enumerate(("keep", "cancel", "delete"))]
+    for job in jobs:
+        store.start(job.id)
+    store.cancel(jobs[1].id)
+    store.cancel(jobs[2].id, CANCEL_AND_DELETE)
+    recovered = JobStore(str(tmp_path)).recover()
+    assert recovered["requeued"] == [jobs[0].id]
+    assert store.get(jobs[1].id).status == "cancelled" and store.get(jobs[2].id) is None
+
+
+def test_a_delete_during_the_decode_drops_the_finished_job(tmp_path):
+    store = JobStore(str(tmp_path))
+    job = store.add(checks.check(checks.parse(dict(prompt="d", seed=1)), SERVED))
+    store.start(job.id)
+    store.cancel(job.id, CANCEL_AND_DELETE)
+    store.complete(job.id, dict(files=["x.mp4"], timings={}, wall_s=1.0))
+    assert store.drop_if_deleted(job.id) and store.get(job.id) is None
+
+
+def test_a_store_from_before_cancel_gains_the_column(tmp_path):
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT "
+               "NULL, status TEXT NOT NULL, progress INTEGER NOT NULL DEFAULT 0, created_at "
+               "INTEGER NOT NULL, completed_at INTEGER, error TEXT, settings TEXT NOT NULL, "
+               "result TEXT)")
+    db.commit()
+    db.close()
+    store = JobStore(str(tmp_path))
+    job = store.add(checks.check(checks.parse(dict(prompt="p", seed=1)), SERVED))
+    assert store.get(job.id).cancel is None and store.cancel(job.id) == "queued"

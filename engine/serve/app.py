@@ -27,7 +27,7 @@ from engine.run.errors import GenerationError, fail, first_line
 from engine.serve import hosts, uploads
 from engine.serve import model as warm
 from engine.serve import requests as checks
-from engine.serve.jobs import ID_PATTERN, Job, JobStore, new_id
+from engine.serve.jobs import CANCEL_AND_DELETE, ID_PATTERN, Job, JobStore, new_id
 from engine.serve.requests import MAX_UPLOAD_BYTES, ApiError, refuse
 from engine.serve.worker import Worker, video_path
 
@@ -47,14 +47,16 @@ class State:
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
-def video_object(job: Job) -> dict:
-    """A job as OpenAI's ``video`` object, with the extension fields, the timings and
-    the files of a finished job."""
+def video_object(job: Job, queue_position: int | None = None) -> dict:
+    """A job as OpenAI's ``video`` object, with the extension fields, ``queue_position``
+    (jobs ahead of a queued one; None otherwise), the timings and the files of a finished
+    job, and ``steps_done`` of a cancelled one."""
     s = job.settings
     out = dict(id=job.id, object="video", status=job.status, progress=job.progress,
                created_at=job.created_at, completed_at=job.completed_at,
                expires_at=None, error=None, model=s.model, prompt=s.prompt,
                seconds=s.seconds, size=s.size, remixed_from_video_id=None,
+               queue_position=queue_position,
                **{k: getattr(s, k) for k in ("negative_prompt", "num_frames",
                                              "num_inference_steps", "guidance_scale",
                                              "guidance_scale_2", "seed", "fps")})
@@ -65,6 +67,8 @@ def video_object(job: Job) -> dict:
         out["error"] = dict(code="generation_failed", message=job.error)
     if job.result:
         out.update(timings=job.result["timings"], files=job.result["files"])
+        if "steps_done" in job.result:
+            out["steps_done"] = job.result["steps_done"]
     return out
 
 
@@ -105,7 +109,7 @@ def create_app(state: State) -> FastAPI:
                 **info, file=uploads.save(state.store.folder, job_id, image, info)))
         job = state.store.add(settings, job_id)
         state.wake.set()
-        return video_object(job)
+        return video_object(job, state.store.queue_position(job))
 
     @app.get("/v1/videos", dependencies=[Depends(key)])
     def listing(after: str | None = None, limit: int = 20, order: str = "desc"):
@@ -116,7 +120,7 @@ def create_app(state: State) -> FastAPI:
         if after is not None:
             job_or_404(after)
         jobs, more = state.store.page(after=after, limit=limit, order=order)
-        data = [video_object(j) for j in jobs]
+        data = [video_object(j, state.store.queue_position(j)) for j in jobs]
         return dict(object="list", data=data, has_more=more,
                     first_id=data[0]["id"] if data else None,
                     last_id=data[-1]["id"] if data else None)
@@ -147,10 +151,22 @@ def _status_routes(app: FastAPI, state: State, key) -> None:
 
 
 def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
-    """GET and DELETE of one video, and its mp4."""
+    """GET, cancel and DELETE of one video, and its mp4."""
     @app.get("/v1/videos/{video_id}", dependencies=[key])
     def retrieve(video_id: str):
-        return video_object(job_or_404(video_id))
+        job = job_or_404(video_id)
+        return video_object(job, state.store.queue_position(job))
+
+    @app.post("/v1/videos/{video_id}/cancel", dependencies=[key])
+    def cancel(video_id: str):
+        """A queued job never starts; a running one stops at its next denoising step
+        boundary (on every process), writes no file and becomes ``cancelled``."""
+        job_or_404(video_id)
+        if state.store.cancel(video_id) is None:
+            job = state.store.get(video_id)
+            raise ApiError(409, f"video_id={video_id!r}: is {job.status}; only a queued or "
+                           "running job can be cancelled", "video_id", "not_cancellable")
+        return video_object(state.store.get(video_id))
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[key])
     def content(video_id: str, variant: str = "video"):
@@ -164,10 +180,14 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
 
     @app.delete("/v1/videos/{video_id}", dependencies=[key])
     def delete(video_id: str):
+        """Delete a job and its files; a running job is cancelled first (it stops at its
+        next step boundary and the worker then removes it)."""
         job = job_or_404(video_id)
         if not state.store.delete(video_id):
-            raise ApiError(409, f"video_id={video_id!r}: is running; delete it when it is "
-                           "done", "video_id", "in_progress")
+            if state.store.cancel(video_id, CANCEL_AND_DELETE) == "in_progress":
+                return dict(id=video_id, object="video.deleted", deleted=True)
+            job = job_or_404(video_id)  # it ended meanwhile: an ordinary delete
+            state.store.delete(video_id)
         image = job.settings.input_reference
         for name in [*(job.result or {}).get("files", []), *([image.file] if image else [])]:
             path = os.path.join(state.store.folder, name)
@@ -254,9 +274,7 @@ def serve(config, family) -> int:
         hosts.filter_stderr(runtime.process_index())
     if runtime.in_multi_process_run() and not runtime.is_writer():
         model = warm.build(config, family)
-        hosts.follow(lambda job_id, settings, image: model.run(job_id, settings, image,
-                                                               lambda _: None),
-                     runtime.process_index())
+        hosts.follow(model.run, runtime.process_index())
         return 0
     s = config.serve
     _check_listen(s.host, s.port)

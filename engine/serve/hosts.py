@@ -40,6 +40,23 @@ def _client():
     return distributed.global_state.client
 
 
+class JobCancelled(Exception):
+    """A running job stopped at a denoising step boundary by its cancel (``steps``: the
+    steps it ran). Every process of the run raises it at the same step."""
+
+    def __init__(self, steps: int):
+        super().__init__(f"cancelled after {steps} denoising steps")
+        self.steps = steps
+
+
+def outcome(error: Exception | None) -> str:
+    """A job's outcome as the processes compare it: "ok", "cancelled", or the error line."""
+    if error is None:
+        return "ok"
+    return "cancelled" if isinstance(error, JobCancelled) else \
+        f"{type(error).__name__}: {first_line(error)}"
+
+
 def _timed_out(error: Exception) -> bool:
     return "DEADLINE_EXCEEDED" in str(error) or "timed out" in str(error).lower()
 
@@ -64,6 +81,11 @@ class HandOff:
             message = dict(message, image_chunks=len(chunks))
         _client().key_value_set(f"{PREFIX}/job/{self.seq}", json.dumps(message))
         return self.seq
+
+    def decide(self, seq: int, step: int, stop: bool) -> None:
+        """After denoising step ``step`` of job ``seq``: tell the other processes whether
+        the job goes on (they wait for it at the same step, so all stop together)."""
+        _client().key_value_set(f"{PREFIX}/step/{seq}/{step}", "stop" if stop else "go")
 
     def outcomes(self, seq: int) -> dict[int, str]:
         """{process: "ok" or its one-line error} of the other processes for job ``seq``.
@@ -90,8 +112,9 @@ def job_message(job) -> dict:
 
 def follow(run, process_id: int) -> None:
     """A process other than 0: wait for each job, ``run(job_id, settings, image bytes or
-    None)`` it (raising on failure; ``settings`` a ``VideoJob``), report the outcome; return
-    on the stop message.
+    None, on_step)`` it (raising on failure; ``settings`` a ``VideoJob``; ``on_step(done,
+    steps)`` waits for process 0's decision after each denoising step and raises
+    ``JobCancelled`` on a cancel), report the outcome; return on the stop message.
 
     Raises:
         GenerationError: process 0 is gone (the store could not be reached).
@@ -115,12 +138,32 @@ def follow(run, process_id: int) -> None:
             image = b"".join(
                 _client().blocking_key_value_get_bytes(f"{PREFIX}/image/{seq}/{i}", POLL_MS)
                 for i in range(message["image_chunks"]))
+        error = None
         try:
-            run(job["id"], VideoJob.from_json(job["settings"]), image)
-            outcome = "ok"
+            run(job["id"], VideoJob.from_json(job["settings"]), image,
+                lambda done, steps, seq=seq: _await_decision(seq, done))
         except Exception as e:  # reported to process 0, which decides
-            outcome = f"{type(e).__name__}: {first_line(e)}"
-        _client().key_value_set(f"{PREFIX}/done/{seq}/{process_id}", outcome)
+            error = e
+        _client().key_value_set(f"{PREFIX}/done/{seq}/{process_id}", outcome(error))
+
+
+def _await_decision(seq: int, step: int) -> None:
+    """Process 0's word after denoising step ``step`` of job ``seq``: go on, or stop.
+
+    Raises:
+        JobCancelled: process 0 cancelled the job at this step.
+        GenerationError: process 0 is gone.
+    """
+    while True:
+        try:
+            word = _client().blocking_key_value_get(f"{PREFIX}/step/{seq}/{step}", POLL_MS)
+            break
+        except Exception as e:
+            if not _timed_out(e):
+                raise GenerationError(f"lost process 0 (the server): {first_line(e)}") \
+                    from None
+    if word == "stop":
+        raise JobCancelled(step)
 
 
 def filter_stderr(process_id: int) -> None:

@@ -25,7 +25,10 @@ from engine.serve.requests import VideoJob
 DB_NAME = "jobs.sqlite3"
 # The only ids the server makes: a URL's id must match this before it names anything.
 ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
-STATUSES = ("queued", "in_progress", "completed", "failed")
+STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
+# What a cancel asks of a running job (the ``cancel`` column): stop at the next denoising step
+# boundary and keep the job as ``cancelled``, or stop and delete it (DELETE of a running job).
+CANCEL, CANCEL_AND_DELETE = "cancel", "delete"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -37,7 +40,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     completed_at INTEGER,
     error TEXT,
     settings TEXT NOT NULL,  -- JSON: the checked request
-    result TEXT  -- JSON: timings and file names
+    result TEXT,  -- JSON: timings and file names
+    cancel TEXT  -- a running job's pending cancel: 'cancel' or 'delete'
 )"""
 
 
@@ -61,6 +65,7 @@ class Job:
     error: str | None
     settings: VideoJob
     result: dict | None
+    cancel: str | None = None
 
 
 class JobStore:
@@ -77,6 +82,9 @@ class JobStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute(_SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+            if "cancel" not in columns:  # a store written before cancel existed
+                self._db.execute("ALTER TABLE jobs ADD COLUMN cancel TEXT")
 
     def _one(self, sql: str, args=()) -> Job | None:
         with self._lock:
@@ -89,8 +97,14 @@ class JobStore:
 
     def recover(self) -> dict:
         """After a restart: running and queued jobs back to queued (progress 0), partial
-        files removed. Returns {"requeued": ids, "removed": file names}."""
+        files removed; a running job whose cancel was pending ends as the cancel asked
+        (``cancelled``, or deleted). Returns {"requeued": ids, "removed": file names}."""
         with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE status='in_progress' AND cancel=?",
+                             (CANCEL_AND_DELETE,))
+            self._db.execute("UPDATE jobs SET status='cancelled', completed_at=?, cancel=NULL "
+                             "WHERE status='in_progress' AND cancel IS NOT NULL",
+                             (int(time.time()),))
             ids = [r[0] for r in self._db.execute(
                 "SELECT id FROM jobs WHERE status IN ('queued', 'in_progress') ORDER BY seq")]
             self._db.execute("UPDATE jobs SET status='queued', progress=0 "
@@ -142,10 +156,58 @@ class JobStore:
     def complete(self, job_id: str, result: dict) -> None:
         self._run("UPDATE jobs SET status='completed', progress=100, completed_at=?, "
                   "result=? WHERE id=?", (int(time.time()), json.dumps(result), job_id))
+        # A plain cancel that came during the decode was too late: the job is complete.
+        self._run("UPDATE jobs SET cancel=NULL WHERE id=? AND cancel=?", (job_id, CANCEL))
 
     def fail(self, job_id: str, message: str) -> None:
         self._run("UPDATE jobs SET status='failed', completed_at=?, error=? WHERE id=?",
                   (int(time.time()), message, job_id))
+        self._run("UPDATE jobs SET cancel=NULL WHERE id=? AND cancel=?", (job_id, CANCEL))
+
+    def queue_position(self, job: Job) -> int | None:
+        """Jobs ahead of a queued ``job`` (0: it runs next); None unless it is queued."""
+        if job.status != "queued":
+            return None
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued' AND "
+                                    "seq < ?", (job.seq,)).fetchone()[0]
+
+    def cancel(self, job_id: str, how: str = CANCEL) -> str | None:
+        """Cancel a job, atomically against the worker's claim: a queued job becomes
+        ``cancelled`` at once (it never starts); a running one gets ``how`` as its pending
+        cancel, which the worker reads after each denoising step. Returns the job's status
+        before the call ("queued" or "in_progress"), or None when it had already ended."""
+        with self._lock:
+            if self._db.execute("UPDATE jobs SET status='cancelled', completed_at=? "
+                                "WHERE id=? AND status='queued'",
+                                (int(time.time()), job_id)).rowcount:
+                return "queued"
+            if self._db.execute("UPDATE jobs SET cancel=? WHERE id=? AND status='in_progress'",
+                                (how, job_id)).rowcount:
+                return "in_progress"
+        return None
+
+    def pending_cancel(self, job_id: str) -> str | None:
+        """A running job's pending cancel (``CANCEL``, ``CANCEL_AND_DELETE``) or None."""
+        with self._lock:
+            row = self._db.execute("SELECT cancel FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def cancelled(self, job_id: str, result: dict) -> None:
+        """A running job stopped by its cancel: ``cancelled``, with ``result`` (the steps it
+        ran); or removed, when the cancel was a DELETE."""
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id=? AND cancel=?",
+                             (job_id, CANCEL_AND_DELETE))
+            self._db.execute("UPDATE jobs SET status='cancelled', completed_at=?, result=?, "
+                             "cancel=NULL WHERE id=?",
+                             (int(time.time()), json.dumps(result), job_id))
+
+    def drop_if_deleted(self, job_id: str) -> bool:
+        """After a job ended on its own: remove it if a DELETE came while it ran (too late
+        to stop it); True if removed (the caller removes its files)."""
+        return self._run("DELETE FROM jobs WHERE id=? AND cancel=? AND status != "
+                         "'in_progress'", (job_id, CANCEL_AND_DELETE)) > 0
 
     def delete(self, job_id: str) -> bool:
         """Remove a job that is not running; False if it is running (or unknown)."""

@@ -124,14 +124,15 @@ class WarmModel:
         return cond, {"image_encode_s": time.perf_counter() - t0}
 
     def run(self, job_id: str, job: VideoJob, image: bytes | None,
-            on_progress: Callable[[int], None]):
+            on_step: Callable[[int, int], None]):
         """Generate ``job`` (``engine.serve.requests.check``'s settings; ``image``: the
         ``input_reference`` bytes of an image-to-video job, else None) on its bucket's
         programs.
 
         Returns (frames (F, H, W, 3) float32 in [0, 1], the job's config, timings: text
         and image encode, denoise_s, s_per_step, step_seconds, vae_decode_s, total_s).
-        ``on_progress(percent)`` follows the denoising steps (the decode is the last part).
+        ``on_step(steps done, steps)`` is called after each denoising step; what it raises
+        (a cancel: ``hosts.JobCancelled``) ends the job there, before the decode.
 
         Raises:
             GenerationError: NaN or Inf latents, out of device memory.
@@ -153,7 +154,7 @@ class WarmModel:
             programs = dataclasses.replace(bucket.programs, embeds=inputs)
             _, decoded, runs = denoise.run_benchmark(
                 programs, latents0, num_iterations=1, num_inference_steps=steps,
-                desc=f"{job_id}: ", on_step=lambda i: on_progress(100 * i // (steps + 1)))
+                desc=f"{job_id}: ", on_step=lambda i: on_step(i, steps))
             frames = reporting.to_frames(self.pipe, decoded)
         timings.update(runs[0], job_s=time.perf_counter() - t0)
         return frames, config, timings

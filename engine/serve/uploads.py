@@ -116,3 +116,10 @@ def load(folder: str, settings) -> bytes | None:
 def _short(value, n: int = 40):
     text = repr(value)
     return value if len(text) <= n else text[:n] + "..."
+
+
+def remove(folder: str, settings) -> None:
+    """Remove the stored image of a job's ``settings`` (a ``VideoJob``), if it has one."""
+    ref = settings.input_reference
+    if ref is not None and os.path.exists(os.path.join(folder, ref.file)):
+        os.remove(os.path.join(folder, ref.file))

@@ -19,6 +19,10 @@ from engine.run.errors import GenerationError, UsageError, first_line
 from engine.serve import hosts, uploads
 from engine.serve.jobs import Job, JobStore
 
+# Test hook: seconds to sleep after each denoising step of a served job, so a test can
+# cancel a running job between steps on the tiny checkpoint. Unset in normal use.
+STEP_DELAY_ENV = "GENERATE_FLAX_TEST_STEP_DELAY_S"
+
 
 def video_path(folder: str, job_id: str) -> str:
     """The mp4 of a job (``job_id`` already matched ``jobs.ID_PATTERN``)."""
@@ -64,7 +68,8 @@ class Worker:
             self.handoff.send({"stop": True})
 
     def run_one(self, job: Job) -> None:
-        """Run ``job`` to completed or failed. Raises only what must end the server."""
+        """Run ``job`` to completed, failed or cancelled. Raises only what must end the
+        server."""
         job_id = job.id
         self.store.start(job_id)
         try:
@@ -74,34 +79,66 @@ class Worker:
             return
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
-        last = [-1]
-
-        def progress(percent: int) -> None:
-            if percent != last[0]:
-                last[0] = percent
-                self.store.progress(job_id, percent)
-
-        error = None
+        error, files, timings = None, [], {}
         try:
-            frames, config, timings = self.model.run(job_id, job.settings, image, progress)
+            frames, config, timings = self.model.run(job_id, job.settings, image,
+                                                     self._on_step(job_id, seq))
             files = save(config, frames, job_id)
-        except (GenerationError, UsageError) as e:
-            error = first_line(e)
+        except (GenerationError, UsageError, hosts.JobCancelled) as e:
+            error = e
         except Exception as e:
             if runtime.in_multi_process_run():
                 raise
-            error = f"{type(e).__name__}: {first_line(e)}"  # a bug: this job only
+            error = e  # a bug: this job only
         if seq is not None:
-            theirs = self.handoff.outcomes(seq)
-            if any((o == "ok") != (error is None) for o in theirs.values()):
+            ours, theirs = hosts.outcome(error), self.handoff.outcomes(seq)
+            if any(_kind(o) != _kind(ours) for o in theirs.values()):
                 raise GenerationError(f"the processes disagree on the job's outcome "
-                                      f"(process 0: {error or 'ok'}; others: {theirs})")
-        if error is not None:
-            self.store.fail(job_id, error)
-            print(f"{job_id}: failed: {error}", flush=True)
-        else:
-            self.store.complete(job_id, dict(files=files, timings=timings,
-                                             wall_s=time.time() - t0))
-            print(f"{job_id}: completed in {time.time() - t0:.2f} s ({', '.join(files)})",
-                  flush=True)
+                                      f"(process 0: {ours}; others: {theirs})")
+        self._record(job, error, files, timings, time.time() - t0)
         self.done += 1
+
+    def _on_step(self, job_id: str, seq: int | None):
+        """After each denoising step: the job's progress, then its pending cancel (decided
+        here for every process of the run); raises ``hosts.JobCancelled`` to stop."""
+        last = [-1]
+        delay = float(os.environ.get(STEP_DELAY_ENV, 0))
+
+        def on_step(done: int, steps: int) -> None:
+            percent = 100 * done // (steps + 1)  # the decode is the last part
+            if percent != last[0]:
+                last[0] = percent
+                self.store.progress(job_id, percent)
+            time.sleep(delay)
+            stop = self.store.pending_cancel(job_id) is not None
+            if seq is not None:
+                self.handoff.decide(seq, done, stop)
+            if stop:
+                raise hosts.JobCancelled(done)
+
+        return on_step
+
+    def _record(self, job: Job, error, files: list, timings: dict, wall_s: float) -> None:
+        if isinstance(error, hosts.JobCancelled):
+            self.store.cancelled(job.id, dict(files=[], timings={}, steps_done=error.steps,
+                                              wall_s=wall_s))
+            if self.store.get(job.id) is None:  # DELETE of a running job: its image too
+                uploads.remove(self.store.folder, job.settings)
+            print(f"{job.id}: cancelled after {error.steps} steps", flush=True)
+        elif error is not None:
+            line = first_line(error) if isinstance(error, (GenerationError, UsageError)) \
+                else f"{type(error).__name__}: {first_line(error)}"
+            self.store.fail(job.id, line)
+            print(f"{job.id}: failed: {line}", flush=True)
+        else:
+            self.store.complete(job.id, dict(files=files, timings=timings, wall_s=wall_s))
+            print(f"{job.id}: completed in {wall_s:.2f} s ({', '.join(files)})", flush=True)
+        if not isinstance(error, hosts.JobCancelled) and self.store.drop_if_deleted(job.id):
+            for name in files:  # a DELETE that came during the decode
+                os.remove(os.path.join(self.store.folder, name))
+            uploads.remove(self.store.folder, job.settings)
+
+
+def _kind(outcome: str) -> str:
+    """What the processes must agree on: "ok", "cancelled" or "error" (texts may differ)."""
+    return outcome if outcome in ("ok", "cancelled") else "error"

@@ -1,0 +1,92 @@
+"""Cancel on a real ``generate_flax.py --serve`` (tiny checkpoint, CPU): a queued job never
+runs, a running job stops at the next denoising step boundary with no file, DELETE of a
+running job cancels and removes it, and the worker goes on to the next job, whose frames
+equal the CLI's. Each served step sleeps ``GENERATE_FLAX_TEST_STEP_DELAY_S`` (a test hook of
+the worker) so the cancel lands between steps."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env, server_frames, wait_done
+
+STEP_DELAY_S = 0.4
+LONG = dict(prompt=PROMPT, size="64x64", num_frames=5, num_inference_steps=8)
+NEXT_SEED = 21
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cancel")
+    cli = cli_frames(tiny_checkpoint, root / "cli", [NEXT_SEED])
+    server = Server(["--model_id", tiny_checkpoint, *SETTINGS, "--api_key", KEY,
+                     "--compilation_cache_dir", "none"], root / "out",
+                    environ=env(1, GENERATE_FLAX_TEST_STEP_DELAY_S=str(STEP_DELAY_S))).start()
+    try:
+        server.wait_ready()
+        yield server, cli.result()
+    finally:
+        assert server.stop() == 0, server.tail()
+
+
+def _wait(c, video_id, test, timeout=60.0) -> dict:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        job = c.get(f"/v1/videos/{video_id}").json()
+        if test(job):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"{video_id}: condition not met in {timeout} s: {job}")
+
+
+def _files(out, video_id):
+    return [n for n in os.listdir(out) if n.startswith(video_id)]
+
+
+def test_cancel_queued_and_running_then_the_next_job_runs(served):
+    server, want = served
+    with server.client() as c:
+        a = c.post("/v1/videos", json={**LONG, "seed": 1}).json()
+        b = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", num_frames=5,
+                                           seed=NEXT_SEED)).json()
+        q = c.post("/v1/videos", json={**LONG, "seed": 3}).json()
+        running = _wait(c, a["id"], lambda j: j["status"] == "in_progress" and j["progress"])
+        assert c.get(f"/v1/videos/{b['id']}").json()["queue_position"] == 0
+        assert c.get(f"/v1/videos/{q['id']}").json()["queue_position"] == 1
+        # The queued job: cancelled at once, never started.
+        r = c.post(f"/v1/videos/{q['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        # The running job: steps done when the cancel is sent (progress = 100 * done // 9).
+        done_before = c.get(f"/v1/videos/{a['id']}").json()["progress"] * 9 // 100
+        assert c.post(f"/v1/videos/{a['id']}/cancel").status_code == 200
+        a_end = _wait(c, a["id"], lambda j: j["status"] == "cancelled")
+        assert running["progress"] > 0
+        assert 1 <= a_end["steps_done"] <= done_before + 1 < 8, (done_before, a_end)
+        assert a_end["files"] == [] and not _files(server.out, a["id"])
+        b_end = wait_done(c, [b["id"]])[b["id"]]
+        assert b_end["status"] == "completed" and b_end["queue_position"] is None
+        np.testing.assert_array_equal(server_frames(server.out, b["id"]), want[NEXT_SEED])
+        q_end = c.get(f"/v1/videos/{q['id']}").json()
+        assert q_end["status"] == "cancelled" and "steps_done" not in q_end
+        assert not _files(server.out, q["id"])
+        again = c.post(f"/v1/videos/{b['id']}/cancel")
+        assert again.status_code == 409 and again.json()["error"]["code"] == "not_cancellable"
+    assert f"{a['id']}: cancelled after" in server.tail(20000)
+    assert q["id"] not in server.tail(20000)  # the worker never saw it
+
+
+def test_delete_of_a_running_job_cancels_and_removes_it(served):
+    server, _ = served
+    with server.client() as c:
+        d = c.post("/v1/videos", json={**LONG, "seed": 5}).json()
+        _wait(c, d["id"], lambda j: j["status"] == "in_progress" and j["progress"])
+        r = c.delete(f"/v1/videos/{d['id']}")
+        assert r.status_code == 200 and r.json()["deleted"] is True
+        t0 = time.monotonic()
+        while c.get(f"/v1/videos/{d['id']}").status_code != 404:
+            assert time.monotonic() - t0 < 30, "the deleted job is still listed"
+            time.sleep(0.05)
+        assert not _files(server.out, d["id"])
+        nxt = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", seed=9)).json()
+        assert wait_done(c, [nxt["id"]])[nxt["id"]]["status"] == "completed"
