@@ -1,14 +1,16 @@
 """Cancel on a real ``generate_flax.py --serve`` (tiny checkpoint, CPU): a queued job never
 runs, a running job stops at the next denoising step boundary with no file, DELETE of a
 running job cancels and removes it, and the worker goes on to the next job, whose frames
-equal the CLI's. Each served step sleeps ``GENERATE_FLAX_TEST_STEP_DELAY_S`` (a test hook of
-the worker) so the cancel lands between steps."""
+equal the CLI's; ``/metrics`` counts what ran. Each served step sleeps
+``GENERATE_FLAX_TEST_STEP_DELAY_S`` (a test hook of the worker) so the cancel lands between
+steps."""
 
 import os
 import time
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env, server_frames, wait_done
 
 STEP_DELAY_S = 0.4
@@ -90,3 +92,34 @@ def test_delete_of_a_running_job_cancels_and_removes_it(served):
         assert not _files(server.out, d["id"])
         nxt = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", seed=9)).json()
         assert wait_done(c, [nxt["id"]])[nxt["id"]]["status"] == "completed"
+
+
+def _scrape(c) -> dict:
+    """{(name, labels as a sorted tuple): value} of every sample of ``GET /metrics``, read
+    by prometheus_client's own parser."""
+    r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_count_the_jobs(served):
+    server, _ = served
+    with server.client(key=None) as c:  # /metrics needs no key, as /health
+        before = _scrape(c)
+    with server.client() as c:
+        job = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", seed=13)).json()
+        end = wait_done(c, [job["id"]])[job["id"]]
+        listed = c.get("/v1/videos", params=dict(limit=100)).json()["data"]
+        after = _scrape(c)
+    completed = (("status", "completed"),)
+    assert after[("video_jobs_finished_total", completed)] == \
+        before.get(("video_jobs_finished_total", completed), 0) + 1
+    steps = len(end["timings"]["step_seconds"])
+    assert after[("video_step_seconds_count", ())] == \
+        before.get(("video_step_seconds_count", ()), 0) + steps
+    assert after[("video_denoise_seconds_count", ())] >= 1
+    for status in ("completed", "cancelled"):
+        assert after[("video_jobs", (("status", status),))] == \
+            sum(j["status"] == status for j in listed)
+    assert after[("video_jobs_waiting", ())] == 0 and after[("video_jobs_running", ())] == 0

@@ -19,7 +19,8 @@ import time
 import jax
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from engine.run import runtime
@@ -28,6 +29,7 @@ from engine.serve import hosts, uploads
 from engine.serve import model as warm
 from engine.serve import requests as checks
 from engine.serve.jobs import CANCEL_AND_DELETE, ID_PATTERN, Job, JobStore, new_id
+from engine.serve.metrics import Metrics
 from engine.serve.requests import MAX_UPLOAD_BYTES, ApiError, refuse
 from engine.serve.worker import Worker, video_path
 
@@ -45,6 +47,7 @@ class State:
     served: warm.Served | None = None
     ready: dict | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    metrics: Metrics | None = None
 
 
 def video_object(job: Job, queue_position: int | None = None) -> dict:
@@ -130,7 +133,8 @@ def create_app(state: State) -> FastAPI:
 
 
 def _status_routes(app: FastAPI, state: State, key) -> None:
-    """The web page, ``/health`` (no key: load balancers probe it) and ``/v1/models``."""
+    """The web page, ``/health`` (no key: load balancers probe it), ``/metrics`` and
+    ``/v1/models``."""
     @app.get("/", response_class=HTMLResponse)
     def page():
         with open(PAGE, encoding="utf-8") as f:
@@ -144,6 +148,10 @@ def _status_routes(app: FastAPI, state: State, key) -> None:
                     time_to_ready=state.ready,
                     seconds_up=time.perf_counter() - state.started)
         return JSONResponse(body, status_code=200 if state.served else 503)
+
+    @app.get("/metrics")
+    def metrics():  # no key, as /health: scrapers read it; counts only, no prompts
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[key])
     def models():
@@ -281,6 +289,7 @@ def serve(config, family) -> int:
     store = JobStore(config.run.output_dir)
     recovered = store.recover()
     state = State(store=store, api_key=s.api_key, wake=threading.Event())
+    state.metrics = Metrics(state)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=s.host, port=s.port,
                                            log_level="warning", access_log=False))
     failure: list = []
@@ -337,7 +346,7 @@ def _load_and_work(config, family, state: State, on_fatal, worker: list) -> None
     t = dict(model.timings, ready_s=time.perf_counter() - state.started)
     state.ready = t
     handoff = hosts.HandOff(jax.process_count()) if runtime.in_multi_process_run() else None
-    w = Worker(state.store, model, on_fatal, handoff)
+    w = Worker(state.store, model, on_fatal, handoff, state.metrics)
     w.wake = state.wake
     worker.append(w)
     state.served = model.served

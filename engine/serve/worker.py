@@ -42,8 +42,10 @@ class Worker:
     error the CLI prints.
     """
 
-    def __init__(self, store: JobStore, model, on_fatal, handoff: hosts.HandOff | None):
+    def __init__(self, store: JobStore, model, on_fatal, handoff: hosts.HandOff | None,
+                 metrics=None):
         self.store, self.model, self.on_fatal, self.handoff = store, model, on_fatal, handoff
+        self.metrics = metrics  # engine.serve.metrics.Metrics, or None
         self.wake, self.stopping, self.fatal = threading.Event(), False, None
         self.done = 0
 
@@ -96,6 +98,11 @@ class Worker:
                 raise GenerationError(f"the processes disagree on the job's outcome "
                                       f"(process 0: {ours}; others: {theirs})")
         self._record(job, error, files, timings, time.time() - t0)
+        if self.metrics is not None:
+            status = "completed" if error is None else \
+                "cancelled" if isinstance(error, hosts.JobCancelled) else "failed"
+            self.metrics.job_ended(status, queue_wait_s=max(0.0, t0 - job.created_at),
+                                   total_s=time.time() - job.created_at, timings=timings)
         self.done += 1
 
     def _on_step(self, job_id: str, seq: int | None):
