@@ -13,6 +13,7 @@ import torch
 import custom_splash_attention as csa
 import families
 import generate_flax as gf
+from engine.files import report as reporting
 from engine.pipeline import stages
 from engine.run import runtime
 from engine.run.mesh import MeshShape, make_mesh
@@ -93,6 +94,31 @@ def test_device_oom_is_one_line_naming_stage_bytes_and_dry_run(tiny_checkpoint, 
     assert "--dry_run --topology" in line and "--height 64 --width 96 --frames 9" in line
     assert (split in line) if split else ("splits it" not in line)
     assert not os.listdir(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeGpu:
+    """What ``reporting.oom_hint`` reads of a device; no GPU is needed to check the words."""
+
+    platform: str = "gpu"
+    device_kind: str = "NVIDIA H200"
+
+
+@pytest.mark.parametrize("attention,cudnn", [("auto", False), ("xla", True)])
+def test_gpu_oom_hint_names_smaller_runs_and_cudnn_not_the_dry_run(tiny_checkpoint, attention,
+                                                                    cudnn):
+    # The dry run compiles for TPUs: on a GPU the hint names what shrinks the activations,
+    # and cuDNN flash attention where another backend (XLA: the full score matrix) ran.
+    config = gf.validate_args(gf.parse_args(["--model_id", tiny_checkpoint, *SMALL,
+                                             "--attention", attention]))
+    hint = reporting.oom_hint(config, [FakeGpu()] * 2, MeshShape(1, 1, 2))
+    assert "--dry_run" not in hint and "--topology" not in hint
+    assert "on NVIDIA H200" in hint and "fewer --frames (now 9)" in hint
+    assert "smaller --height/--width (now 64x96)" in hint and "more GPUs with --sp" in hint
+    assert ("--attention cudnn (flash attention) instead of --attention xla" in hint) == cudnn
+    # A CPU keeps the TPU wording (the dry run is how a CPU host plans a TPU run).
+    cpu = reporting.oom_hint(config, jax.devices()[:1], MeshShape(1, 1, 1))
+    assert "--dry_run --topology" in cpu
 
 
 def test_other_runtime_errors_are_not_called_oom():

@@ -188,7 +188,7 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
         compilation_cache=None if cache is None else dict(
             dir=config.run.compilation_cache_dir,
             **{k: v - cache[k] for k, v in runtime.CACHE_STATS.items()}),
-        timings=summary, fallbacks=fallbacks.items)
+        timings=summary, fallbacks=fallbacks.items, device_memory=device_memory(devices))
     if placed is not None:
         out.update(
             tokens=family.sizes.token_count(cfg, config.video.height, config.video.width,
@@ -205,6 +205,19 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
     return out
 
 
+def device_memory(devices) -> dict | None:
+    """This process's devices' allocator figures at the end of the run, in bytes: the
+    largest ``peak_bytes_in_use`` and ``bytes_limit`` of one device (GPU and TPU runtimes
+    report them); None where the runtime reports none (CPU)."""
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
+    stats = [s for s in stats if s and "peak_bytes_in_use" in s]
+    if not stats:
+        return None
+    return dict(peak_bytes_in_use=max(s["peak_bytes_in_use"] for s in stats),
+                bytes_limit=max(s.get("bytes_limit", 0) for s in stats) or None,
+                devices=len(stats))
+
+
 def dry_run_command(config, devices, mesh_shape=None) -> str:
     """The ``--dry_run`` command that predicts this run's per-chip HBM without a TPU."""
     topology = chips.topology_name(devices) or "<chip>:<AxB>"
@@ -215,12 +228,36 @@ def dry_run_command(config, devices, mesh_shape=None) -> str:
     return f"python generate_flax.py {' '.join(flags)} --dry_run --topology {topology}"
 
 
+# ``Device.platform`` of JAX's GPU backends (CUDA and ROCm devices both say "gpu").
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def oom_hint(config, devices, mesh_shape) -> str:
-    """What a device out-of-memory error adds (``runtime.hardware_errors``): the ``--dry_run``
-    command, and at tp 1 with sp (Ulysses: every chip holds the whole transformer, the v6e
-    default where the weights leave room) the flags that split the weights instead."""
+    """What a device out-of-memory error adds (``runtime.hardware_errors``), by the devices'
+    platform. On a GPU: ``gpu_oom_hint``. Elsewhere (TPU, and CPU where the tests run): the
+    ``--dry_run`` command, and at tp 1 with sp (Ulysses: every chip holds the whole
+    transformer, the v6e default where the weights leave room) the flags that split the
+    weights instead."""
+    if devices[0].platform in GPU_PLATFORMS:
+        return gpu_oom_hint(config, devices, mesh_shape)
     hint = dry_run_command(config, devices, mesh_shape)
     if mesh_shape.tp == 1 and mesh_shape.sp % 2 == 0:
         hint += (f"; at --tp 1 every chip holds the whole transformer, --tp 2 "
                  f"--sp {mesh_shape.sp // 2} splits it")
+    return hint
+
+
+def gpu_oom_hint(config, devices, mesh_shape) -> str:
+    """The GPU advice. The dry run compiles for TPUs and cannot predict a GPU's memory, so it
+    names what shrinks the activations (fewer --frames, a smaller --height/--width), more GPUs
+    with --sp (the sequence, and so the activations, split across them), and cuDNN flash
+    attention when another backend ran (XLA attention materialises the tokens x tokens
+    scores: 144 GiB asked at 480x832x81 on an H200, see benchmarks/realsize_results.md)."""
+    v = config.video
+    hint = (f"the dry run models TPUs only; on {devices[0].device_kind} use fewer --frames "
+            f"(now {v.frames}) or a smaller --height/--width (now {v.height}x{v.width}), or "
+            f"more GPUs with --sp (now {mesh_shape.sp})")
+    if config.kernel.attention not in ("auto", "cudnn"):
+        hint += (f", or --attention cudnn (flash attention) instead of --attention "
+                 f"{config.kernel.attention}")
     return hint
