@@ -262,6 +262,9 @@ def test_fatal_log_filter():
     (["--serve", "--seeds", "1,2"], ["--seeds", "--serve"]),
     (["--serve", "--api_key", ""], ["--api_key", "empty"]),
     (["--serve", "--serve_sizes", "64x64,1280x720"], ["--serve_sizes", "flow shift"]),
+    (["--retention_hours", "1"], ["--retention_hours", "needs --serve"]),
+    (["--serve", "--retention_hours", "0"], ["--retention_hours=0.0", "> 0"]),
+    (["--serve", "--retention_hours", "nan"], ["--retention_hours=nan", "> 0"]),
 ])
 def test_bad_serve_flags(tiny_checkpoint, tmp_path, flags, words):
     """One line naming the flag, before any model loads (the CLI prints it as

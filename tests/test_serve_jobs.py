@@ -130,3 +130,19 @@ def test_a_store_from_before_cancel_gains_the_column(tmp_path):
     store = JobStore(str(tmp_path))
     job = store.add(checks.check(checks.parse(dict(prompt="p", seed=1)), SERVED))
     assert store.get(job.id).cancel is None and store.cancel(job.id) == "queued"
+
+
+def test_expire_ends_only_jobs_past_their_retention(tmp_path):
+    store = JobStore(str(tmp_path))
+    jobs = [store.add(checks.check(checks.parse(dict(prompt=p, seed=i)), SERVED))
+            for i, p in enumerate(("old", "new", "queued"))]
+    for job in jobs[:2]:
+        store.start(job.id)
+        store.complete(job.id, dict(files=[f"{job.id}.mp4"], timings={}, wall_s=1.0))
+    ended = store.get(jobs[0].id).completed_at
+    store._run("UPDATE jobs SET completed_at=? WHERE id=?", (ended - 100, jobs[0].id))
+    expired = store.expire(50, now=ended)
+    assert [j.id for j in expired] == [jobs[0].id]
+    assert expired[0].result["files"] == [f"{jobs[0].id}.mp4"]  # as it was: for the sweeper
+    assert [store.get(j.id).status for j in jobs] == ["expired", "completed", "queued"]
+    assert store.expire(50, now=ended) == []

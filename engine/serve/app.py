@@ -48,16 +48,21 @@ class State:
     ready: dict | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     metrics: Metrics | None = None
+    retention_s: float | None = None  # --retention_hours in seconds
 
 
-def video_object(job: Job, queue_position: int | None = None) -> dict:
+def video_object(job: Job, queue_position: int | None = None,
+                 retention_s: float | None = None) -> dict:
     """A job as OpenAI's ``video`` object, with the extension fields, ``queue_position``
-    (jobs ahead of a queued one; None otherwise), the timings and the files of a finished
-    job, and ``steps_done`` of a cancelled one."""
+    (jobs ahead of a queued one; None otherwise), ``expires_at`` (an ended job's
+    ``completed_at`` + ``retention_s``; None without a retention), the timings and the
+    files of a finished job, and ``steps_done`` of a cancelled one."""
+    expires_at = None if retention_s is None or job.completed_at is None else \
+        int(job.completed_at + retention_s)
     s = job.settings
     out = dict(id=job.id, object="video", status=job.status, progress=job.progress,
                created_at=job.created_at, completed_at=job.completed_at,
-               expires_at=None, error=None, model=s.model, prompt=s.prompt,
+               expires_at=expires_at, error=None, model=s.model, prompt=s.prompt,
                seconds=s.seconds, size=s.size, remixed_from_video_id=None,
                queue_position=queue_position,
                **{k: getattr(s, k) for k in ("negative_prompt", "num_frames",
@@ -112,7 +117,7 @@ def create_app(state: State) -> FastAPI:
                 **info, file=uploads.save(state.store.folder, job_id, image, info)))
         job = state.store.add(settings, job_id)
         state.wake.set()
-        return video_object(job, state.store.queue_position(job))
+        return video_object(job, state.store.queue_position(job), state.retention_s)
 
     @app.get("/v1/videos", dependencies=[Depends(key)])
     def listing(after: str | None = None, limit: int = 20, order: str = "desc"):
@@ -123,7 +128,7 @@ def create_app(state: State) -> FastAPI:
         if after is not None:
             job_or_404(after)
         jobs, more = state.store.page(after=after, limit=limit, order=order)
-        data = [video_object(j, state.store.queue_position(j)) for j in jobs]
+        data = [video_object(j, state.store.queue_position(j), state.retention_s) for j in jobs]
         return dict(object="list", data=data, has_more=more,
                     first_id=data[0]["id"] if data else None,
                     last_id=data[-1]["id"] if data else None)
@@ -163,7 +168,7 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
     @app.get("/v1/videos/{video_id}", dependencies=[key])
     def retrieve(video_id: str):
         job = job_or_404(video_id)
-        return video_object(job, state.store.queue_position(job))
+        return video_object(job, state.store.queue_position(job), state.retention_s)
 
     @app.post("/v1/videos/{video_id}/cancel", dependencies=[key])
     def cancel(video_id: str):
@@ -174,7 +179,7 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
             job = state.store.get(video_id)
             raise ApiError(409, f"video_id={video_id!r}: is {job.status}; only a queued or "
                            "running job can be cancelled", "video_id", "not_cancellable")
-        return video_object(state.store.get(video_id))
+        return video_object(state.store.get(video_id), None, state.retention_s)
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[key])
     def content(video_id: str, variant: str = "video"):
@@ -288,7 +293,8 @@ def serve(config, family) -> int:
     _check_listen(s.host, s.port)
     store = JobStore(config.run.output_dir)
     recovered = store.recover()
-    state = State(store=store, api_key=s.api_key, wake=threading.Event())
+    state = State(store=store, api_key=s.api_key, wake=threading.Event(),
+                  retention_s=s.retention_s)
     state.metrics = Metrics(state)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=s.host, port=s.port,
                                            log_level="warning", access_log=False))
@@ -346,7 +352,7 @@ def _load_and_work(config, family, state: State, on_fatal, worker: list) -> None
     t = dict(model.timings, ready_s=time.perf_counter() - state.started)
     state.ready = t
     handoff = hosts.HandOff(jax.process_count()) if runtime.in_multi_process_run() else None
-    w = Worker(state.store, model, on_fatal, handoff, state.metrics)
+    w = Worker(state.store, model, on_fatal, handoff, state.metrics, state.retention_s)
     w.wake = state.wake
     worker.append(w)
     state.served = model.served

@@ -9,7 +9,7 @@ import re
 from engine.run.errors import fail
 
 API_KEY_ENV = "GENERATE_FLAX_API_KEY"
-FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames")
+FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames", "retention_hours")
 # What --serve cannot combine with: each runs a different protocol than one job at a time
 # (--image: one picture for every job; a served job sends its own as input_reference).
 _EXCLUSIVE = (("stage", "all", "--stage"), ("dry_run", False, "--dry_run"),
@@ -22,13 +22,15 @@ class ServeSettings:
     """What ``--serve`` serves: where (``host``, ``port``), who may (``api_key``, None = no
     key), and the shape buckets compiled at start: ``sizes`` as (width, height) pixels in the
     order given (OpenAI's ``size`` is "WIDTHxHEIGHT"), ``frames`` as frame counts. The first
-    size and frames are a request's defaults."""
+    size and frames are a request's defaults. ``retention_s``: seconds an ended job's files
+    are kept before it becomes ``expired`` (None: kept until deleted)."""
 
     host: str
     port: int
     api_key: str | None
     sizes: tuple
     frames: tuple
+    retention_s: float | None = None
 
     @property
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -38,7 +40,9 @@ class ServeSettings:
     def settings(self) -> dict:
         """The report's entry: everything but the key (only whether there is one)."""
         return dict(host=self.host, port=self.port, api_key_set=self.api_key is not None,
-                    sizes=[f"{w}x{h}" for w, h in self.sizes], frames=list(self.frames))
+                    sizes=[f"{w}x{h}" for w, h in self.sizes], frames=list(self.frames),
+                    retention_hours=None if self.retention_s is None
+                    else self.retention_s / 3600)
 
 
 def add_serve_flags(g) -> None:
@@ -59,6 +63,9 @@ def add_serve_flags(g) -> None:
     g.add_argument("--serve_frames", default=None,
                    help="comma-separated frame counts compiled at start, each 4n+1, e.g. 81 "
                         "(default: --frames)")
+    g.add_argument("--retention_hours", type=float, default=None,
+                   help="hours an ended job's video is kept; then a sweeper removes its files "
+                        "and its status becomes 'expired' (default: kept until deleted)")
 
 
 def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSettings | None:
@@ -73,7 +80,7 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     """
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if not args.serve:
-        for flag in ("api_key", "serve_sizes", "serve_frames"):
+        for flag in ("api_key", "serve_sizes", "serve_frames", "retention_hours"):
             if getattr(args, flag) is not None:
                 fail(f"--{flag}", getattr(args, flag), "needs --serve")
         return None
@@ -83,6 +90,10 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
                  "whole generations, one job at a time)")
     if not 1 <= args.port <= 65535:
         fail("--port", args.port, "must be a TCP port in 1..65535")
+    retention = args.retention_hours
+    if retention is not None and not (retention > 0 and retention < float("inf")):
+        fail("--retention_hours", retention, "must be a number of hours > 0 (omit it to keep "
+             "videos until deleted)")
     if api_key is not None and not api_key.strip():
         fail("--api_key", "''", f"must not be empty (omit it and unset ${API_KEY_ENV} for "
              "no key)")
@@ -96,7 +107,8 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
                  f"flow shifts ({', '.join(map(str, sorted(shifts)))}); give --flow_shift")
     values.update(width=sizes[0][0], height=sizes[0][1], frames=frames[0])
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, sizes=sizes,
-                         frames=frames)
+                         frames=frames,
+                         retention_s=None if retention is None else retention * 3600)
 
 
 def _parse_sizes(text, values, multiple: int, name: str) -> tuple:

@@ -25,7 +25,8 @@ from engine.serve.requests import VideoJob
 DB_NAME = "jobs.sqlite3"
 # The only ids the server makes: a URL's id must match this before it names anything.
 ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
-STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
+STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled", "expired")
+ENDED = ("completed", "failed", "cancelled")  # what --retention_hours expires
 # What a cancel asks of a running job (the ``cancel`` column): stop at the next denoising step
 # boundary and keep the job as ``cancelled``, or stop and delete it (DELETE of a running job).
 CANCEL, CANCEL_AND_DELETE = "cancel", "delete"
@@ -202,6 +203,19 @@ class JobStore:
             self._db.execute("UPDATE jobs SET status='cancelled', completed_at=?, result=?, "
                              "cancel=NULL WHERE id=?",
                              (int(time.time()), json.dumps(result), job_id))
+
+    def expire(self, retention_s: float, now: float | None = None) -> list[Job]:
+        """Ended jobs whose ``completed_at`` is ``retention_s`` or more before ``now`` (Unix
+        seconds) become ``expired``; returns them as they were (the caller removes their
+        files)."""
+        cutoff = (time.time() if now is None else now) - retention_s
+        marks = ",".join("?" * len(ENDED))
+        with self._lock:
+            rows = self._db.execute(f"SELECT * FROM jobs WHERE status IN ({marks}) AND "
+                                    "completed_at <= ? ORDER BY seq", (*ENDED, cutoff)).fetchall()
+            self._db.executemany("UPDATE jobs SET status='expired' WHERE id=?",
+                                 [(r["id"],) for r in rows])
+        return [_decode(r) for r in rows]
 
     def drop_if_deleted(self, job_id: str) -> bool:
         """After a job ended on its own: remove it if a DELETE came while it ran (too late

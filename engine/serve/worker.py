@@ -43,9 +43,10 @@ class Worker:
     """
 
     def __init__(self, store: JobStore, model, on_fatal, handoff: hosts.HandOff | None,
-                 metrics=None):
+                 metrics=None, retention_s: float | None = None):
         self.store, self.model, self.on_fatal, self.handoff = store, model, on_fatal, handoff
         self.metrics = metrics  # engine.serve.metrics.Metrics, or None
+        self.retention_s, self.next_sweep = retention_s, 0.0
         self.wake, self.stopping, self.fatal = threading.Event(), False, None
         self.done = 0
 
@@ -53,8 +54,25 @@ class Worker:
         self.stopping = True
         self.wake.set()
 
+    def sweep(self) -> list[str]:
+        """``--retention_hours``: expire the ended jobs past their retention and remove their
+        files (videos, frames, the input image); returns their ids. Runs between jobs, at
+        most every ``sweep_interval_s``."""
+        if self.retention_s is None or time.monotonic() < self.next_sweep:
+            return []
+        self.next_sweep = time.monotonic() + sweep_interval_s(self.retention_s)
+        expired = self.store.expire(self.retention_s)
+        for job in expired:
+            for name in (job.result or {}).get("files", []):
+                path = os.path.join(self.store.folder, name)
+                if os.path.exists(path):
+                    os.remove(path)
+            uploads.remove(self.store.folder, job.settings)
+        return [job.id for job in expired]
+
     def loop(self) -> None:
         while not self.stopping:
+            self.sweep()
             job = self.store.next_queued()
             if job is None:
                 self.wake.wait(0.5)
@@ -144,6 +162,12 @@ class Worker:
             for name in files:  # a DELETE that came during the decode
                 os.remove(os.path.join(self.store.folder, name))
             uploads.remove(self.store.folder, job.settings)
+
+
+def sweep_interval_s(retention_s: float) -> float:
+    """How often the sweeper looks: a tenth of the retention, between 0.5 s and a minute
+    (an expired video lingers at most that much longer than its retention)."""
+    return min(60.0, max(0.5, retention_s / 10))
 
 
 def _kind(outcome: str) -> str:
