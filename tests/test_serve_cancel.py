@@ -1,17 +1,26 @@
 """Cancel on a real ``generate_flax.py --serve`` (tiny checkpoint, CPU): a queued job never
 runs, a running job stops at the next denoising step boundary with no file, DELETE of a
 running job cancels and removes it, and the worker goes on to the next job, whose frames
-equal the CLI's; ``/metrics`` counts what ran. Each served step sleeps
+equal the CLI's; ``/metrics`` counts what ran; webhooks arrive signed, once per ended job,
+retried past a failing receiver. Each served step sleeps
 ``GENERATE_FLAX_TEST_STEP_DELAY_S`` (a test hook of the worker) so the cancel lands between
 steps."""
 
+import hashlib
+import hmac
+import http.server
+import json
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env, server_frames, wait_done
+
+from engine.serve import webhooks
+from engine.serve.requests import ApiError
 
 STEP_DELAY_S = 0.4
 LONG = dict(prompt=PROMPT, size="64x64", num_frames=5, num_inference_steps=8)
@@ -123,3 +132,73 @@ def test_metrics_count_the_jobs(served):
         assert after[("video_jobs", (("status", status),))] == \
             sum(j["status"] == status for j in listed)
     assert after[("video_jobs_waiting", ())] == 0 and after[("video_jobs_running", ())] == 0
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    """A webhook receiver on loopback: records every POST; ``/flaky`` answers 500 to the
+    first two posts of each webhook id, then 200."""
+
+    posts: list = []
+    tries: dict = {}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        hook = self.headers["X-Webhook-Id"]
+        _Receiver.tries[hook] = _Receiver.tries.get(hook, 0) + 1
+        failing = self.path == "/flaky" and _Receiver.tries[hook] <= 2
+        if not failing:
+            _Receiver.posts.append((self.path, hook, body, self.headers["X-Signature-256"]))
+        self.send_response(500 if failing else 200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_webhooks_signed_once_per_terminal_status_and_retried(served):
+    server, _ = served
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{receiver.server_address[1]}"
+    try:
+        with server.client() as c:
+            ok = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", seed=31,
+                                                callback_url=f"{base}/flaky")).json()
+            queued = c.post("/v1/videos", json={**LONG, "seed": 32,
+                                                "callback_url": f"{base}/hook"}).json()
+            assert c.post(f"/v1/videos/{queued['id']}/cancel").status_code == 200
+            wait_done(c, [ok["id"]])
+            bad = c.post("/v1/videos", json=dict(prompt=PROMPT, callback_url="http://10.1.2.3/"))
+            assert bad.status_code == 400 and "loopback" in bad.json()["error"]["message"]
+        t0 = time.monotonic()
+        while len(_Receiver.posts) < 2:
+            assert time.monotonic() - t0 < 30, _Receiver.posts
+            time.sleep(0.1)
+        time.sleep(1.0)  # nothing more may arrive
+    finally:
+        receiver.shutdown()
+    got = {hook: (path, json.loads(body), sig) for path, hook, body, sig in _Receiver.posts}
+    assert len(got) == len(_Receiver.posts) == 2, _Receiver.posts  # each exactly once
+    path, video, sig = got[f"{ok['id']}:completed"]
+    assert path == "/flaky" and video["status"] == "completed" and video["files"]
+    assert _Receiver.tries[f"{ok['id']}:completed"] == 3  # two 500s, then delivered
+    assert got[f"{queued['id']}:cancelled"][1]["status"] == "cancelled"
+    for _, _, body, sig in _Receiver.posts:
+        want = "sha256=" + hmac.new(KEY.encode(), body, hashlib.sha256).hexdigest()
+        assert hmac.compare_digest(sig, want)
+
+
+@pytest.mark.parametrize("url,key,word", [
+    ("https://example.com/hook", KEY, None),
+    ("http://127.0.0.1:9/hook", KEY, None),
+    ("http://[::1]:9/hook", KEY, None),
+    ("http://10.0.0.1/hook", KEY, "loopback"),
+    ("ftp://example.com/", KEY, "https://"),
+    ("https://example.com/hook", None, "--api_key"),
+])
+def test_callback_url_rules(url, key, word):
+    if word is None:
+        assert webhooks.check_url(url, key) == url
+    else:
+        with pytest.raises(ApiError, match=word):
+            webhooks.check_url(url, key)

@@ -25,10 +25,10 @@ from starlette.exceptions import HTTPException
 
 from engine.run import runtime
 from engine.run.errors import GenerationError, fail, first_line
-from engine.serve import hosts, uploads
+from engine.serve import hosts, uploads, webhooks
 from engine.serve import model as warm
 from engine.serve import requests as checks
-from engine.serve.jobs import CANCEL_AND_DELETE, ID_PATTERN, Job, JobStore, new_id
+from engine.serve.jobs import CANCEL_AND_DELETE, ENDED, ID_PATTERN, Job, JobStore, new_id
 from engine.serve.metrics import Metrics
 from engine.serve.requests import MAX_UPLOAD_BYTES, ApiError, refuse
 from engine.serve.worker import Worker, video_path
@@ -48,6 +48,7 @@ class State:
     ready: dict | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     metrics: Metrics | None = None
+    webhooks: webhooks.Webhooks | None = None
     retention_s: float | None = None  # --retention_hours in seconds
 
 
@@ -80,6 +81,14 @@ def video_object(job: Job, queue_position: int | None = None,
     return out
 
 
+def notify(state: State, job_id: str) -> None:
+    """The job's webhook, if it asked for one and has ended (``engine.serve.webhooks``)."""
+    job = state.store.get(job_id)
+    if job is not None and job.settings.callback_url and job.status in ENDED:
+        state.webhooks.send(job.settings.callback_url,
+                            video_object(job, None, state.retention_s))
+
+
 def create_app(state: State) -> FastAPI:
     """The app; ``state.served`` may still be None (loading: /health says 503)."""
     app = FastAPI(title="generate_flax.py --serve", docs_url=None, redoc_url=None,
@@ -110,7 +119,11 @@ def create_app(state: State) -> FastAPI:
                            None, "loading", "server_error")
         fields, image, name = await _read_body(request)
         info = None if image is None else uploads.check(image, name)
-        settings = checks.check(checks.parse(fields), state.served, info)
+        req = checks.parse(fields)
+        settings = checks.check(req, state.served, info)
+        if req.callback_url is not None:
+            settings = dataclasses.replace(settings, callback_url=webhooks.check_url(
+                req.callback_url, state.api_key))
         job_id = new_id()
         if info is not None:  # on disk before the job is committed: a restart finds it
             settings = dataclasses.replace(settings, input_reference=checks.InputReference(
@@ -175,10 +188,13 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         """A queued job never starts; a running one stops at its next denoising step
         boundary (on every process), writes no file and becomes ``cancelled``."""
         job_or_404(video_id)
-        if state.store.cancel(video_id) is None:
+        was = state.store.cancel(video_id)
+        if was is None:
             job = state.store.get(video_id)
             raise ApiError(409, f"video_id={video_id!r}: is {job.status}; only a queued or "
                            "running job can be cancelled", "video_id", "not_cancellable")
+        if was == "queued":  # ended here; a running job's end is the worker's to announce
+            notify(state, video_id)
         return video_object(state.store.get(video_id), None, state.retention_s)
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[key])
@@ -296,6 +312,7 @@ def serve(config, family) -> int:
     state = State(store=store, api_key=s.api_key, wake=threading.Event(),
                   retention_s=s.retention_s)
     state.metrics = Metrics(state)
+    state.webhooks = webhooks.Webhooks(s.api_key)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=s.host, port=s.port,
                                            log_level="warning", access_log=False))
     failure: list = []
@@ -352,7 +369,8 @@ def _load_and_work(config, family, state: State, on_fatal, worker: list) -> None
     t = dict(model.timings, ready_s=time.perf_counter() - state.started)
     state.ready = t
     handoff = hosts.HandOff(jax.process_count()) if runtime.in_multi_process_run() else None
-    w = Worker(state.store, model, on_fatal, handoff, state.metrics, state.retention_s)
+    w = Worker(state.store, model, on_fatal, handoff, state.metrics, state.retention_s,
+               on_ended=lambda job_id: notify(state, job_id))
     w.wake = state.wake
     worker.append(w)
     state.served = model.served

@@ -1,8 +1,9 @@
 """A ``POST /v1/videos`` request checked against what the server compiled.
 
-Fields: OpenAI's (``prompt``, ``model``, ``seconds``, ``size``, ``input_reference``) and
-SGLang Diffusion's extensions (``negative_prompt``, ``num_frames``,
-``num_inference_steps``, ``guidance_scale``, ``guidance_scale_2``, ``seed``, ``fps``).
+Fields: OpenAI's (``prompt``, ``model``, ``seconds``, ``size``, ``input_reference``),
+SGLang Diffusion's extensions (``negative_prompt``, ``num_frames``, ``num_inference_steps``,
+``guidance_scale``, ``guidance_scale_2``, ``seed``, ``fps``) and OpenRouter's
+``callback_url`` (``engine.serve.webhooks``).
 Anything that would need a new compile (another shape, CFG switched on or off, a CFG scale
 baked into the program, another step count under step caching) is refused: nothing is
 compiled on the request path. Every refusal is an ``ApiError`` whose message names the
@@ -61,6 +62,7 @@ class VideoRequest(pydantic.BaseModel):
     guidance_scale_2: float | None = None
     seed: int | None = None
     fps: int | None = None
+    callback_url: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,8 @@ class VideoJob:
 
     Sizes in pixels; ``seconds`` is the video's length at the served fps as OpenAI's API
     gives it (a string, e.g. "4"); ``seed`` seeds the CPU ``torch.Generator`` of the initial
-    latents; ``model`` is the served model's name.
+    latents; ``model`` is the served model's name; ``callback_url``: where the ended job's
+    video object is POSTed (``engine.serve.webhooks``), or None.
     """
 
     prompt: str
@@ -101,6 +104,7 @@ class VideoJob:
     fps: int
     model: str
     input_reference: InputReference | None = None
+    callback_url: str | None = None
 
     @property
     def size(self) -> str:

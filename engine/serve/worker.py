@@ -43,10 +43,11 @@ class Worker:
     """
 
     def __init__(self, store: JobStore, model, on_fatal, handoff: hosts.HandOff | None,
-                 metrics=None, retention_s: float | None = None):
+                 metrics=None, retention_s: float | None = None, on_ended=None):
         self.store, self.model, self.on_fatal, self.handoff = store, model, on_fatal, handoff
         self.metrics = metrics  # engine.serve.metrics.Metrics, or None
         self.retention_s, self.next_sweep = retention_s, 0.0
+        self.on_ended = on_ended  # f(job id) once a job has ended: its webhook
         self.wake, self.stopping, self.fatal = threading.Event(), False, None
         self.done = 0
 
@@ -121,6 +122,8 @@ class Worker:
                 "cancelled" if isinstance(error, hosts.JobCancelled) else "failed"
             self.metrics.job_ended(status, queue_wait_s=max(0.0, t0 - job.created_at),
                                    total_s=time.time() - job.created_at, timings=timings)
+        if self.on_ended is not None:
+            self.on_ended(job.id)
         self.done += 1
 
     def _on_step(self, job_id: str, seq: int | None):
