@@ -34,6 +34,7 @@ import threading
 import time
 
 import httpx2
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -94,6 +95,24 @@ def load(server: Server, clients: int, jobs: int) -> dict:
                 p95_s=q[18])
 
 
+def rss_over_jobs(server: Server, jobs: int, every: int = 10) -> dict:
+    """The server process's resident memory (psutil, bytes) after each ``every`` of ``jobs``
+    one-client videos. The first sample is taken after ``every`` jobs, so the first jobs'
+    one-time allocations (allocator pools, the first mp4 write) are not counted as growth;
+    drift is (last - first) / first."""
+    proc = psutil.Process(server.proc.pid)
+    samples = []
+    with httpx2.Client(base_url=server.url, timeout=600) as c:
+        for j in range(1, jobs + 1):
+            one_video(c, 5000 + j)
+            if j % every == 0:
+                samples.append(proc.memory_info().rss)
+    return dict(jobs=jobs, every=every, first_mib=samples[0] / 2**20,
+                last_mib=samples[-1] / 2**20, max_mib=max(samples) / 2**20,
+                drift=(samples[-1] - samples[0]) / samples[0],
+                samples_mib=[round(x / 2**20, 1) for x in samples])
+
+
 def cli_steady(checkpoint, root, args) -> float:
     out = os.path.join(root, "cli")
     subprocess.run([sys.executable, os.path.join(ROOT, "generate_flax.py"), "--model_id",
@@ -115,6 +134,9 @@ def main() -> int:
     p.add_argument("--clients", default="1,4")
     p.add_argument("--jobs", type=int, default=4, help="videos per client")
     p.add_argument("--iterations", type=int, default=4, help="CLI timed runs")
+    p.add_argument("--rss_jobs", type=int, default=0,
+                   help="also run this many one-client videos and sample the server's RSS "
+                        "every 10 (e.g. 200; default: skip)")
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="serve-bench-")
     checkpoint = os.path.join(root, "tiny-wan")
@@ -131,6 +153,8 @@ def main() -> int:
     try:
         one_video(httpx2.Client(base_url=server.url, timeout=600), 0)  # first-job effects
         out["load"] = [load(server, int(n), args.jobs) for n in args.clients.split(",")]
+        if args.rss_jobs:
+            out["rss"] = rss_over_jobs(server, args.rss_jobs)
     finally:
         server.stop()
     steady = cli_steady(checkpoint, root, args)
