@@ -14,11 +14,14 @@ state). Public API:
   ``DEFAULT_BLOCK_SIZES``; masks ``LocalMask`` (and the ``Mask`` protocol for new ones);
   ``SegmentIds``.
 * ``install_sdpa_override(env, *, attention, ...)``: route torch SDPA in a torchax
-  environment to "xla", "splash" or "stock_splash"; ``default_attention_backend()``;
+  environment to "xla", "splash", "stock_splash" or "cudnn"; ``default_attention_backend()``;
   ``forced_attention``, ``pad_self_attention_keys``, ``real_keys_before``,
   ``mark_self_attention``: trace-time declarations the override reads.
 * ``reference_attention`` (float32), ``xla_attention``, ``stock_splash_attention`` (JAX's
   kernel), ``kernel_self_check``.
+* The NVIDIA GPU backend "cudnn": ``attention_implementation`` (which path a call takes),
+  ``cudnn_attention``, ``sharded_cudnn_attention``, and the query-chunked XLA attention
+  ``chunked_attention`` with its chunk size (``chunk_rows``, ``score_budget_bytes``).
 
 Design notes (algorithm, lazy shift, block sizes, masks, cross-attention, sharding):
 docs/attention.md.
@@ -45,6 +48,13 @@ from splash.blocks import round_up as _round_up  # noqa: F401
 from splash.blocks import vmem_capacity_bytes as _vmem_capacity_bytes  # noqa: F401
 from splash.blocks import vmem_limit_bytes as _vmem_limit_bytes  # noqa: F401
 from splash.blocks import vmem_need_bytes as _vmem_need_bytes  # noqa: F401
+from splash.chunked import chunk_rows, chunked_attention, score_budget_bytes
+from splash.gpu import (
+    attention_implementation,
+    cudnn_attention,
+    cudnn_max_head_dim,
+    sharded_cudnn_attention,
+)
 from splash.kernel import (
     KERNEL_NAME,
     LOG2_E,
@@ -92,7 +102,9 @@ __all__ = [
     "NUM_LANES", "NUM_SUBLANES", "PARTIAL", "REAL_SEGMENT_ID", "SELF_CHECK_BLOCKS",
     "SELF_CHECK_SHAPE", "SELF_CHECK_TOLERANCE", "SPLASH_KERNELS", "AttentionOptions",
     "BlockSizes", "BlockSizesError", "KernelCall", "KeyPadding", "LocalMask", "Mask",
-    "SegmentIds", "default_attention_backend", "default_block_sizes", "describe_calls",
+    "SegmentIds", "attention_implementation", "chunk_rows", "chunked_attention",
+    "cudnn_attention", "cudnn_max_head_dim", "default_attention_backend",
+    "default_block_sizes", "describe_calls", "score_budget_bytes", "sharded_cudnn_attention",
     "forced_attention", "install_sdpa_override", "kernel_self_check", "key_padding_mask",
     "mark_self_attention", "pad_self_attention_keys", "real_keys_before",
     "reference_attention", "sharded_splash_attention", "splash_attention",
@@ -100,9 +112,11 @@ __all__ = [
 ]
 
 
-def default_attention_backend() -> str:
-    """Return "splash" when JAX's default backend is a TPU, else "xla"."""
-    return "splash" if jax.default_backend() == "tpu" else "xla"
+def default_attention_backend(platform: str | None = None) -> str:
+    """The backend ``--attention auto`` means on ``platform`` (default:
+    ``jax.default_backend()``): "splash" on "tpu", "cudnn" on "gpu" (CUDA), else "xla"."""
+    platform = jax.default_backend() if platform is None else platform
+    return {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
 
 
 def _options(options: AttentionOptions | None) -> AttentionOptions:
@@ -266,7 +280,7 @@ def _sdpa(
     # Tail padding alone, into our kernel without a window: masked by length in the kernel
     # (``valid_kv_len``) instead of by segment ids; XLA (a fallback) masks ``real``.
     tail = None
-    if attention == "splash" and forced is None and mask is None and not is_causal \
+    if attention in ("splash", "cudnn") and forced is None and mask is None and not is_causal \
             and options.mask is None:
         tail = _declared_tail(k)
     real, mask, before = _real_keys(q, k, mask)
@@ -287,6 +301,10 @@ def _sdpa(
         if options.k_smoothing:  # exact for softmax; so that the flag means the same everywhere
             k = _smooth_keys(k, segment_ids)
         out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
+    elif attention == "cudnn":
+        if options.k_smoothing:  # as for "xla"
+            k = _smooth_keys(k, None if real is None else _key_segment_ids(q, k, real))
+        out = _cudnn_route(q, k, v, options, routing, scale=scale, real=real, tail=tail)
     elif attention in SPLASH_KERNELS:
         out = _splash_route(q, k, v, attention, options, routing, scale=scale, real=real,
                             segment_ids=segment_ids, before=before, tail=tail)
@@ -329,6 +347,40 @@ def _splash_route(q, k, v, attention: str, options: AttentionOptions, routing: d
     return out
 
 
+def _cudnn_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real, tail):
+    """The "cudnn" backend's call for ``_sdpa``: cuDNN where ``attention_implementation``
+    says it takes the call (under ``shard_map`` with a mesh), else the query-chunked XLA
+    attention, which XLA partitions by itself under a mesh, as "xla". A mesh that cannot
+    split the call sends it to the chunked path too, reported through
+    ``routing["on_fallback"]``."""
+    key_mask = "none" if real is None else "tail" if tail is not None else "data"
+    impl = attention_implementation("cudnn", platform=jax.default_backend(), dtype=q.dtype,
+                                    head_dim=q.shape[3], mask=options.mask, key_mask=key_mask,
+                                    max_head_dim=cudnn_max_head_dim())
+    mesh = routing["mesh"]
+    b, h = q.shape[:2]
+    if impl == "cudnn" and mesh is not None and (b % mesh.shape["dp"] or h % mesh.shape["tp"]):
+        if routing["on_fallback"] is not None:
+            routing["on_fallback"](
+                "attention_to_xla",
+                f"cudnn wrapper cannot split q {tuple(q.shape)} over dp={mesh.shape['dp']}, "
+                f"tp={mesh.shape['tp']}: chunked XLA attention instead")
+        impl = "xla_chunked"
+    if impl == "cudnn":
+        # A declared tail is a length; any other key mask moves the real keys first.
+        kw = dict(scale=scale, key_mask=None if tail is not None else real, valid_kv_len=tail)
+        if mesh is None:
+            return cudnn_attention(q, k, v, **kw)
+        return sharded_cudnn_attention(q, k, v, mesh=mesh, **kw)
+    # Under a mesh each device holds B/dp x H/tp of the scores: size the chunk for that.
+    shards = 1 if mesh is None or b % mesh.shape["dp"] or h % mesh.shape["tp"] \
+        else mesh.shape["dp"] * mesh.shape["tp"]
+    chunk = chunk_rows(max(1, b * h // shards), 1, q.shape[2], k.shape[2],
+                       score_budget_bytes())
+    return chunked_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask,
+                             chunk=chunk)
+
+
 def install_sdpa_override(
     env,
     *,
@@ -350,8 +402,10 @@ def install_sdpa_override(
     Args:
         env: a ``torchax.tensor.Environment`` (``torchax.default_env()``).
         attention: "xla" (``xla_attention``), "splash" (``splash_attention``, or
-            ``sharded_splash_attention`` when ``mesh`` is given) or "stock_splash" (the same
-            with ``stock_splash_attention``, JAX's kernel).
+            ``sharded_splash_attention`` when ``mesh`` is given), "stock_splash" (the same
+            with ``stock_splash_attention``, JAX's kernel) or "cudnn" (per call, as
+            ``attention_implementation`` decides: ``cudnn_attention``, under ``shard_map``
+            with a mesh, or ``chunked_attention``).
         mesh: optional ``jax.sharding.Mesh`` with axes ("dp", "tp", "sp") for the sharded
             kernel wrapper.
         options: ``AttentionOptions`` (``None``: ``AttentionOptions()``). K smoothing

@@ -245,18 +245,18 @@ def _add_parallel_flags(g) -> None:
                         "over tp (and sp) between blocks, so tp's all-reduces become "
                         "reduce-scatter + all-gather and norms and modulation run on 1/tp of "
                         "the tokens")
-    g.add_argument("--attention", choices=("auto", "splash", "stock_splash", "xla"),
+    g.add_argument("--attention", choices=("auto", "splash", "stock_splash", "xla", "cudnn"),
                    default=d["attention"],
-                   help="SDPA backend: splash = our kernel, stock_splash = JAX's own splash "
-                        "kernel (the trusted fallback), xla = plain XLA attention (needs "
-                        "~228 GB per chip for 14B at 720p); auto = splash on TPU, else xla")
+                   help="SDPA backend: splash = our TPU kernel, stock_splash = JAX's (TPU), xla ="
+                        " plain XLA (~228 GB per chip for 14B 720p), cudnn = cuDNN on an NVIDIA "
+                        "GPU; auto = splash on TPU, cudnn on GPU, else xla (docs/attention.md)")
     g.add_argument("--window_size", type=int, default=None,
                    help="local self-attention: token i attends token j iff |i - j| <= W, "
                         "positions in the flattened frames x height x width order (Wan; "
-                        "splash or xla; default: global)")
+                        "splash, xla or cudnn; default: global)")
     g.add_argument("--k_smoothing", action="store_true",
                    help="subtract K's mean before attention (SageAttention's K smoothing; "
-                        "exact for softmax; splash or xla)")
+                        "exact for softmax; splash, xla or cudnn)")
     g.add_argument("--bq", type=int, default=d["bq"],
                    help="Splash block_q: queries per kernel grid step (multiple of 128; "
                         "default: the chip's, see docs/attention.md)")

@@ -9,6 +9,8 @@
 * ``splash.sharded``: the kernel under ``shard_map`` (heads, Ulysses, q sequence).
 * ``splash.stock``: JAX's own splash kernel, the fallback.
 * ``splash.reference``: float32 reference, XLA attention, the kernel self-check.
+* ``splash.gpu``: the NVIDIA GPU backend: cuDNN flash attention and which calls take it.
+* ``splash.chunked``: query-chunked XLA attention (bounded score memory), its chunk size.
 * ``splash.sdpa``: the torch SDPA adapter's trace-time state (padding, forced backends).
 
 Users import the public face, ``custom_splash_attention``; this package never imports it

@@ -7,7 +7,7 @@ import dataclasses
 from splash.blocks import BlockSizes
 from splash.mask import LocalMask, Mask
 
-ATTENTION_BACKENDS = ("xla", "splash", "stock_splash")
+ATTENTION_BACKENDS = ("xla", "splash", "stock_splash", "cudnn")
 # Kernels the Splash wrapper can run: ours, and JAX's own splash kernel as the trusted fallback.
 SPLASH_KERNELS = ("splash", "stock_splash")
 

@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from splash.blocks import BlockSizes
+from splash.gpu import cudnn_attention
 from splash.kernel import attention as kernel_attention
 from splash.mask import as_segment_ids
 from splash.options import AttentionOptions
@@ -115,8 +116,14 @@ def _ours(q, k, v, *, block_sizes: BlockSizes, interpret: bool):
                             interpret=interpret)
 
 
+def _cudnn(q, k, v, *, block_sizes: BlockSizes, interpret: bool):
+    """cuDNN flash attention, as ``kernel_self_check`` calls a kernel (no blocks to set)."""
+    del block_sizes, interpret
+    return cudnn_attention(q, k, v)
+
+
 def kernel_self_check(kernel: str, *, interpret: bool = False, attention_fn=None) -> dict:
-    """Run a Splash kernel on the default device against the float32 reference.
+    """Run a Splash kernel (or cuDNN) on the default device against the float32 reference.
 
     A bf16 problem of ``SELF_CHECK_SHAPE`` (batch, heads, length, head_dim) with a ragged
     tail, blocks ``SELF_CHECK_BLOCKS``, against ``reference_attention`` on the same
@@ -124,7 +131,7 @@ def kernel_self_check(kernel: str, *, interpret: bool = False, attention_fn=None
     ``|out - ref| <= tol + tol * |ref|`` with ``tol = SELF_CHECK_TOLERANCE``.
 
     Args:
-        kernel: "splash" or "stock_splash".
+        kernel: "splash", "stock_splash" or "cudnn" (``cudnn_attention``: needs a GPU).
         interpret: Pallas interpret mode (off TPU).
         attention_fn: optional replacement ``f(q, k, v, *, block_sizes, interpret)`` (tests
             inject a wrong kernel here).
@@ -133,7 +140,8 @@ def kernel_self_check(kernel: str, *, interpret: bool = False, attention_fn=None
         dict(backend, shape, dtype, max_abs_error, tolerance, passed, seconds).
     """
     if attention_fn is None:
-        attention_fn = stock_splash_attention if kernel == "stock_splash" else _ours
+        attention_fn = {"stock_splash": stock_splash_attention, "cudnn": _cudnn}.get(kernel,
+                                                                                     _ours)
     b, h, n, d = SELF_CHECK_SHAPE
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (b, h, n, d), jnp.float32).astype(jnp.bfloat16)

@@ -240,7 +240,7 @@ def oom_hint(config, devices, mesh_shape) -> str:
     weights instead."""
     if devices[0].platform in GPU_PLATFORMS:
         return gpu_oom_hint(config, devices, mesh_shape)
-    hint = dry_run_command(config, devices, mesh_shape)
+    hint = "predict it without a TPU: " + dry_run_command(config, devices, mesh_shape)
     if mesh_shape.tp == 1 and mesh_shape.sp % 2 == 0:
         hint += (f"; at --tp 1 every chip holds the whole transformer, --tp 2 "
                  f"--sp {mesh_shape.sp // 2} splits it")

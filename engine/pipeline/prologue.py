@@ -10,10 +10,9 @@ from typing import Any
 
 import jax
 
-from custom_splash_attention import default_attention_backend
 from engine.files.checkpoint import read_component_config
 from engine.run import chips, runtime
-from engine.run.config import RunConfig
+from engine.run.config import RunConfig, resolve_attention_backend
 from engine.weights.layout import resolve_run_mesh
 
 
@@ -26,7 +25,8 @@ class Prologue:
     devices: the ``jax.Device`` list the mesh is built on.
     chip: ``chips.Chip`` of ``devices[0]``, None off TPU.
     mesh_shape: the (dp, tp, sp) ``MeshShape`` (``resolve_mesh``).
-    attention: the SDPA backend ("splash", "stock_splash" or "xla"; "auto" resolved).
+    attention: the SDPA backend ("splash", "stock_splash", "xla" or "cudnn"; "auto"
+        resolved).
     self_check: the kernel self-check's entry (``runtime.check_attention_kernel``; None for
         a backend with no kernel, and where the run's stage calls no attention).
     cache_before: the persistent compilation cache's counters at the start, or None when
@@ -70,7 +70,8 @@ def start(config: RunConfig, family, devices=None) -> Prologue:
     attention (all, denoise).
 
     Raises:
-        UsageError: a mesh flag that does not fit (``resolve_mesh``).
+        UsageError: a mesh flag that does not fit (``resolve_mesh``); an ``--attention``
+            backend this platform lacks (``resolve_attention_backend``).
         GenerationError: the attention kernel failed its self-check.
     """
     runtime.configure_jax_platform()
@@ -78,11 +79,10 @@ def start(config: RunConfig, family, devices=None) -> Prologue:
     cache_on = runtime.enable_compilation_cache(config.run.compilation_cache_dir)
     cache_before = dict(runtime.CACHE_STATS) if cache_on else None
     devices = list(jax.devices() if devices is None else devices)
+    attention = resolve_attention_backend(config.kernel.attention, jax.default_backend())
     chip = chips.chip_for_device_kind(devices[0].device_kind)
     config = config.resolve_block_sizes(chip.name if chip else None)
     mesh_shape = resolve_mesh(config, family, len(devices), chip)
-    attention = config.kernel.attention
-    attention = default_attention_backend() if attention == "auto" else attention
     self_check = None
     if config.run.stage in ("all", "denoise"):
         self_check = runtime.check_attention_kernel(

@@ -18,6 +18,7 @@ from custom_splash_attention import (
     BlockSizes,
     BlockSizesError,
     LocalMask,
+    default_attention_backend,
     default_block_sizes,
 )
 from engine.run.chips import ESTIMATE_CHIPS
@@ -91,7 +92,7 @@ class LayoutSettings:
 
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
-    """The attention backend (``attention``: auto, splash, stock_splash or xla) and our
+    """The attention backend (``attention``: auto, splash, stock_splash, xla or cudnn) and our
     kernel's flags; ``options()`` is the one value the kernel takes."""
 
     attention: str
@@ -283,6 +284,27 @@ def check_attention_options(args, family) -> None:
                  "needs --attention splash or xla (JAX's stock kernel is not wired for it)")
 
 
+def resolve_attention_backend(attention: str, platform: str) -> str:
+    """``--attention`` against the platform the run sees (``jax.default_backend()``):
+    "auto" resolved (``default_attention_backend``), a backend that cannot run there
+    refused. "xla" runs everywhere; "cudnn" needs a CUDA GPU; the Splash kernels are Pallas
+    TPU kernels, refused on a GPU (elsewhere off TPU they run in interpret mode, as CPU
+    tests do).
+
+    Raises:
+        UsageError: "cudnn" off GPU, "splash"/"stock_splash" on a GPU (one line).
+    """
+    if attention == "auto":
+        return default_attention_backend(platform)
+    if attention == "cudnn" and platform != "gpu":
+        fail("--attention", attention, f"needs an NVIDIA GPU (JAX's default backend here is "
+                                       f"{platform}); use --attention xla")
+    if attention in ("splash", "stock_splash") and platform == "gpu":
+        fail("--attention", attention, "a Pallas TPU kernel, not supported on a GPU; use "
+                                       "--attention cudnn or xla")
+    return attention
+
+
 def resolve_scheduler(value: str | None, family) -> str:
     """``--scheduler`` resolved against ``family.scheduler.names`` (the first is its default).
 
@@ -347,6 +369,9 @@ def check_numbers(args) -> None:
         fail("--estimate", True, "needs --dry_run (it estimates the compiled step's time)")
     if args.estimate and args.attention == "stock_splash":
         fail("--attention", args.attention, "--estimate profiles our kernel (splash) or xla")
+    if args.dry_run and args.attention == "cudnn":
+        fail("--attention", args.attention, "--dry_run compiles for a TPU topology; use "
+                                            "splash, stock_splash or xla")
     if args.estimate and args.topology and args.topology.split(":")[0] not in ESTIMATE_CHIPS:
         fail("--topology", args.topology,
              f"--estimate knows the clock of {', '.join(ESTIMATE_CHIPS)} only")

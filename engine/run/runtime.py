@@ -39,15 +39,25 @@ def has_tpu_device_files() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def has_gpu_device_files() -> bool:
+    """An NVIDIA driver's device files and JAX's CUDA plugin (``requirements-gpu.txt``)."""
+    plugins = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+    return bool(glob.glob("/dev/nvidia[0-9]*")) and any(
+        importlib.util.find_spec(p) is not None for p in plugins)
+
+
 def configure_jax_platform() -> None:
-    """Keep JAX on CPU on hosts with no TPU unless the user chose a platform.
+    """Keep JAX on CPU on hosts with no TPU and no NVIDIA GPU unless the user chose a
+    platform.
 
     ``jax[tpu]`` installs libtpu everywhere; on a CPU host its probe prints a screen of
     TPU-detection errors before falling back to CPU. Setting ``JAX_PLATFORMS=cpu`` only when no
-    TPU device file exists keeps real TPU errors visible on TPU VMs.
+    TPU device file exists keeps real TPU errors visible on TPU VMs; a GPU host with JAX's
+    CUDA plugin gets ``cuda`` (the TPU probe's noise skipped there too).
     """
-    if "JAX_PLATFORMS" not in os.environ and not has_tpu_device_files():
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    if "JAX_PLATFORMS" in os.environ or has_tpu_device_files():
+        return
+    os.environ["JAX_PLATFORMS"] = "cuda" if has_gpu_device_files() else "cpu"
 
 
 def use_deviceless_tpu(topology: str, *, fast_convs: bool = False,
@@ -279,12 +289,13 @@ def oom_details(text: str) -> str:
 
 
 @contextlib.contextmanager
-def hardware_errors(stage: str, dry_run_command: str = ""):
+def hardware_errors(stage: str, hint: str = ""):
     """Turn a device out-of-memory error inside the block into a one-line ``GenerationError``.
 
-    It names ``stage``, the sizes the runtime reported, and ``dry_run_command``, the
-    ``--dry_run`` command that predicts the failure without a TPU. Any other error passes
-    through unchanged.
+    It names ``stage``, the sizes the runtime reported, and ``hint``
+    (``engine.files.report.oom_hint``: on a TPU the ``--dry_run`` command that predicts the
+    failure without one, on a GPU what shrinks the memory). Any other error passes through
+    unchanged.
     """
     try:
         yield
@@ -297,22 +308,23 @@ def hardware_errors(stage: str, dry_run_command: str = ""):
         details = oom_details(text)
         raise GenerationError(
             f"out of device memory while {stage}" + (f" ({details})" if details else "")
-            + (f"; predict it without a TPU: {dry_run_command}" if dry_run_command else "")) \
+            + (f"; {hint}" if hint else "")) \
             from None
 
 
 def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
-    """Self-check the Splash kernel ``attention`` names on the default device (see
+    """Self-check the kernel ``attention`` names (a Splash kernel, or cuDNN for "cudnn": the
+    prologue lets "cudnn" through on a GPU only) on the default device (see
     ``custom_splash_attention.kernel_self_check``); None for "xla".
 
     Raises:
         GenerationError: the kernel's error exceeds the tested tolerance.
     """
-    if attention not in csa.SPLASH_KERNELS:
+    if attention not in (*csa.SPLASH_KERNELS, "cudnn"):
         return None
     result = csa.kernel_self_check(attention, interpret=interpret)
     if not result["passed"]:
-        other = "--attention xla" if attention == "stock_splash" else "--attention stock_splash"
+        other = "--attention stock_splash" if attention == "splash" else "--attention xla"
         raise GenerationError(
             f"--attention {attention}: kernel self-check failed on "
             f"{jax.devices()[0].device_kind}: max error {result['max_abs_error']:.3g} against "
