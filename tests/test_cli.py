@@ -188,6 +188,24 @@ def test_unwritable_output_dir(tiny_checkpoint, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_no_ffmpeg_is_one_line_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
+    """An mp4 needs ffmpeg: where imageio-ffmpeg's binary is missing (here: the environment
+    names one that does not exist) the run stops before any model loads, in one line; a
+    --stage encode run, which writes no mp4, does not need it."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(tmp_path / "no-ffmpeg"))
+    proc = run(["--model_id", tiny_checkpoint, *SMALL, "--output_dir", str(out)], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no ffmpeg to write the mp4" in lines[0], proc.stderr
+    assert "IMAGEIO_FFMPEG_EXE" in lines[0] and not (out.exists() and os.listdir(out))
+    import generate_flax  # the flags alone: --stage encode passes the check
+
+    generate_flax.validate_args(generate_flax.parse_args([
+        "--model_id", tiny_checkpoint, *SMALL, "--stage", "encode", "--work_dir",
+        str(tmp_path / "work"), "--output_dir", str(out)]))
+
+
 def test_nan_weights_fail_naming_the_stage_and_write_nothing(tiny_checkpoint, tmp_path):
     import shutil
 

@@ -14,6 +14,9 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+
+import imageio_ffmpeg
 
 from engine.files import report as reporting
 from engine.run.errors import UsageError, fail
@@ -113,7 +116,14 @@ def parse_seeds(text: str) -> list[int]:
 
 def plan(args, values: dict) -> tuple[Video, ...]:
     """The run's videos from ``--prompts_file`` or ``--seeds`` (empty: one video from the
-    flags). ``values``: the resolved family flags (prompt, negative_prompt)."""
+    flags). ``values``: the resolved family flags (prompt, negative_prompt). A run that
+    writes mp4s checks first that it can (``check_mp4_writer``).
+
+    Raises:
+        UsageError: a bad --prompts_file / --seeds, or no ffmpeg for the mp4s.
+    """
+    if not args.dry_run and args.stage in ("all", "decode"):
+        check_mp4_writer()
     if args.prompts_file is not None and args.seeds is not None:
         fail("--seeds", args.seeds, "cannot be combined with --prompts_file (give each line "
              "its own \"seed\")")
@@ -124,6 +134,27 @@ def plan(args, values: dict) -> tuple[Video, ...]:
                      for i, s in enumerate(parse_seeds(args.seeds)))
     return tuple(parse_prompts_file(args.prompts_file, negative_prompt=values["negative_prompt"],
                                     seed=args.seed))
+
+
+def check_mp4_writer() -> str:
+    """The ffmpeg executable the mp4 writer (imageio-ffmpeg, through diffusers'
+    ``export_to_video``) will run, checked before any model loads, so a missing binary is one
+    line rather than a traceback after the whole generation (a GPU machine once had
+    imageio-ffmpeg's package without its 68 MB binary: ../shared/notes/gpu-device.md).
+
+    Raises:
+        UsageError: no ffmpeg, or ``IMAGEIO_FFMPEG_EXE`` names no executable file.
+    """
+    try:
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError:
+        exe = None
+    found = exe and (shutil.which(exe) or (os.path.isfile(exe) and os.access(exe, os.X_OK)))
+    if not found:
+        raise UsageError(f"no ffmpeg to write the mp4 (imageio-ffmpeg found {exe!r}): "
+                         "pip install imageio-ffmpeg (its wheel ships one), install ffmpeg, "
+                         "or set IMAGEIO_FFMPEG_EXE to one")
+    return exe
 
 
 def video_files(output_dir: str, stem: str, video: Video | None, save_frames: bool) -> dict:
