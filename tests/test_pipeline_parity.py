@@ -37,7 +37,10 @@ def _reference_frames(checkpoint, dtype, seed, flow_shift, guidance_scale=5.0, l
         pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config,
                                                              flow_shift=flow_shift)
     if lora is not None:
-        pipe.load_lora_weights(lora[0])
+        # low_cpu_mem_usage=False: with the default, PEFT leaves the lora_B biases a file does not
+        # carry on the meta device and fuse_lora adds uninitialised memory (a flaky reference);
+        # materialised, they start at zero, the value our fusion gives an absent bias.
+        pipe.load_lora_weights(lora[0], low_cpu_mem_usage=False)
         pipe.fuse_lora(lora_scale=lora[1])
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():

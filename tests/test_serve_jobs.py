@@ -76,7 +76,8 @@ def test_rows_written_before_the_typed_value_still_load(tmp_path):
                guidance_scale_2=None, seed=5, fps=16, model="tiny-wan")
     store._run("INSERT INTO jobs (id, status, created_at, settings) VALUES (?, 'queued', 0, ?)",
                ("video_" + "0" * 32, json.dumps(old)))
-    assert store.next_queued().settings.to_json() == {**old, "input_reference": None}
+    assert store.next_queued().settings.to_json() == {**old, "input_reference": None,
+                                                      "callback_url": None}
 
 
 def test_cancel_a_queued_job_ends_it_and_a_running_one_is_asked(tmp_path):
