@@ -236,3 +236,15 @@ def test_lora_fused_at_placement_keeps_every_device_to_its_shards(tiny_checkpoin
     plain = load_file(os.path.join(tiny_checkpoint_8h, "transformer",
                                    "diffusion_pytorch_model.safetensors"))
     assert np.abs(np.asarray(q)[1] - plain["blocks.1.attn1.to_q.weight"].numpy()).max() > 0.05
+
+
+def test_placed_array_does_not_alias_the_host_tensor():
+    """On the CPU backend a placed slice could share the torch tensor's memory, so a later
+    in-place write on the host would change the device array: place_array copies there."""
+    from jax.sharding import SingleDeviceSharding
+
+    host = torch.zeros(1 << 16)
+    placed = placement.place_array(placement.host_array(host),
+                                   SingleDeviceSharding(jax.devices()[0]))
+    host[1] = 7.0
+    assert float(placed[1]) == 0.0

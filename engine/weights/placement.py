@@ -67,7 +67,12 @@ def place_array(host: np.ndarray, sharding):
     Returns:
         ``jax.Array`` of ``host.shape`` laid out as ``sharding``, ready (transfers done).
     """
-    arr = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    # On the CPU backend a placed slice may alias the host memory it came from (measured: a
+    # later in-place write to the torch tensor shows in the jax.Array), so each slice is
+    # copied there; an accelerator's transfer copies anyway.
+    cpu = all(d.platform == "cpu" for d in sharding.device_set)
+    arr = jax.make_array_from_callback(
+        host.shape, sharding, lambda index: np.array(host[index]) if cpu else host[index])
     return arr.block_until_ready()
 
 
