@@ -122,15 +122,7 @@ def follow(run, process_id: int) -> None:
     seq = 0
     while True:
         seq += 1
-        while True:
-            try:
-                text = _client().blocking_key_value_get(f"{PREFIX}/job/{seq}", POLL_MS)
-                break
-            except Exception as e:
-                if not _timed_out(e):
-                    raise GenerationError(f"lost process 0 (the server): {first_line(e)}") \
-                        from None
-        message = json.loads(text)
+        message = json.loads(_wait_for(f"{PREFIX}/job/{seq}"))
         if message.get("stop"):
             return
         job, image = message["job"], None
@@ -154,16 +146,24 @@ def _await_decision(seq: int, step: int) -> None:
         JobCancelled: process 0 cancelled the job at this step.
         GenerationError: process 0 is gone.
     """
+    if _wait_for(f"{PREFIX}/step/{seq}/{step}") == "stop":
+        raise JobCancelled(step)
+
+
+def _wait_for(key: str) -> str:
+    """The value process 0 writes under ``key``, waited for in ``POLL_MS`` slices (not one
+    long wait, so a lost process 0 shows as an error, not a hang).
+
+    Raises:
+        GenerationError: process 0 is gone (the store could not be reached).
+    """
     while True:
         try:
-            word = _client().blocking_key_value_get(f"{PREFIX}/step/{seq}/{step}", POLL_MS)
-            break
+            return _client().blocking_key_value_get(key, POLL_MS)
         except Exception as e:
             if not _timed_out(e):
                 raise GenerationError(f"lost process 0 (the server): {first_line(e)}") \
                     from None
-    if word == "stop":
-        raise JobCancelled(step)
 
 
 def filter_stderr(process_id: int) -> None:
