@@ -57,3 +57,19 @@ def i2v_checkpoint(tmp_path_factory):
     """A tiny random Wan 2.1 I2V-style checkpoint (``WanImageToVideoPipeline``, CLIP image
     encoder, 36 input channels): image-to-video only."""
     return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-i2v", "--i2v")
+
+
+@pytest.fixture
+def torchax_env():
+    """torchax's default env with the torch SDPA op restored after the test (the env is shared
+    by the whole session; tests install overrides on it)."""
+    torch = pytest.importorskip("torch")
+    torchax = pytest.importorskip("torchax")
+    env = torchax.default_env()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    saved = env._ops.get(sdpa)
+    yield env
+    if saved is None:
+        env._ops.pop(sdpa, None)
+    else:
+        env._ops[sdpa] = saved

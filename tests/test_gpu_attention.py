@@ -207,20 +207,6 @@ def test_cudnn_arguments_are_exact(keys):
 
 # --- (e) the router -----------------------------------------------------------------------
 
-@pytest.fixture
-def torchax_env():
-    torch = pytest.importorskip("torch")
-    torchax = pytest.importorskip("torchax")
-    env = torchax.default_env()
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    saved = env._ops.get(sdpa)
-    yield env
-    if saved is None:  # the default env is shared by the session: put the stock op back
-        env._ops.pop(sdpa, None)
-    else:
-        env._ops[sdpa] = saved
-
-
 def _sdpa(env, q, k, v, mask=None):
     import torch
 

@@ -617,21 +617,6 @@ def test_sharded_validation():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def torchax_env():
-    torch = pytest.importorskip("torch")
-    torchax = pytest.importorskip("torchax")
-    env = torchax.default_env()
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    saved = env._ops.get(sdpa)
-    yield env
-    # The default env is shared by the whole test session: put the stock op back.
-    if saved is None:
-        env._ops.pop(sdpa, None)
-    else:
-        env._ops[sdpa] = saved
-
-
 def _torch_inputs(q_len, kv_len, seed):
     import torch
 
