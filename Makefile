@@ -13,7 +13,7 @@ TEST_ENV := $(CPU_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=8
 LIBTPU_PROFILE := 0.0.51
 PROFILE_STAMP := $(VENV)/libtpu-next/.installed-$(LIBTPU_PROFILE)
 
-.PHONY: demo demo-hunyuan demo-i2v serve-demo browser test lint venv checkpoint clean
+.PHONY: demo demo-hunyuan demo-i2v serve-demo browser postgres test lint venv checkpoint clean
 
 venv: $(STAMP) $(PROFILE_STAMP)
 
@@ -70,6 +70,12 @@ browser:
 		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; }
+
+# A throwaway PostgreSQL cluster on 127.0.0.1:54329 for the shared job store's tests (installs
+# Debian's postgresql if missing). Then: export GENERATE_FLAX_TEST_POSTGRES=... as printed, or
+# eval "$$(tools/postgres.sh start)"; CI does this (.ci/run). Without it those tests skip.
+postgres:
+	tools/postgres.sh start
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,11 @@ Builds the tiny Wan checkpoint, then:
    (``POST /v1/videos``, poll ``GET /v1/videos/{id}`` every 20 ms, then download the mp4);
    latency is submit to downloaded, throughput is videos / wall second;
 3. the CLI on the same video (``--num_iterations`` timed runs after its warmup): its
-   steady-state seconds per video against the server's one-client latency, as a ratio.
+   steady-state seconds per video against the server's one-client latency, as a ratio;
+4. with ``--postgres URL`` (a server the benchmark may create databases on), the job store's
+   rows: one server on SQLite, one on PostgreSQL (the store's overhead per job), and two
+   servers sharing PostgreSQL (clients alternate between them), each under the same client
+   loads.
 
 CPU figures on this host (JAX's CPU backend, float32, one device, the tiny checkpoint): they
 measure the server's own overhead (HTTP, SQLite, polling, mp4 writing, the prompt encode per
@@ -19,6 +23,8 @@ not TPU figures.
 
     python benchmarks/serve.py                     # 96x64x9, 4 steps, clients 1 and 4
     python benchmarks/serve.py --clients 1,2,6 --jobs 6
+    eval "$(tools/postgres.sh start)"
+    python benchmarks/serve.py --postgres "$GENERATE_FLAX_TEST_POSTGRES" --fleet_only
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import time
 
 import httpx2
 import psutil
+import psycopg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -61,7 +68,9 @@ def time_to_ready(checkpoint, root, args, cache) -> dict:
                 cache=t["compilation_cache"])
 
 
-def one_video(client: httpx2.Client, seed: int) -> float:
+def one_video(client: httpx2.Client, seed: int, outside: list | None = None) -> float:
+    """Submit, poll every 20 ms, download: the latency in seconds. ``outside`` gets the part
+    of it not spent denoising and decoding (HTTP, queue, store, prompt encode, write)."""
     t0 = time.perf_counter()
     video_id = client.post("/v1/videos", json={"prompt": "a red fox", "seed": seed}).json()["id"]
     while (job := client.get(f"/v1/videos/{video_id}").json())["status"] not in (
@@ -69,16 +78,22 @@ def one_video(client: httpx2.Client, seed: int) -> float:
         time.sleep(0.02)
     assert job["status"] == "completed", job
     assert client.get(f"/v1/videos/{video_id}/content").content[4:8] == b"ftyp"
-    return time.perf_counter() - t0
+    latency = time.perf_counter() - t0
+    if outside is not None:
+        outside.append(latency - job["timings"]["denoise_s"] - job["timings"]["vae_decode_s"])
+    return latency
 
 
-def load(server: Server, clients: int, jobs: int) -> dict:
-    latencies, lock = [], threading.Lock()
+def load(server, clients: int, jobs: int) -> dict:
+    """``clients`` threads, each sending ``jobs`` videos one after another to ``server``
+    (a list of servers: client k uses server k mod n)."""
+    servers = server if isinstance(server, list) else [server]
+    latencies, outside, lock = [], [], threading.Lock()
 
     def run(k):
-        with httpx2.Client(base_url=server.url, timeout=600) as c:
+        with httpx2.Client(base_url=servers[k % len(servers)].url, timeout=600) as c:
             for j in range(jobs):
-                s = one_video(c, 1000 * k + j)
+                s = one_video(c, 1000 * k + j, outside)
                 with lock:
                     latencies.append(s)
 
@@ -92,7 +107,7 @@ def load(server: Server, clients: int, jobs: int) -> dict:
     q = statistics.quantiles(latencies, n=20, method="inclusive")
     return dict(clients=clients, videos=len(latencies), wall_s=wall,
                 videos_per_s=len(latencies) / wall, p50_s=statistics.median(latencies),
-                p95_s=q[18])
+                p95_s=q[18], outside_p50_s=statistics.median(outside))
 
 
 def rss_over_jobs(server: Server, jobs: int, every: int = 10) -> dict:
@@ -125,6 +140,53 @@ def cli_steady(checkpoint, root, args) -> float:
         return json.load(f)["timings"]["steady_mean_s"]
 
 
+def new_database(postgres: str) -> str:
+    """A new database on the ``postgres`` server; its URL."""
+    name = f"bench_{time.monotonic_ns()}"
+    with psycopg.connect(postgres, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    return postgres.rsplit("/", 1)[0] + "/" + name
+
+
+def postgres_rss(checkpoint, root, args, cache, postgres: str) -> dict:
+    """``rss_over_jobs`` on a server whose jobs live in PostgreSQL."""
+    server = Server(["--model_id", checkpoint, *_shape(args), "--compilation_cache_dir", cache,
+                     "--jobs_db", new_database(postgres)], os.path.join(root, "out-rss-pg"),
+                    log=os.path.join(root, "rss-pg.log")).start()
+    try:
+        server.wait_ready()
+        one_video(httpx2.Client(base_url=server.url, timeout=600), 0)
+        return rss_over_jobs(server, args.rss_jobs)
+    finally:
+        server.stop()
+
+
+def fleet_rows(checkpoint, root, args, cache, postgres: str) -> list[dict]:
+    """Throughput and latency per client load for: one server on SQLite, one on PostgreSQL,
+    two sharing PostgreSQL (a new database per row, created on the ``postgres`` server), then
+    SQLite again: a drift check, since other work on the host changes every row's speed."""
+    rows = []
+    for label, n, pg in (("1 server, SQLite", 1, False), ("1 server, PostgreSQL", 1, True),
+                         ("2 servers, one PostgreSQL", 2, True),
+                         ("1 server, SQLite (again)", 1, False)):
+        url = new_database(postgres) if pg else None
+        out = os.path.join(root, f"out-{len(rows)}")
+        servers = [Server(["--model_id", checkpoint, *_shape(args), "--compilation_cache_dir",
+                           cache, *(["--jobs_db", url] if url else [])], out,
+                          log=os.path.join(root, f"row{len(rows)}-{k}.log")).start()
+                   for k in range(n)]
+        try:
+            for server in servers:
+                server.wait_ready()
+                one_video(httpx2.Client(base_url=server.url, timeout=600), 0)  # first job
+            rows += [dict(row=label, **load(servers, int(c), args.jobs))
+                     for c in args.clients.split(",")]
+        finally:
+            for server in servers:
+                server.stop()
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=96)
@@ -137,6 +199,11 @@ def main() -> int:
     p.add_argument("--rss_jobs", type=int, default=0,
                    help="also run this many one-client videos and sample the server's RSS "
                         "every 10 (e.g. 200; default: skip)")
+    p.add_argument("--postgres", default=None,
+                   help="a PostgreSQL URL to create databases on: adds the job store's rows "
+                        "(SQLite against PostgreSQL, one server against two)")
+    p.add_argument("--fleet_only", action="store_true",
+                   help="with --postgres, only the job store's rows")
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="serve-bench-")
     checkpoint = os.path.join(root, "tiny-wan")
@@ -145,6 +212,13 @@ def main() -> int:
     cache = os.path.join(root, "jax-cache")
     out = dict(host="CPU (JAX CPU backend, 1 device), tiny Wan checkpoint",
                shape=f"{args.width}x{args.height}x{args.frames}, {args.steps} steps")
+    if args.postgres:
+        out["fleet"] = fleet_rows(checkpoint, root, args, cache, args.postgres)
+        if args.rss_jobs:
+            out["rss_postgres"] = postgres_rss(checkpoint, root, args, cache, args.postgres)
+        if args.fleet_only:
+            print(json.dumps(out, indent=2))
+            return 0
     out["cold"] = time_to_ready(checkpoint, root, args, cache)
     out["warm"] = time_to_ready(checkpoint, root, args, cache)
     server = Server(["--model_id", checkpoint, *_shape(args), "--compilation_cache_dir",

@@ -5,7 +5,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 
+import psycopg
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,3 +75,39 @@ def torchax_env():
         env._ops.pop(sdpa, None)
     else:
         env._ops[sdpa] = saved
+
+
+# A real PostgreSQL server for the shared job store's tests: .ci/run starts a throwaway
+# cluster (tools/postgres.sh) and exports its URL here.
+POSTGRES_ENV = "GENERATE_FLAX_TEST_POSTGRES"
+
+
+def new_database():
+    """A new, empty database on the test PostgreSQL server: a generator yielding its URL,
+    dropping it after. Skips (with the reason) without a server, except under CI, where it
+    fails."""
+    base = os.environ.get(POSTGRES_ENV)
+    if not base:
+        reason = (f"needs a PostgreSQL server: eval \"$(tools/postgres.sh start)\" sets "
+                  f"${POSTGRES_ENV}")
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (.ci/run starts one)")
+        pytest.skip(reason)
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(base, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    yield base.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(base, autocommit=True) as db:
+        db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def postgres_url():
+    """The URL of a new, empty database for one test (``new_database``)."""
+    yield from new_database()
+
+
+@pytest.fixture(scope="module")
+def postgres_url_module():
+    """The URL of a new, empty database shared by a module's tests (``new_database``)."""
+    yield from new_database()

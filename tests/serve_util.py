@@ -106,6 +106,17 @@ def wait_done(client: httpx2.Client, ids, timeout: float = 180) -> dict:
     raise AssertionError(f"jobs not done after {timeout} s: {set(ids) - set(done)}")
 
 
+def wait_for(client: httpx2.Client, video_id: str, test, timeout: float = 60.0) -> dict:
+    """The video object once ``test(it)`` holds, polled every 50 ms."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        job = client.get(f"/v1/videos/{video_id}").json()
+        if test(job):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"{video_id}: condition not met in {timeout} s: {job}")
+
+
 def server_frames(out, video_id: str):
     return load_file(os.path.join(str(out), f"{video_id}.frames.safetensors"))["frames"]
 

@@ -17,7 +17,17 @@ import time
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env, server_frames, wait_done
+from serve_util import (
+    KEY,
+    PROMPT,
+    SETTINGS,
+    Server,
+    cli_frames,
+    env,
+    server_frames,
+    wait_done,
+    wait_for,
+)
 
 from engine.serve import webhooks
 from engine.serve.requests import ApiError
@@ -41,16 +51,6 @@ def served(tiny_checkpoint, tmp_path_factory):
         assert server.stop() == 0, server.tail()
 
 
-def _wait(c, video_id, test, timeout=60.0) -> dict:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        job = c.get(f"/v1/videos/{video_id}").json()
-        if test(job):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"{video_id}: condition not met in {timeout} s: {job}")
-
-
 def _files(out, video_id):
     return [n for n in os.listdir(out) if n.startswith(video_id)]
 
@@ -62,7 +62,7 @@ def test_cancel_queued_and_running_then_the_next_job_runs(served):
         b = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", num_frames=5,
                                            seed=NEXT_SEED)).json()
         q = c.post("/v1/videos", json={**LONG, "seed": 3}).json()
-        running = _wait(c, a["id"], lambda j: j["status"] == "in_progress" and j["progress"])
+        running = wait_for(c, a["id"], lambda j: j["status"] == "in_progress" and j["progress"])
         assert c.get(f"/v1/videos/{b['id']}").json()["queue_position"] == 0
         assert c.get(f"/v1/videos/{q['id']}").json()["queue_position"] == 1
         # The queued job: cancelled at once, never started.
@@ -71,7 +71,7 @@ def test_cancel_queued_and_running_then_the_next_job_runs(served):
         # The running job: steps done when the cancel is sent (progress = 100 * done // 9).
         done_before = c.get(f"/v1/videos/{a['id']}").json()["progress"] * 9 // 100
         assert c.post(f"/v1/videos/{a['id']}/cancel").status_code == 200
-        a_end = _wait(c, a["id"], lambda j: j["status"] == "cancelled")
+        a_end = wait_for(c, a["id"], lambda j: j["status"] == "cancelled")
         assert running["progress"] > 0
         assert 1 <= a_end["steps_done"] <= done_before + 1 < 8, (done_before, a_end)
         assert a_end["files"] == [] and not _files(server.out, a["id"])
@@ -91,7 +91,7 @@ def test_delete_of_a_running_job_cancels_and_removes_it(served):
     server, _ = served
     with server.client() as c:
         d = c.post("/v1/videos", json={**LONG, "seed": 5}).json()
-        _wait(c, d["id"], lambda j: j["status"] == "in_progress" and j["progress"])
+        wait_for(c, d["id"], lambda j: j["status"] == "in_progress" and j["progress"])
         r = c.delete(f"/v1/videos/{d['id']}")
         assert r.status_code == 200 and r.json()["deleted"] is True
         t0 = time.monotonic()

@@ -131,9 +131,10 @@ def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
              on_video=lambda video, frames: want.__setitem__(video.seed, frames) or [])
     for video_id, seed in ids.items():
         np.testing.assert_allclose(server_frames(out, video_id), want[seed], atol=1e-5, rtol=0)
+    # The store and the two jobs' files, nothing partial; a clean stop closes the store, so
+    # SQLite folds its write-ahead log back into the file.
     assert sorted(os.listdir(out)) == sorted(
-        ["jobs.sqlite3", "jobs.sqlite3-shm", "jobs.sqlite3-wal"]
-        + [f"{i}{ext}" for i in ids for ext in (".mp4", ".frames.safetensors")])
+        ["jobs.sqlite3"] + [f"{i}{ext}" for i in ids for ext in (".mp4", ".frames.safetensors")])
 
 
 def _pair(checkpoint, out, log, cache) -> list[Server]:
@@ -265,6 +266,11 @@ def test_fatal_log_filter():
     (["--retention_hours", "1"], ["--retention_hours", "needs --serve"]),
     (["--serve", "--retention_hours", "0"], ["--retention_hours=0.0", "> 0"]),
     (["--serve", "--retention_hours", "nan"], ["--retention_hours=nan", "> 0"]),
+    (["--jobs_db", "postgresql://u@h/db"], ["--jobs_db", "needs --serve"]),
+    (["--serve", "--jobs_db", "mysql://u:secret@h/db"],
+     ["--jobs_db='mysql://u:***@h/db'", "expected postgresql://"]),
+    (["--serve", "--jobs_db", "not a url"], ["--jobs_db", "expected postgresql://"]),
+    (["--serve", "--job_lease_s", "1"], ["--job_lease_s=1.0", "3..3600"]),
 ])
 def test_bad_serve_flags(tiny_checkpoint, tmp_path, flags, words):
     """One line naming the flag, before any model loads (the CLI prints it as
@@ -290,6 +296,22 @@ def test_image_to_video_serve_flags(i2v_checkpoint, tmp_path):
         gf.validate_args(gf.parse_args([*argv, "--image", image]))
     for word in ("--image", "--serve"):
         assert word in str(e.value), str(e.value)
+
+
+def test_unreachable_jobs_db_is_one_line_before_loading(tiny_checkpoint, tmp_path, capsys):
+    """A PostgreSQL URL nothing listens on: one line naming --jobs_db, the password masked,
+    before any model loads (no server needed for this test: the port is closed)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        code = gf.cli(["--serve", "--model_id", tiny_checkpoint, "--output_dir", str(tmp_path),
+                       "--jobs_db", f"postgresql://u:hunter2@127.0.0.1:{port}/jobs",
+                       "--port", str(free_port())])
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"generate_flax.py: error: --jobs_db='postgresql://u:***@"
+                           f"127.0.0.1:{port}/jobs': cannot open the job store (")
+    assert "hunter2" not in line
 
 
 def test_busy_port_is_one_line_before_loading(tiny_checkpoint, tmp_path, capsys):

@@ -17,6 +17,7 @@ import threading
 import time
 
 import jax
+import sqlalchemy as sa
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
@@ -26,22 +27,28 @@ from starlette.exceptions import HTTPException
 from engine.run import runtime
 from engine.run.errors import GenerationError, fail, first_line
 from engine.serve import hosts, uploads, webhooks
+from engine.serve import jobs as store_rows
 from engine.serve import model as warm
 from engine.serve import requests as checks
+from engine.serve.fleet import Fleet
 from engine.serve.jobs import CANCEL_AND_DELETE, ENDED, ID_PATTERN, Job, JobStore, new_id
 from engine.serve.metrics import Metrics
 from engine.serve.requests import MAX_UPLOAD_BYTES, ApiError, refuse
-from engine.serve.worker import Worker, video_path
+from engine.serve.storage import SharedFolder, Storage
+from engine.serve.worker import Worker, video_name
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "index.html")
 
 
 @dataclasses.dataclass
 class State:
-    """What the handlers share: the job store, the worker's wake-up, the key, and the model
-    once it is ready (``served`` None while loading)."""
+    """What the handlers share: the job store, the files' storage, this server among the
+    store's servers (``fleet``), the worker's wake-up, the key, and the model once it is
+    ready (``served`` None while loading)."""
 
     store: JobStore
+    storage: Storage
+    fleet: Fleet
     api_key: str | None
     wake: threading.Event
     served: warm.Served | None = None
@@ -120,14 +127,19 @@ def create_app(state: State) -> FastAPI:
         fields, image, name = await _read_body(request)
         info = None if image is None else uploads.check(image, name)
         req = checks.parse(fields)
-        settings = checks.check(req, state.served, info)
+        served, live = state.fleet.view(state.served)  # every live server's buckets
+        settings = checks.check(req, served, info)
+        if store_rows.job_bucket(settings) not in live:
+            refuse("size", settings.size, f"no live server runs {settings.size} at "
+                   f"{settings.num_frames} frames; live buckets: "
+                   f"{', '.join(sorted(k.rsplit(':', 1)[1] for k in live))}")
         if req.callback_url is not None:
             settings = dataclasses.replace(settings, callback_url=webhooks.check_url(
                 req.callback_url, state.api_key))
         job_id = new_id()
         if info is not None:  # on disk before the job is committed: a restart finds it
             settings = dataclasses.replace(settings, input_reference=checks.InputReference(
-                **info, file=uploads.save(state.store.folder, job_id, image, info)))
+                **info, file=uploads.save(state.storage.folder, job_id, image, info)))
         job = state.store.add(settings, job_id)
         state.wake.set()
         return video_object(job, state.store.queue_position(job), state.retention_s)
@@ -163,6 +175,7 @@ def _status_routes(app: FastAPI, state: State, key) -> None:
         body = dict(status="ready" if state.served else "loading",
                     queued=state.store.count("queued"),
                     in_progress=state.store.count("in_progress"),
+                    server_id=state.fleet.id, jobs_db=state.store.url,
                     time_to_ready=state.ready,
                     seconds_up=time.perf_counter() - state.started)
         return JSONResponse(body, status_code=200 if state.served else 503)
@@ -173,7 +186,8 @@ def _status_routes(app: FastAPI, state: State, key) -> None:
 
     @app.get("/v1/models", dependencies=[key])
     def models():
-        return dict(object="list", data=[state.served.describe()] if state.served else [])
+        return dict(object="list", data=[state.fleet.describe(state.served)]
+                    if state.served else [])
 
 
 def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
@@ -205,7 +219,12 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         if job.status != "completed":
             raise ApiError(409, f"video_id={video_id!r}: is {job.status}, not completed",
                            "video_id", "not_ready")
-        return FileResponse(video_path(state.store.folder, video_id), media_type="video/mp4")
+        name = video_name(video_id)
+        if not state.storage.exists(name):  # ran on a server whose --output_dir is not ours
+            raise ApiError(500, f"video_id={video_id!r}: completed, but {name} is not in this "
+                           "server's --output_dir; servers sharing --jobs_db must share "
+                           "--output_dir", "video_id", "file_missing", "server_error")
+        return FileResponse(state.storage.path(name), media_type="video/mp4")
 
     @app.delete("/v1/videos/{video_id}", dependencies=[key])
     def delete(video_id: str):
@@ -219,9 +238,7 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
             state.store.delete(video_id)
         image = job.settings.input_reference
         for name in [*(job.result or {}).get("files", []), *([image.file] if image else [])]:
-            path = os.path.join(state.store.folder, name)
-            if os.path.exists(path):
-                os.remove(path)
+            state.storage.remove(name)
         return dict(id=video_id, object="video.deleted", deleted=True)
 
 
@@ -231,6 +248,12 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(sa.exc.SQLAlchemyError)
+    async def store_away(_, e: sa.exc.SQLAlchemyError):
+        return JSONResponse(ApiError(503, f"the job store did not answer "
+                                     f"({first_line(getattr(e, 'orig', None) or e)}); retry",
+                                     None, "store_unavailable", "server_error").body(), 503)
 
     @app.exception_handler(RequestValidationError)
     async def bad_query(_, e: RequestValidationError):
@@ -307,10 +330,11 @@ def serve(config, family) -> int:
         return 0
     s = config.serve
     _check_listen(s.host, s.port)
-    store = JobStore(config.run.output_dir)
+    store = open_store(config)
     recovered = store.recover()
-    state = State(store=store, api_key=s.api_key, wake=threading.Event(),
-                  retention_s=s.retention_s)
+    state = State(store=store, storage=SharedFolder(config.run.output_dir),
+                  fleet=Fleet(store, f"{socket.gethostname()}:{s.port}"), api_key=s.api_key,
+                  wake=threading.Event(), retention_s=s.retention_s)
     state.metrics = Metrics(state)
     state.webhooks = webhooks.Webhooks(s.api_key)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=s.host, port=s.port,
@@ -324,7 +348,8 @@ def serve(config, family) -> int:
 
     thread = threading.Thread(target=_load_and_work, daemon=True,
                               args=(config, family, state, on_fatal, worker))
-    print(f"serving http://{s.host}:{s.port} (loading; {len(recovered['requeued'])} jobs "
+    print(f"serving http://{s.host}:{s.port} (loading; jobs in {store.url}"
+          f"{', shared' if store.shared else ''}; {len(recovered['requeued'])} jobs "
           f"re-queued, {len(recovered['removed'])} partial files removed)", flush=True)
     thread.start()
     try:
@@ -337,9 +362,29 @@ def serve(config, family) -> int:
     if worker:
         worker[0].stop()
         thread.join(timeout=10)
+    state.fleet.leave()
+    store.close()
     if failure:
         raise failure[0] if isinstance(failure[0], Exception) else GenerationError(failure[0])
     return 0
+
+
+def open_store(config) -> JobStore:
+    """The job store of ``--jobs_db`` (default: SQLite in --output_dir), reached before any
+    model loads.
+
+    Raises:
+        UsageError: the database cannot be reached or refused the schema (one line naming
+            --jobs_db, the URL with its password masked, and the driver's reason).
+    """
+    s = config.serve
+    try:
+        return JobStore(config.run.output_dir, s.jobs_db, s.lease_s)
+    except sa.exc.SQLAlchemyError as e:
+        shown = "the SQLite file in --output_dir" if s.jobs_db is None else \
+            sa.make_url(s.jobs_db).render_as_string(hide_password=True)
+        reason = first_line(getattr(e, "orig", None) or e)
+        fail("--jobs_db", shown, f"cannot open the job store ({reason})")
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -370,13 +415,17 @@ def _load_and_work(config, family, state: State, on_fatal, worker: list) -> None
     state.ready = t
     handoff = hosts.HandOff(jax.process_count()) if runtime.in_multi_process_run() else None
     w = Worker(state.store, model, on_fatal, handoff, state.metrics, state.retention_s,
-               on_ended=lambda job_id: notify(state, job_id))
+               on_ended=lambda job_id: notify(state, job_id), fleet=state.fleet,
+               storage=state.storage)
     w.wake = state.wake
     worker.append(w)
+    state.fleet.join(model.served, list(model.buckets))
     state.served = model.served
-    cache = t["compilation_cache"] or {}
-    print(f"ready in {t['ready_s']:.1f} s: load {t['load_s']:.1f} s, compile "
-          f"{t['compile_s']:.1f} s, warmup {t['warmup_s']:.1f} s over "
-          f"{len(model.buckets)} buckets ({', '.join(model.buckets)}); compilation cache "
-          f"{cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses", flush=True)
+    cache, split = t["compilation_cache"] or {}, t["split"]
+    print(f"ready in {t['ready_s']:.1f} s ({split['total_s']:.1f} s from the process start: "
+          + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in split.items()
+                      if k != "total_s" and v >= 0.05)
+          + f") over {len(model.buckets)} buckets ({', '.join(model.buckets)}); programs "
+          f"{t['programs_compiled']} compiled, {t['programs_loaded']} loaded; compilation "
+          f"cache {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses", flush=True)
     w.loop()

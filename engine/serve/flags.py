@@ -6,10 +6,19 @@ import dataclasses
 import os
 import re
 
+import sqlalchemy as sa
+
 from engine.run.errors import fail
+from engine.serve.jobs import DEFAULT_LEASE_S
 
 API_KEY_ENV = "GENERATE_FLAX_API_KEY"
-FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames", "retention_hours")
+JOBS_DB_ENV = "GENERATE_FLAX_JOBS_DB"  # keeps a database password off the command line
+FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames", "retention_hours",
+         "jobs_db", "job_lease_s")
+# --job_lease_s bounds: a heartbeat every third of the lease must fit a busy host's scheduling
+# hiccups (below 3 s, a loaded CPU host lost leases in tests); above an hour, a dead server's
+# job waits longer than anyone would.
+LEASE_RANGE = (3.0, 3600.0)
 # What --serve cannot combine with: each runs a different protocol than one job at a time
 # (--image: one picture for every job; a served job sends its own as input_reference).
 _EXCLUSIVE = (("stage", "all", "--stage"), ("dry_run", False, "--dry_run"),
@@ -23,7 +32,9 @@ class ServeSettings:
     key), and the shape buckets compiled at start: ``sizes`` as (width, height) pixels in the
     order given (OpenAI's ``size`` is "WIDTHxHEIGHT"), ``frames`` as frame counts. The first
     size and frames are a request's defaults. ``retention_s``: seconds an ended job's files
-    are kept before it becomes ``expired`` (None: kept until deleted)."""
+    are kept before it becomes ``expired`` (None: kept until deleted). ``jobs_db``: the job
+    store's URL (None: SQLite in --output_dir); ``lease_s``: seconds a running job's lease
+    lasts without a heartbeat."""
 
     host: str
     port: int
@@ -31,6 +42,8 @@ class ServeSettings:
     sizes: tuple
     frames: tuple
     retention_s: float | None = None
+    jobs_db: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
 
     @property
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -42,7 +55,10 @@ class ServeSettings:
         return dict(host=self.host, port=self.port, api_key_set=self.api_key is not None,
                     sizes=[f"{w}x{h}" for w, h in self.sizes], frames=list(self.frames),
                     retention_hours=None if self.retention_s is None
-                    else self.retention_s / 3600)
+                    else self.retention_s / 3600,
+                    jobs_db=None if self.jobs_db is None else
+                    sa.make_url(self.jobs_db).render_as_string(hide_password=True),
+                    job_lease_s=self.lease_s)
 
 
 def add_serve_flags(g) -> None:
@@ -66,6 +82,15 @@ def add_serve_flags(g) -> None:
     g.add_argument("--retention_hours", type=float, default=None,
                    help="hours an ended job's video is kept; then a sweeper removes its files "
                         "and its status becomes 'expired' (default: kept until deleted)")
+    g.add_argument("--jobs_db", default=None,
+                   help=f"the job store: postgresql://USER:PASSWORD@HOST/DB lets several "
+                        f"servers share one queue (each needs the same --output_dir, a shared "
+                        f"folder); default ${JOBS_DB_ENV} if set, else SQLite in --output_dir "
+                        f"(docs/serving.md)")
+    g.add_argument("--job_lease_s", type=float, default=None,
+                   help=f"seconds a running job stays this server's without a heartbeat; a "
+                        f"dead server's job runs again elsewhere after it (default "
+                        f"{DEFAULT_LEASE_S:g})")
 
 
 def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSettings | None:
@@ -80,7 +105,8 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     """
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if not args.serve:
-        for flag in ("api_key", "serve_sizes", "serve_frames", "retention_hours"):
+        for flag in ("api_key", "serve_sizes", "serve_frames", "retention_hours", "jobs_db",
+                     "job_lease_s"):
             if getattr(args, flag) is not None:
                 fail(f"--{flag}", getattr(args, flag), "needs --serve")
         return None
@@ -97,6 +123,7 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     if api_key is not None and not api_key.strip():
         fail("--api_key", "''", f"must not be empty (omit it and unset ${API_KEY_ENV} for "
              "no key)")
+    jobs_db, lease_s = _jobs_db(args)
     multiple = defaults.get("pixel_multiple", family.sizes.pixel_multiple)
     sizes = _parse_sizes(args.serve_sizes, values, multiple, family.name)
     frames = _parse_frames(args.serve_frames, values, family.sizes.frame_step, family.name)
@@ -108,7 +135,32 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     values.update(width=sizes[0][0], height=sizes[0][1], frames=frames[0])
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, sizes=sizes,
                          frames=frames,
-                         retention_s=None if retention is None else retention * 3600)
+                         retention_s=None if retention is None else retention * 3600,
+                         jobs_db=jobs_db, lease_s=lease_s)
+
+
+def _jobs_db(args) -> tuple[str | None, float]:
+    """(--jobs_db or $GENERATE_FLAX_JOBS_DB, --job_lease_s), checked.
+
+    Raises:
+        UsageError: a URL that is neither PostgreSQL nor SQLite, or a lease out of range.
+    """
+    url = args.jobs_db if args.jobs_db is not None else os.environ.get(JOBS_DB_ENV) or None
+    if url is not None:
+        try:
+            backend = sa.make_url(url).get_backend_name()
+        except sa.exc.ArgumentError:
+            backend = None
+        if backend not in ("postgresql", "sqlite"):
+            shown = url if backend is None else \
+                sa.make_url(url).render_as_string(hide_password=True)
+            fail("--jobs_db", shown, "expected postgresql://USER:PASSWORD@HOST[:PORT]/DB "
+                 "(or sqlite:///PATH)")
+    lease = DEFAULT_LEASE_S if args.job_lease_s is None else args.job_lease_s
+    if not LEASE_RANGE[0] <= lease <= LEASE_RANGE[1]:
+        fail("--job_lease_s", lease, f"must be in {LEASE_RANGE[0]:g}..{LEASE_RANGE[1]:g} "
+             "seconds")
+    return url, float(lease)
 
 
 def _parse_sizes(text, values, multiple: int, name: str) -> tuple:

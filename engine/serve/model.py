@@ -20,8 +20,8 @@ from PIL import Image
 from engine.files import report as reporting
 from engine.files.image import decode_image
 from engine.pipeline import prologue, stages
-from engine.programs import denoise
-from engine.run import runtime
+from engine.programs import denoise, executables
+from engine.run import clock, runtime
 from engine.run.errors import fail
 from engine.run.mesh import make_mesh
 from engine.serve.requests import VideoJob
@@ -164,13 +164,17 @@ def build(config, family, devices=None) -> WarmModel:
     """Load the pipeline, place the weights, compile and warm up every bucket of
     ``config.serve`` (a ``ServeSettings``), as ``engine.pipeline.generate`` does for one
     shape, after the same prologue. ``model.timings`` gets load_s, per-bucket
-    place/compile/warmup seconds and the persistent compilation cache's hits and misses.
+    place/compile/warmup seconds, the persistent compilation cache's hits and misses, the
+    programs compiled and loaded from the executable cache, and ``split``: the time to ready
+    in the CLI's time-to-first-video phases (``ready_split``).
 
     Raises:
         UsageError: the buckets would need different meshes.
         GenerationError: kernel self-check, out of memory, as the CLI raises them.
     """
+    t0, before = time.perf_counter(), dict(executables.STATS)
     start = prologue.start(config, family, devices)
+    prologue_s = time.perf_counter() - t0
     config, devices = start.config, start.devices
     configs = [config.replace(width=w, height=h, frames=f) for w, h, f in config.serve.buckets]
     shapes = [prologue.resolve_mesh(c, family, len(devices), start.chip) for c in configs]
@@ -189,8 +193,36 @@ def build(config, family, devices=None) -> WarmModel:
         warmup_s=sum(b.timings.get("warmup_s", 0.0) for b in model.buckets.values()),
         compilation_cache=None if start.cache_before is None else
         runtime.cache_events_since(start.cache_before))
+    model.timings["split"] = ready_split(model.timings, prologue_s, load_s,
+                                         executables.stats_since(before))
+    model.timings.update(programs_compiled=model.timings["split"].pop("programs_compiled"),
+                         programs_loaded=model.timings["split"].pop("programs_loaded"))
     model.served = _served(config, family, model)
     return model
+
+
+def ready_split(timings: dict, prologue_s: float, load_s: float, programs: dict) -> dict:
+    """The server's time to ready in the CLI's phases (``report.time_to_first_video``, no
+    video): imports (process start to the entry point's imports done), prologue, read,
+    text encode, place, trace + lower, compile, executable load, warmup, each summed over
+    the buckets (seconds), ``total_s`` from the process start, and the programs compiled
+    and loaded (``programs``: ``executables.stats_since``)."""
+    merged: dict = {}
+    for bucket in timings["buckets"].values():
+        for k, v in bucket.items():
+            if isinstance(v, (int, float)):
+                merged[k] = merged.get(k, 0.0) + v
+    merged.update(prologue_s=prologue_s, read_s=load_s, trace_lower_s=programs["lower_s"],
+                  xla_compile_s=programs["compile_s"], executable_load_s=programs["load_s"],
+                  warmup_s=timings["warmup_s"])
+    done = clock.imports_done_at()
+    imports_s = None if done is None else done - clock.process_start_time()
+    split = reporting.time_to_first_video(merged, [], imports_s=imports_s,
+                                          total_s=time.time() - clock.process_start_time())
+    for k in ("denoise_s", "decode_s"):
+        split.pop(k, None)
+    return dict(split, programs_compiled=programs["compiled"],
+                programs_loaded=programs["loaded"])
 
 
 def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:

@@ -1,5 +1,11 @@
 """One job at a time on the mesh, in arrival order (process 0's worker thread).
 
+The worker claims the oldest queued job of its buckets from the job store (with several
+servers on one store, another server may take the next one: ``JobStore.claim``), holds its
+lease while it runs (``engine.serve.fleet``'s heartbeat), and after each denoising step
+learns whether it was cancelled or is no longer its own (its lease passed while this server
+was unreachable, and another server took it over): either stops the job at that step.
+
 A job's failure (NaN latents, out of device memory) marks it
 ``failed`` with a one-line reason and the next job runs. In a multi-host run the other
 processes run the same job (``engine.serve.hosts``); when their outcome differs from
@@ -10,41 +16,49 @@ one-line error instead of risking a hang in the next collective.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+
+import sqlalchemy as sa
 
 from engine.files import videos
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
 from engine.serve import hosts, uploads
-from engine.serve.jobs import Job, JobStore
+from engine.serve.fleet import Fleet
+from engine.serve.jobs import LOST, Job, JobStore
+from engine.serve.storage import Storage
 
 # Test hook: seconds to sleep after each denoising step of a served job, so a test can
 # cancel a running job between steps on the tiny checkpoint. Unset in normal use.
 STEP_DELAY_ENV = "GENERATE_FLAX_TEST_STEP_DELAY_S"
+STORE_RETRY_S = 2.0  # between claims while the job store does not answer
 
 
-def video_path(folder: str, job_id: str) -> str:
-    """The mp4 of a job (``job_id`` already matched ``jobs.ID_PATTERN``)."""
-    return videos.video_files(folder, job_id, None, False)["video"]
+def video_name(job_id: str) -> str:
+    """The mp4's name of a job (``job_id`` already matched ``jobs.ID_PATTERN``)."""
+    return os.path.basename(videos.video_files("", job_id, None, False)["video"])
 
 
-def save(config, frames, job_id: str) -> list[str]:
-    """The job's mp4 (and frames with --save_frames) beside the job store, atomically, as
-    the CLI writes them; returns the file names."""
-    return [os.path.basename(p) for p in videos.save_video(config, frames, job_id)]
+class LeaseLost(hosts.JobCancelled):
+    """The running job is no longer this server's (its lease passed and another server
+    claimed it): stop at this step and write nothing; the other server's run stands."""
 
 
 class Worker:
-    """Runs queued jobs of ``store`` on ``model`` (a ``WarmModel``) until ``stop``.
+    """Runs the jobs of ``store`` that ``fleet``'s buckets hold on ``model`` (a
+    ``WarmModel``) until ``stop``, writing videos to ``storage``.
 
     ``fatal`` is set (and ``on_fatal`` called) when the server must end: the one-line
     error the CLI prints.
     """
 
     def __init__(self, store: JobStore, model, on_fatal, handoff: hosts.HandOff | None,
-                 metrics=None, retention_s: float | None = None, on_ended=None):
+                 metrics=None, retention_s: float | None = None, on_ended=None, *,
+                 fleet: Fleet, storage: Storage):
         self.store, self.model, self.on_fatal, self.handoff = store, model, on_fatal, handoff
+        self.fleet, self.storage = fleet, storage
         self.metrics = metrics  # engine.serve.metrics.Metrics, or None
         self.retention_s, self.next_sweep = retention_s, 0.0
         self.on_ended = on_ended  # f(job id) once a job has ended: its webhook
@@ -65,22 +79,28 @@ class Worker:
         expired = self.store.expire(self.retention_s)
         for job in expired:
             for name in (job.result or {}).get("files", []):
-                path = os.path.join(self.store.folder, name)
-                if os.path.exists(path):
-                    os.remove(path)
-            uploads.remove(self.store.folder, job.settings)
+                self.storage.remove(name)
+            uploads.remove(self.storage.folder, job.settings)
         return [job.id for job in expired]
 
     def loop(self) -> None:
         while not self.stopping:
-            self.sweep()
-            job = self.store.next_queued()
+            try:
+                self.sweep()
+                job = self.store.claim(self.fleet.id, self.fleet.buckets)
+            except sa.exc.SQLAlchemyError as e:  # the store is away: wait, never end
+                _store_away("claiming the next job", e)
+                self.wake.wait(STORE_RETRY_S)
+                continue
             if job is None:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 continue
             try:
                 self.run_one(job)
+            except sa.exc.SQLAlchemyError as e:  # its end unrecorded: its lease will lapse
+                _store_away(f"recording how {job.id} ended (it runs again once its lease "
+                            "passes)", e)
             except Exception as e:
                 self.fatal = f"job {job.id}: {first_line(e)}"
                 self.on_fatal(self.fatal)
@@ -91,12 +111,13 @@ class Worker:
     def run_one(self, job: Job) -> None:
         """Run ``job`` to completed, failed or cancelled. Raises only what must end the
         server."""
-        job_id = job.id
-        self.store.start(job_id)
+        job_id, owner = job.id, self.fleet.id
+        print(f"{job_id}: started" + (f" (attempt {job.attempts}: the last server's lease "
+                                      "passed)" if job.attempts > 1 else ""), flush=True)
         try:
-            image = uploads.load(self.store.folder, job.settings)
+            image = uploads.load(self.storage.folder, job.settings)
         except OSError as e:  # its input_reference was removed: this job only
-            self.store.fail(job_id, f"input_reference: {first_line(e)}")
+            self.store.fail(job_id, f"input_reference: {first_line(e)}", owner)
             return
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
@@ -104,7 +125,7 @@ class Worker:
         try:
             frames, config, timings = self.model.run(job_id, job.settings, image,
                                                      self._on_step(job_id, seq))
-            files = save(config, frames, job_id)
+            files = self.storage.save(config, frames, job_id)
         except (GenerationError, UsageError, hosts.JobCancelled) as e:
             error = e
         except Exception as e:
@@ -116,7 +137,8 @@ class Worker:
             if any(_kind(o) != _kind(ours) for o in theirs.values()):
                 raise GenerationError(f"the processes disagree on the job's outcome "
                                       f"(process 0: {ours}; others: {theirs})")
-        self._record(job, error, files, timings, time.time() - t0)
+        if not self._record(job, error, files, timings, time.time() - t0):
+            return  # another server holds the job now: its run announces the end
         if self.metrics is not None:
             status = "completed" if error is None else \
                 "cancelled" if isinstance(error, hosts.JobCancelled) else "failed"
@@ -134,37 +156,62 @@ class Worker:
 
         def on_step(done: int, steps: int) -> None:
             percent = 100 * done // (steps + 1)  # the decode is the last part
-            if percent != last[0]:
-                last[0] = percent
-                self.store.progress(job_id, percent)
             time.sleep(delay)
-            stop = self.store.pending_cancel(job_id) is not None
+            try:
+                if percent != last[0]:
+                    last[0] = percent
+                    self.store.progress(job_id, percent, self.fleet.id)
+                pending = self.store.check(job_id, self.fleet.id)
+            except sa.exc.SQLAlchemyError as e:  # go on; the lease says whose the job is
+                _store_away(f"{job_id}'s step {done}", e)
+                pending = None
             if seq is not None:
-                self.handoff.decide(seq, done, stop)
-            if stop:
+                self.handoff.decide(seq, done, pending is not None)
+            if pending == LOST:
+                raise LeaseLost(done)
+            if pending is not None:
                 raise hosts.JobCancelled(done)
 
         return on_step
 
-    def _record(self, job: Job, error, files: list, timings: dict, wall_s: float) -> None:
-        if isinstance(error, hosts.JobCancelled):
+    def _record(self, job: Job, error, files: list, timings: dict, wall_s: float) -> bool:
+        """Write how the job ended; False when it was no longer this server's (nothing
+        written: the server that took it over records its own run)."""
+        owner, lost = self.fleet.id, False
+        if isinstance(error, LeaseLost):
+            lost = True
+        elif isinstance(error, hosts.JobCancelled):
             self.store.cancelled(job.id, dict(files=[], timings={}, steps_done=error.steps,
-                                              wall_s=wall_s))
+                                              wall_s=wall_s), owner)
             if self.store.get(job.id) is None:  # DELETE of a running job: its image too
-                uploads.remove(self.store.folder, job.settings)
+                uploads.remove(self.storage.folder, job.settings)
             print(f"{job.id}: cancelled after {error.steps} steps", flush=True)
         elif error is not None:
             line = first_line(error) if isinstance(error, (GenerationError, UsageError)) \
                 else f"{type(error).__name__}: {first_line(error)}"
-            self.store.fail(job.id, line)
-            print(f"{job.id}: failed: {line}", flush=True)
+            lost = not self.store.fail(job.id, line, owner)
+            if not lost:
+                print(f"{job.id}: failed: {line}", flush=True)
         else:
-            self.store.complete(job.id, dict(files=files, timings=timings, wall_s=wall_s))
-            print(f"{job.id}: completed in {wall_s:.2f} s ({', '.join(files)})", flush=True)
+            lost = not self.store.complete(job.id, dict(files=files, timings=timings,
+                                                        wall_s=wall_s), owner)
+            if not lost:
+                print(f"{job.id}: completed in {wall_s:.2f} s ({', '.join(files)})",
+                      flush=True)
+        if lost:
+            print(f"{job.id}: its lease passed and another server runs it; this run's "
+                  "outcome is dropped", flush=True)
+            return False
         if not isinstance(error, hosts.JobCancelled) and self.store.drop_if_deleted(job.id):
             for name in files:  # a DELETE that came during the decode
-                os.remove(os.path.join(self.store.folder, name))
-            uploads.remove(self.store.folder, job.settings)
+                self.storage.remove(name)
+            uploads.remove(self.storage.folder, job.settings)
+        return True
+
+
+def _store_away(doing: str, error: Exception) -> None:
+    print(f"job store unreachable while {doing}: {first_line(error)}", file=sys.stderr,
+          flush=True)
 
 
 def sweep_interval_s(retention_s: float) -> float:
