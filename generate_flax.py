@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 
+from engine.dry_run import flags as dry_flags
 from engine.dry_run.fit import run_dry
 from engine.files import integrity, videos
 from engine.files import report as reporting
@@ -44,13 +45,15 @@ from engine.files.checkpoint import looks_local, model_config_dir
 from engine.files.image import check_for_model
 from engine.pipeline import Generation
 from engine.programs import experts, parking, step_cache
-from engine.run import runtime
+from engine.run import clock, runtime
 from engine.run.config import (
     RunConfig,
+    add_cache_flags,
     check_attention_options,
     check_numbers,
     check_size,
     check_writable_dir,
+    resolve_cache_dirs,
     resolve_scheduler,
     validate_block_size_flags,
 )
@@ -72,18 +75,13 @@ from families import FAMILIES, detect_family
 DEFAULTS = dict(
     model_id="Wan-AI/Wan2.1-T2V-14B-Diffusers",
     flow_shift=None,  # the family's default for the resolution
-    seed=42,
-    warmup_steps=2,
-    num_iterations=1,
-    output_dir="outputs",
-    dtype="bfloat16",
-    attention="auto",
-    stage="all",
+    seed=42, warmup_steps=2, num_iterations=1,
+    output_dir="outputs", dtype="bfloat16", attention="auto", stage="all",
+    # JAX's compilation cache, and beside it the executable and prompt-embedding caches.
+    cache_home=os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"), "wan-flax"),
     work_dir="work",
     scan_layers=True,
-    compilation_cache_dir=os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "wan-flax", "jax-compilation-cache"),
     bq=None, bkv=None, bkv_compute=None,  # Splash blocks: None = the chip's (default_block_sizes)
     park_weights="auto",
 )
@@ -119,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(p.add_argument_group("run and benchmark"))
     _add_parallel_flags(p.add_argument_group("parallelism and kernel"))
     step_cache.add_cache_flags(p.add_argument_group("step caching (docs/features.md)"))
-    _add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
+    dry_flags.add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
     serving.add_serve_flags(p.add_argument_group("serving (docs/serving.md)"))
     m = p.add_argument_group("multi-host (one process per host; Cloud TPU finds these itself)")
     m.add_argument("--coordinator_address", default=None,
@@ -207,8 +205,7 @@ def _add_run_flags(g) -> None:
     g.add_argument("--work_dir", default=d["work_dir"],
                    help="folder for embeddings.safetensors, generation_config.json and "
                         "latents.safetensors")
-    g.add_argument("--compilation_cache_dir", default=d["compilation_cache_dir"],
-                   help="JAX persistent compilation cache; 'none' disables it")
+    add_cache_flags(g, d["cache_home"])  # compilation, executable, embeddings caches
     g.add_argument("--profile_dir", default=None,
                    help="capture a jax.profiler trace of one steady-state denoising step (model "
                         "call + scheduler step) into this folder, for TensorBoard/XProf or "
@@ -218,7 +215,8 @@ def _add_run_flags(g) -> None:
                         "default frame-chunked decode")
     g.add_argument("--park_weights", choices=parking.MODES, default=d["park_weights"],
                    help="shard the transformer's replicated weights over every device while "
-                        "the VAE decodes (auto: when the decode would not fit beside them)")
+                        "the VAE decodes, and a two-expert model's idle expert until its "
+                        "boundary step (auto: each where it would not fit otherwise)")
     g.add_argument("--verbose", action="store_true", help="debug logging (e.g. unsharded weights)")
 
 
@@ -268,29 +266,6 @@ def _add_parallel_flags(g) -> None:
                         "default: the chip's)")
 
 
-def _add_dry_run_flags(g) -> None:
-    g.add_argument("--dry_run", action="store_true",
-                   help="compile the denoising step and the VAE decode for --topology with the "
-                        "real TPU compiler, no TPU and no weights; print per-chip HBM; exit 0 "
-                        "if the run fits, 3 if not")
-    g.add_argument("--topology", default=None,
-                   help="TPU topology for --dry_run, e.g. v5e:2x4, v6e:2x4, v6e:4x4, v5p:2x2x1 "
-                        "(default: none; --dry_run needs one)")
-    g.add_argument("--dry_run_layers", type=int, default=None,
-                   help="compile only this many transformer blocks in --dry_run (quick checks; "
-                        "default: all)")
-    g.add_argument("--dry_run_skip_vae", action="store_true",
-                   help="compile only the transformer step in --dry_run (the VAE decode's TPU "
-                        "compile alone can take ~10 min on a 2-core host)")
-    g.add_argument("--dry_run_exact_convs", action="store_true",
-                   help="compile convolutions in --dry_run with the TPU compiler's default "
-                        "effort (5-10x slower VAE compile; same HBM figures measured here)")
-    g.add_argument("--estimate", action="store_true",
-                   help="with --dry_run: estimated s/step from libtpu's static profile (the "
-                        "kernel) and the roofline (a compiled block); v5e, v6e; assumed clock; "
-                        "not a measurement (engine/dry_run/estimate.py)")
-
-
 def validate_args(args: argparse.Namespace) -> RunConfig:
     """Check every flag without loading a model and resolve the run configuration.
 
@@ -301,6 +276,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         UsageError: one line naming the flag, the value and the rule.
     """
     check_numbers(args)
+    dry_flags.check_aot_export(args)
     validate_block_size_flags(args)
     runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)
@@ -334,7 +310,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                  "denoise, without --dry_run")
         check_writable_dir(args.profile_dir, flag="--profile_dir")
     check_writable_dir(args.output_dir)
-    extras = dict(videos=videos.plan(args, values),
+    extras = dict(videos=videos.plan(args, values), **resolve_cache_dirs(args),
                   image=image_info, serve=serve,
                   lora=lora.validate(args.lora, family, args.model_id, args.dtype),
                   lora_2=lora.validate(args.lora_2, family, args.model_id, args.dtype,
@@ -385,6 +361,7 @@ def _validate_model(args) -> str:
 
 
 def main(argv=None) -> int:
+    clock.mark_imports_done()  # the report's time to first video starts at the process start
     config = validate_args(parse_args(argv))  # on every host, before any host joins the others
     logging.basicConfig(level=logging.DEBUG if config.run.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
@@ -405,10 +382,11 @@ def generate(config: RunConfig, family, checked: dict) -> int:
     """One run, stage by stage (``engine.pipeline.Generation``); process 0 writes each
     video as soon as it is done, then the JSON report and the summary. Returns the exit
     code (130: interrupted between videos, the finished ones kept)."""
-    # One stamp for every file of the run.
     stem = reporting.output_stem(config.run.output_dir) if runtime.is_writer() else None
-    written: list[str] = []
+    written: list[str] = []  # one stamp (stem) for every file of the run
+    first = reporting.FirstVideo()  # times the first write: the end of time to first video
 
+    @first.timed
     def save(video, frames):
         paths = videos.save_video(config, frames, stem, video) if runtime.is_writer() else []
         written.extend(paths)
@@ -429,6 +407,7 @@ def generate(config: RunConfig, family, checked: dict) -> int:
         return write_stage_report(config, report)
     if not config.run.videos:
         report = dict(video=os.path.basename(save(None, frames)[0]), **report)
+    report["timings"]["time_to_first_video"] = first.split(report)
     written += reporting.save_run(report, config.run.output_dir, stem,
                                   plots=not config.run.no_plots)
     devices = report["devices"]

@@ -227,10 +227,12 @@ def test_nan_weights_fail_naming_the_stage_and_write_nothing(tiny_checkpoint, tm
 
 
 def test_second_process_hits_the_persistent_compilation_cache(tiny_checkpoint, tmp_path):
-    """torchax-jitted programs must be served from JAX's persistent cache in a new process."""
+    """torchax-jitted programs must be served from JAX's persistent cache in a new process
+    (the executable cache off: it would serve the AOT programs before JAX's cache is asked;
+    tests/test_time_to_ready.py covers it)."""
     flags = ["--model_id", tiny_checkpoint, "--height", "32", "--width", "48", "--frames", "5",
              "--num_inference_steps", "1", "--num_iterations", "1",
-             "--compilation_cache_dir", str(tmp_path / "cache")]
+             "--compilation_cache_dir", str(tmp_path / "cache"), "--executable_cache_dir", "none"]
     reports = []
     for i in range(2):
         out = tmp_path / f"out{i}"

@@ -2,7 +2,9 @@
 
 - ``timeline``: every timed phase of a run on one time axis: text encode, placement, each
   compile, the warmup, each denoising step (cached steps in their own colour) and each VAE
-  decode; one row for the cold start and one per timed run (per video with --prompts_file).
+  decode; one row for the cold start and one per timed run (per video with --prompts_file);
+  above them, the time to first video from the process start, phase by phase
+  (``engine.files.report.time_to_first_video``), on its own clock.
   The phases are laid end to end in the order the run does them; untimed work between them
   (loading the pipeline, placing the model inputs) is not drawn.
 - ``dry_run_hbm``: per-chip HBM bars for each program of a dry run (arguments, outputs,
@@ -27,9 +29,30 @@ COLOURS = {"text encode": "#8c564b", "place transformer": "#7f7f7f", "place VAE"
            "VAE decode": "#2ca02c"}
 
 
+# The time-to-first-video row's phases (keys of the report's split) and their colours.
+FIRST_VIDEO_COLOURS = {"imports_s": "#393b79", "checkpoint_check_s": "#5254a3",
+                       "prologue_s": "#6b6ecf", "read_s": "#9c9ede", "text_encode_s": "#8c564b",
+                       "place_s": "#7f7f7f", "trace_lower_s": "#e7969c",
+                       "compile_s": "#d62728", "executable_load_s": "#17becf",
+                       "warmup_s": "#9467bd", "denoise_s": "#1f77b4", "decode_s": "#2ca02c",
+                       "write_s": "#bcbd22", "other_s": "#dddddd"}
+FIRST_VIDEO_ROW = "time to first video"
+
+
+def first_video_phases(report: dict) -> list[tuple[str, str, float, float]]:
+    """The time-to-first-video row: (row, phase key, start s, seconds), end to end from
+    the process start; [] when the report has no split."""
+    split, out, clock = report["timings"].get("time_to_first_video") or {}, [], 0.0
+    for key in FIRST_VIDEO_COLOURS:
+        if split.get(key):
+            out.append((FIRST_VIDEO_ROW, key, clock, split[key]))
+            clock += split[key]
+    return out
+
+
 def timeline_phases(report: dict) -> list[tuple[str, str, float, float]]:
     """(row, phase, start s, seconds) for every bar of the timeline, from ``report``."""
-    t, out, clock = report["timings"], [], 0.0
+    t, out, clock = report["timings"], first_video_phases(report), 0.0
     for label, key in COLD_PHASES:
         if key in t:
             out.append(("cold start", label, clock, t[key]))
@@ -68,9 +91,11 @@ def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows)), dpi=100)
     seen = set()
     for row, label, start, seconds in phases:
-        ax.barh(rows.index(row), seconds, left=start, height=0.6, color=COLOURS[label],
-                edgecolor="white", linewidth=0.3, label=None if label in seen else label)
-        seen.add(label)
+        colour = FIRST_VIDEO_COLOURS.get(label) if row == FIRST_VIDEO_ROW else COLOURS[label]
+        name = label.removesuffix("_s").replace("_", " ") if row == FIRST_VIDEO_ROW else label
+        ax.barh(rows.index(row), seconds, left=start, height=0.6, color=colour,
+                edgecolor="white", linewidth=0.3, label=None if name in seen else name)
+        seen.add(name)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (phases end to end; untimed work between them not drawn)")

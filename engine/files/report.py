@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.files import plots as drawing
-from engine.run import chips, runtime
+from engine.run import chips, clock, runtime
 from engine.run.runtime import to_host
 
 
@@ -151,6 +151,16 @@ def print_summary(s: dict, device_kind: str, n_devices: int) -> None:
     if "place_transformer_gbps" in s:
         print(f"{'  placement rate:':<32}{s['place_transformer_gbps']:8.2f} GB/s (host -> "
               "devices, transformer)")
+    if "overlap_wall_s" in s:  # the compile ran beside read, encode and place
+        longer = max(s["overlap_load_chain_s"], s["overlap_compile_chain_s"])
+        print(f"{'compile while loading:':<32}{s['overlap_wall_s']:8.2f} s wall = "
+              f"{s['overlap_wall_s'] / max(longer, 1e-9):.2f} x the longer chain (load "
+              f"{s['overlap_load_chain_s']:.2f} s, compile {s['overlap_compile_chain_s']:.2f} s)")
+    if "programs_compiled" in s:
+        print(f"{'programs compiled / loaded:':<32}{s['programs_compiled']:5d} / "
+              f"{s['programs_loaded']} (executable cache)")
+    if "time_to_first_video" in s:
+        print_first_video(s["time_to_first_video"])
     if "runs" not in s:
         return
     label = f"steady state, {len(s['runs'])} run(s):"
@@ -163,6 +173,107 @@ def print_summary(s: dict, device_kind: str, n_devices: int) -> None:
     if "achieved_tflops" in s:
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
         print(f"{'  transformer throughput:':<32}{s['achieved_tflops']:8.3f} TFLOP/s{mfu}")
+
+
+# The time-to-first-video split's phases, in the order a run does them, with their labels.
+FIRST_VIDEO_PHASES = (("imports_s", "imports"), ("checkpoint_check_s", "checkpoint check"),
+                      ("prologue_s", "runtime, mesh, kernel check"), ("read_s", "read"),
+                      ("text_encode_s", "text (and image) encode"), ("place_s", "place"),
+                      ("compile_wait_s", "compile wait (overlapped)"),
+                      ("trace_lower_s", "trace + lower"), ("compile_s", "compile"),
+                      ("executable_load_s", "executable load"), ("warmup_s", "warmup"),
+                      ("denoise_s", "denoise"), ("decode_s", "decode"), ("write_s", "write"),
+                      ("other_s", "other (untimed)"))
+
+
+def time_to_first_video(timings: dict, runs: list, *, imports_s: float | None = None,
+                        checkpoint_check_s: float | None = None, write_s: float | None = None,
+                        total_s: float | None = None) -> dict:
+    """The wait until the first video exists, split into phases (``FIRST_VIDEO_PHASES``).
+
+    Args:
+        timings: a ``Generation``'s (or a served job's) ``timings``, seconds per stage:
+            prologue_s, read_s, text_encode_s, image_encode_s, place_*_s, trace_lower_s
+            (tracing and lowering every program compiled), xla_compile_s,
+            executable_load_s (programs loaded from the executable cache), warmup_s; a key
+            that is absent counts as a phase that did not run (0 s, or left out).
+        runs: the timed runs before the first video was written, each with its denoise_s
+            and vae_decode_s (seconds).
+        imports_s: seconds from the process start to the end of the entry point's imports
+            (``clock``); checkpoint_check_s: ``engine.files.integrity``'s seconds; write_s:
+            seconds writing the first video's files.
+            With ``--overlap_compile`` (``overlap_*_s``, ``engine.pipeline.ahead``), the
+            thread's lower / compile / load seconds ran beside read, encode and place: they
+            leave those phases, and ``compile_wait_s`` (building the shapes and waiting for
+            the thread, on the main thread) takes their place.
+        total_s: seconds from the process start to the first video written; with it,
+            ``other_s`` is what no phase timed (placing the model inputs, Python between
+            stages). Without it, ``total_s`` is the sum of the phases.
+
+    Returns:
+        {phase: seconds} in ``FIRST_VIDEO_PHASES`` order (phases given as None left out),
+        and ``total_s``.
+    """
+    t = timings
+    split = dict(
+        imports_s=imports_s, checkpoint_check_s=checkpoint_check_s,
+        prologue_s=t.get("prologue_s"), read_s=t.get("read_s"),
+        text_encode_s=t.get("text_encode_s", 0.0) + t.get("image_encode_s", 0.0),
+        place_s=sum(v for k, v in t.items() if k.startswith("place_") and k.endswith("_s")),
+        trace_lower_s=t.get("trace_lower_s"), compile_s=t.get("xla_compile_s"),
+        executable_load_s=t.get("executable_load_s"), warmup_s=t.get("warmup_s", 0.0),
+        compile_wait_s=0.0,
+        denoise_s=sum(r.get("denoise_s", 0.0) for r in runs),
+        decode_s=sum(r.get("vae_decode_s", 0.0) for r in runs), write_s=write_s)
+    if "overlap_wall_s" in t:  # the overlapped thread's share is not on the main thread's path
+        for phase, key in (("trace_lower_s", "overlap_lower_s"),
+                           ("compile_s", "overlap_xla_compile_s"),
+                           ("executable_load_s", "overlap_load_s")):
+            split[phase] = max((split[phase] or 0.0) - t.get(key, 0.0), 0.0)
+        split["compile_wait_s"] = t.get("overlap_build_s", 0.0) + t.get("overlap_wait_s", 0.0)
+    out = {k: float(split[k]) for k, _ in FIRST_VIDEO_PHASES if split.get(k) is not None}
+    if total_s is None:
+        return dict(out, total_s=sum(out.values()))
+    return dict(out, other_s=max(total_s - sum(out.values()), 0.0), total_s=float(total_s))
+
+
+class FirstVideo:
+    """The CLI's clock for the first video: ``timed(save)`` wraps the function that writes
+    a video (returning the names written) and times its first call that writes something;
+    ``split(report)`` is then ``time_to_first_video`` of the run's report, measured from the
+    process start when the entry point marked its imports (``clock.mark_imports_done``)."""
+
+    def __init__(self):
+        self.write_s = self.done_at = None
+
+    def timed(self, save):
+        def wrapper(*args):
+            t0 = time.time()
+            names = save(*args)
+            if self.done_at is None and names:
+                self.done_at = time.time()
+                self.write_s = self.done_at - t0
+            return names
+        return wrapper
+
+    def split(self, report: dict) -> dict:
+        videos = report.get("videos")
+        runs = videos[0]["runs"] if videos else report["timings"].get("runs", [])
+        imported = clock.imports_done_at()
+        start = clock.process_start_time() if imported is not None else None
+        total = None if start is None or self.done_at is None else self.done_at - start
+        return time_to_first_video(
+            report["timings"], runs, imports_s=None if start is None else imported - start,
+            checkpoint_check_s=(report.get("checkpoint_check") or {}).get("seconds"),
+            write_s=self.write_s, total_s=total)
+
+
+def print_first_video(split: dict) -> None:
+    """Print the time-to-first-video split, one phase a line."""
+    print(f"{'time to first video:':<32}{split['total_s']:8.2f} s")
+    for key, label in FIRST_VIDEO_PHASES:
+        if key in split:
+            print(f"{'  ' + label + ':':<32}{split[key]:8.2f} s")
 
 
 def versions() -> dict:

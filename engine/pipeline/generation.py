@@ -11,14 +11,25 @@ and inputs, route SDPA to the kernel, compile the step and the VAE decode ahead 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.files import embeddings_cache, staging
 from engine.files import report as reporting
-from engine.files import staging
+from engine.pipeline import ahead as aheads
 from engine.pipeline import prologue as prologues
-from engine.pipeline.stages import encode, encode_image, for_video, next_video, prepare_programs
-from engine.programs import denoise, experts, step_cache
+from engine.pipeline.stages import (
+    encode,
+    encode_cached,
+    encode_image,
+    for_video,
+    install_attention,
+    next_video,
+    prepare_programs,
+    program_settings,
+)
+from engine.programs import denoise, executables, experts, step_cache
 from engine.run import runtime
 from engine.run.config import RunConfig
 from engine.run.mesh import make_mesh
@@ -36,14 +47,17 @@ class Generation:
     def __init__(self, config: RunConfig, family, devices=None):
         """The prologue: staged intermediates read and checked (``--stage denoise`` /
         ``decode``), then ``prologue.start``. Raises what those raise."""
+        t0 = time.perf_counter()
         config, self.staged = staging.read_intermediates(config, family)
         self.start = prologues.start(config, family, devices)
         self.config, self.family = self.start.config, family
         self.video_list = self.config.run.videos or (None,)
         self.pipe = self.programs = self.latents0 = self.placed = self.frames = None
+        self.mesh = self.fallbacks = self.ahead = self.stats_before = self.overlap_began = None
         self.embeds: list = []
         self.runs: list = []
-        self.timings: dict = {}
+        self.timings: dict = {"prologue_s": time.perf_counter() - t0}
+        self.cache = self.cached = None
         s = self.start
         self.report: dict = dict(stage=self.config.run.stage, settings={
             **self.config.settings(), "attention": s.attention,
@@ -52,8 +66,21 @@ class Generation:
             self.report["kernel_self_check"] = s.self_check
 
     def load(self) -> None:
-        """The diffusers pipeline, with the transformer's weights on the meta device."""
-        self.pipe, _ = self.start.load()
+        """The diffusers pipeline, with the transformer's weights on the meta device. With
+        the prompt-embedding cache on and every video's embeddings in it (and no --image,
+        whose encoder loads with the text encoder's), the text encoders are not loaded.
+        With ``--overlap_compile`` on, the programs start compiling from shapes first."""
+        self.start_compile()
+        self.cache = embeddings_cache.open_cache(self.config, self.family)
+        skip = ()
+        if self.cache is not None:
+            self.cached = [self.cache.load(for_video(self.config, v)) for v in self.video_list]
+            if self.config.video.image is None and all(e is not None for e in self.cached):
+                skip = embeddings_cache.encoder_components(self.family)
+        self.pipe, self.timings["read_s"] = self.start.load(skip)
+        if self.cache is not None:
+            self.report["embeddings_cache"] = dict(dir=self.cache.directory,
+                                                   text_encoder_loaded=not skip)
 
     def encode(self) -> None:
         """Every video's prompt embeddings (and the image conditioning) on the CPU, the
@@ -62,8 +89,15 @@ class Generation:
         self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
         if stage not in ("all", "encode"):
             return
-        self.embeds, self.timings["text_encode_s"] = encode(self.pipe, self.config, self.family,
-                                                            self.video_list)
+        if self.cache is not None:
+            self.embeds, self.timings["text_encode_s"], hits = encode_cached(
+                self.pipe, self.config, self.family, self.video_list, self.cached, self.cache)
+            self.report["embeddings_cache"]["videos"] = [
+                dict(video=0 if v is None else v.label, hit=h)
+                for v, h in zip(self.video_list, hits, strict=True)]
+        else:
+            self.embeds, self.timings["text_encode_s"] = encode(
+                self.pipe, self.config, self.family, self.video_list)
         if self.config.video.image is not None:
             self.embeds, self.timings["image_encode_s"] = encode_image(
                 self.pipe, self.config, self.family, self.embeds, self.start.devices)
@@ -75,16 +109,44 @@ class Generation:
         return dict(self.report, timings=self.timings, videos=[
             dataclasses.asdict(v) for v in self.config.run.videos])
 
-    def compile(self) -> None:
-        """Place the weights and the first video's inputs on the mesh, route torch SDPA to
-        the attention backend, and compile the step and the VAE decode ahead of time."""
+    def start_compile(self) -> None:
+        """The mesh, and with ``--overlap_compile`` on (``ahead.wanted``) the attention
+        routed and the step and the VAE decode compiling from shapes on a thread
+        (``engine.pipeline.ahead``) while the checkpoint is read, the prompts encoded and
+        the weights placed; ``compile`` joins it."""
         s = self.start
         self.mesh, self.fallbacks = make_mesh(s.mesh_shape, s.devices), Fallbacks()
+        self.stats_before = executables.stats_snapshot()
+        if not aheads.wanted(self.config.run.overlap_compile, self.config.run.stage, s.devices):
+            return
+        self.overlap_began = time.perf_counter()
+        config = for_video(self.config, self.video_list[0])
+        install_attention(config.kernel, self.mesh, s.attention, self.fallbacks)
+        self.ahead = aheads.start(config, self.family, self.mesh,
+                                  lambda parts: program_settings(config, parts), self.fallbacks,
+                                  decode=self.config.run.stage == "all")
+
+    def compile(self) -> None:
+        """Place the weights and the first video's inputs on the mesh, route torch SDPA to
+        the attention backend, and compile the step and the VAE decode ahead of time (or
+        join the compile ``start_compile`` began)."""
+        s = self.start
+        if self.mesh is None:
+            self.start_compile()
         self.oom_hint = reporting.oom_hint(self.config, s.devices, s.mesh_shape)
         self.programs, self.latents0, self.placed = prepare_programs(
             for_video(self.config, self.video_list[0]), self.family, self.pipe, self.mesh,
             self.embeds[0], self.staged[0], s.attention, self.fallbacks, self.oom_hint,
-            self.timings)
+            self.timings, self.ahead)
+        if self.ahead is not None:
+            self.timings.update(self.ahead.timings(self.overlap_began))
+        done = executables.stats_since(self.stats_before)
+        self.timings.update(trace_lower_s=done["lower_s"], xla_compile_s=done["compile_s"],
+                            executable_load_s=done["load_s"],
+                            programs_compiled=done["compiled"], programs_loaded=done["loaded"])
+        self.report["executable_cache"] = dict(
+            dir=self.config.run.executable_cache_dir, programs_compiled=done["compiled"],
+            programs_loaded=done["loaded"])
 
     def warm_up(self) -> None:
         """Run every compiled program once, so the timed runs are steady state."""

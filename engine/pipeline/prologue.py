@@ -42,12 +42,14 @@ class Prologue:
     self_check: dict | None
     cache_before: dict | None
 
-    def load(self) -> tuple[Any, float]:
-        """(the diffusers pipeline with the components this stage reads, seconds); the
+    def load(self, skip: tuple = ()) -> tuple[Any, float]:
+        """(the diffusers pipeline with the components this stage reads, less ``skip``
+        (e.g. the text encoders when every prompt's embeddings are cached), seconds); the
         transformer's weights stay on the meta device until they are placed."""
         t0 = time.perf_counter()
-        stage = self.config.run.stage
-        pipe = self.family.text.load_pipeline(self.config, self.family.checkpoint.components[stage])
+        components = tuple(c for c in self.family.checkpoint.components[self.config.run.stage]
+                           if c not in skip)
+        pipe = self.family.text.load_pipeline(self.config, components)
         return pipe, time.perf_counter() - t0
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from custom_splash_attention import install_sdpa_override
 from engine.files.image import read_image
-from engine.programs import experts, parking, transformer_step
+from engine.programs import executables, experts, parking, transformer_step
 from engine.programs.denoise import Programs, set_timesteps, timestep_array
 from engine.run import chips, lowering, runtime
 from engine.run.config import KernelSettings, RunConfig, RunSettings
@@ -49,6 +49,28 @@ def encode(pipe, config: RunConfig, family, videos):
     return embeds, time.perf_counter() - t0
 
 
+def encode_cached(pipe, config: RunConfig, family, videos, cached: list, cache):
+    """``encode`` through the prompt-embedding cache: each video's embeddings from
+    ``cached`` (what ``cache.load`` gave, None on a miss), the misses encoded on the CPU and
+    stored. Returns ([{name: tensor}] per video, seconds, [hit?] per video)."""
+    t0 = time.perf_counter()
+    encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
+    embeds = []
+    for video, hit in zip(videos, cached, strict=True):
+        if hit is not None:
+            embeds.append(hit)
+            continue
+        for name, module in encoders.items():  # the family frees them after each call
+            if module is not None:
+                setattr(pipe, name, module)
+        embeds.append(family.text.encode_prompts(pipe, for_video(config, video)))
+        cache.store(for_video(config, video), embeds[-1])
+    for name in encoders:  # as after ``encode``: nothing keeps the encoders
+        if hasattr(pipe, name):
+            setattr(pipe, name, None)
+    return embeds, time.perf_counter() - t0, [hit is not None for hit in cached]
+
+
 def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
     """The image conditioning (``family.image.encode``), computed once and joined to every
     video's embeddings: (embeds, seconds)."""
@@ -57,24 +79,65 @@ def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
     return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
+# Settings that change no compiled program (what a video says, where files go, how often the
+# benchmark repeats); every other setting is part of the executable cache's key, so a new
+# flag misses rather than loads a wrong program.
+NOT_PROGRAM_SETTINGS = ("prompt", "negative_prompt", "seed", "seeds", "prompts_file", "videos",
+                        "output_dir", "work_dir", "num_iterations", "warmup_steps", "no_plots",
+                        "save_frames", "compilation_cache_dir", "executable_cache_dir",
+                        "embeddings_cache", "profile_dir", "verbose", "coordinator_address",
+                        "num_processes", "process_id", "serve", "fps", "image", "model_id",
+                        "lora", "lora_2", "stage", "overlap_compile",
+                        # the dry run's own options (--aot_export writes entries for a run)
+                        "dry_run", "topology", "dry_run_layers", "dry_run_skip_vae",
+                        "dry_run_exact_convs", "estimate", "aot_export")
+
+
+def program_settings(config, pipe) -> dict:
+    """The executable cache's settings part: every program-shaping setting of ``config``
+    and the architecture configs of the pipeline's transformer(s) and VAE. A LoRA is left
+    out: it is fused into the weights, which the programs take as arguments."""
+    out = {k: v for k, v in config.settings().items() if k not in NOT_PROGRAM_SETTINGS}
+    for name in ("transformer", "transformer_2", "vae"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            out[f"{name}_config"] = {k: v for k, v in dict(module.config).items()
+                                     if not k.startswith("_")}
+    return out
+
+
 def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fallbacks,
-                     oom_hint: str, timings: dict):
-    """Place weights and inputs and AOT-compile what ``config.run.stage`` runs.
+                     oom_hint: str, timings: dict, ahead=None):
+    """Place weights and inputs and AOT-compile what ``config.run.stage`` runs, through the
+    executable cache (``--executable_cache_dir``; ``engine.programs.executables``).
+    ``ahead``: an ``engine.pipeline.ahead.Ahead`` compiling from shapes since before the
+    load (the attention then already installed), joined once everything is placed; what it
+    compiled for the placed signatures is used instead of compiling again.
 
     Returns (``denoise.Programs``, initial latents on the mesh, the placed transformer
     or None). Placement and compile seconds go into ``timings``.
     """
+    with executables.caching(config.run.executable_cache_dir, program_settings(config, pipe),
+                             mesh):
+        return _prepare_programs(config, family, pipe, mesh, embeds, staged, attention,
+                                 fallbacks, oom_hint, timings, ahead)
+
+
+def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fallbacks,
+                      oom_hint: str, timings: dict, ahead):
 
     replicated = NamedSharding(mesh, P())
     parts, placed = dict(timesteps_sharding=replicated), None
     if config.run.stage in ("all", "denoise"):
-        install_attention(config.kernel, mesh, attention, fallbacks)
+        if ahead is None:  # else installed before the background compile started
+            install_attention(config.kernel, mesh, attention, fallbacks)
         with runtime.hardware_errors("placing the transformer weights", oom_hint):
             placed = sharding.place_expert(config, family, pipe.transformer, "transformer", mesh,
                                             fallbacks)
             second = experts.second_expert(pipe) and experts.place_second(
                 config, family, pipe, mesh, fallbacks)  # Wan 2.2 A14B: both stay resident
             inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
+        ahead = ahead and ahead.join()  # the load chain is done: wait for the compile
         timings["place_transformer_s"] = placed["seconds"]
         timings["place_transformer_gbps"] = placed["bytes"] / max(placed["seconds"], 1e-9) / 1e9
         if second:
@@ -82,7 +145,7 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
             placed["loras_2"] = second["loras"]
         with runtime.hardware_errors("compiling the transformer step", oom_hint):
             step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
-                                              inputs, timings, second)
+                                              inputs, timings, second, ahead)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
                      sigmas=family.scheduler.sigmas, cache=cache,
                      finish=family.image.finish_latents)
@@ -90,7 +153,7 @@ def prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fall
         latents0 = placement.place_array(placement.host_array(staged), replicated)
     if config.run.stage in ("all", "decode"):
         parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh, latents0, fallbacks,
-                                             oom_hint, timings)
+                                             oom_hint, timings, ahead)
         if placed is not None:  # --park_weights: the transformer's weights, while it decodes
             chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
             parts["vae_decode"] = parking.ParkingDecoder(
@@ -127,29 +190,38 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
 
 
 def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, timings,
-                        second=None):
+                        second=None, ahead=None):
     """AOT-compile one denoising step's model call; returns (step(latents, t, inputs),
     ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
     what changes (``transformer_step.compile_transformer_step``): with step caching the full
-    and the cached programs; with a ``second`` expert one program serves both."""
+    and the cached programs; with a ``second`` expert one program serves both. ``ahead``
+    (joined): its step is used when compiled for these arguments' signature."""
     set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler.sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
     fn = family.transformer.step_fn(placed["module"], config)
-    return transformer_step.compile_transformer_step(config, family.transformer.block_stack, pipe,
-                                                     placed, second, mesh, fn, latents0, t,
-                                                     inputs, timings)
+    precompiled = ahead.step_for((placed["params"], placed["buffers"], latents0, t, inputs)) \
+        if ahead is not None else None
+    with executables.caching(config.run.executable_cache_dir, program_settings(config, pipe),
+                             mesh):
+        return transformer_step.compile_transformer_step(
+            config, family.transformer.block_stack, pipe, placed, second, mesh, fn, latents0,
+            t, inputs, timings, precompiled)
 
 
 def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,
-                   timings):
+                   timings, ahead=None):
     """Place the VAE's decode weights (replicated: a conv net's weights are small; its
-    activations are what the decode shards) and AOT-compile its programs."""
+    activations are what the decode shards) and AOT-compile its programs, or take those
+    ``ahead`` (joined) compiled from shapes for the same signature."""
     with runtime.hardware_errors("placing the VAE weights", oom_hint):
         placed = place_module(pipe.vae, mesh, include=family.vae.is_decode_weight,
                               desc="VAE decoder")
     timings["place_vae_s"] = placed["seconds"]
     decoder = family.vae.decoder(placed, pipe.vae, mesh, tiling=run.vae_tiling,
                                  fallbacks=fallbacks)
+    if ahead is not None and ahead.decoder_for(decoder, latents0):
+        timings["compile_vae_s"] = ahead.vae_s
+        return decoder
     with runtime.hardware_errors("compiling the VAE decode", oom_hint):
         timings["compile_vae_s"] = decoder.compile(latents0)
     return decoder

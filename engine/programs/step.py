@@ -9,6 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from torchax import interop
 
+from engine.programs import executables
+
 
 def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
     """JIT and AOT-compile one model call; returns (compiled, seconds).
@@ -29,9 +31,11 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
     in_shardings, out_shardings = step_shardings(placed, mesh)
     jitted = jax.jit(interop.jax_view(fn), in_shardings=in_shardings,
                      out_shardings=out_shardings)
+    args = (placed["params"], placed["buffers"], latents, timestep, inputs)
     t0 = time.perf_counter()
-    compiled = jitted.lower(placed["params"], placed["buffers"], latents, timestep,
-                            inputs).compile()
+    # Loaded from the executable cache when one is open and matches (no tracing then).
+    compiled, _ = executables.compile_program("transformer_step", lambda: jitted.lower(*args),
+                                              args)
     return compiled, time.perf_counter() - t0
 
 

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from torchax import interop
 
 from engine.files.checkpoint import CONFIGS_DIR, read_component_config, read_model_index
+from engine.programs import executables
 from engine.programs.experts import EXPERT_NAMES, expert_steps
 from engine.programs.step import step_shardings
 from engine.run.errors import GenerationError, fail
@@ -509,15 +510,18 @@ class StepCache:
     compile_s: dict
     programs: tuple | None = None
     experts: list | None = None
+    ensure: object = None
 
     def schedule(self, num_steps: int) -> tuple:
         return self.settings.schedule(num_steps)
 
-    def add_experts(self, placed: list, scale_arrays: list) -> None:
+    def add_experts(self, placed: list, scale_arrays: list, ensure=None) -> None:
         """Bind a two-expert model's weights and guidance scales (``ExpertStep``'s), in
-        ``EXPERT_NAMES`` order."""
+        ``EXPERT_NAMES`` order; ``ensure``: ``ExpertParking.ensure`` when the idle expert is
+        parked (each call first makes its expert whole), else None."""
         self.experts = [(p["params"], p["buffers"], s)
                         for p, s in zip(placed, scale_arrays, strict=True)]
+        self.ensure = ensure
 
     def warmup_schedule(self, steps: int, num_steps: int) -> tuple:
         """The warmup runs each program at least once: full, then cached (when the real
@@ -551,6 +555,8 @@ class StepCache:
         if not self.experts:
             return self.full(latents, t, embeds) if kept is None \
                 else self.cached(latents, t, embeds, kept)
+        if self.ensure is not None:
+            self.ensure(expert)
         params, buffers, scale = self.experts[expert]
         embeds = {**embeds, "guidance_scale": scale}
         if kept is None:
@@ -677,25 +683,23 @@ def compile_cache_programs(placed: dict, mesh, step_fn, stack, settings: CacheSe
     kept_sh = tuple(NamedSharding(mesh, s) for s in specs)
     kept_abstract = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
                           for x, sh in zip(probe[1], kept_sh, strict=True))
-    seconds = {}
-    t0 = time.perf_counter()
-    full = jax.jit(full_view, in_shardings=in_sh, out_shardings=(out_sh, kept_sh)).lower(*args)
-    seconds["full"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    full_jit = jax.jit(full_view, in_shardings=in_sh, out_shardings=(out_sh, kept_sh))
     # keep_unused: MagCache's cached program reads no block weight, but they stay in HBM and
     # the dry run's per-chip figures must count them.
-    cached = jax.jit(interop.jax_view(cached_fn), in_shardings=(*in_sh, kept_sh),
-                     out_shardings=out_sh, keep_unused=True).lower(*args, kept_abstract)
-    seconds["cached"] = time.perf_counter() - t0
-    if not lower_only:
-        for name, lowered in (("full", full), ("cached", cached)):
-            t0 = time.perf_counter()
-            compiled = lowered.compile()
-            seconds[name] += time.perf_counter() - t0
-            if name == "full":
-                full = compiled
-            else:
-                cached = compiled
+    cached_jit = jax.jit(interop.jax_view(cached_fn), in_shardings=(*in_sh, kept_sh),
+                         out_shardings=out_sh, keep_unused=True)
+    cached_args = (*args, kept_abstract)
+    seconds, made = {}, {}
+    for name, jitted, a in (("full", full_jit, args), ("cached", cached_jit, cached_args)):
+        t0 = time.perf_counter()
+        if lower_only:
+            made[name] = jitted.lower(*a)
+        else:  # from the executable cache when one is open and matches (no tracing then)
+            made[name], _ = executables.compile_program(
+                f"transformer_step_{name}", functools.partial(jitted.lower, *a), a,
+                extra=[settings.kind, settings.recompute_blocks])
+        seconds[name] = time.perf_counter() - t0
+    full, cached = made["full"], made["cached"]
     nbytes = [math.prod(x.shape) * x.dtype.itemsize for x in probe[1]]
     per_chip = sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
                    for x, sh in zip(probe[1], kept_sh, strict=True))

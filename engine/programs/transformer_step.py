@@ -10,7 +10,7 @@ from engine.run.errors import GenerationError
 
 
 def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | None, mesh, fn,
-                             latents, timestep, inputs, timings: dict):
+                             latents, timestep, inputs, timings: dict, precompiled=None):
     """AOT-compile the step and bind its weights; returns (step, ``step_cache.StepCache`` or
     None).
 
@@ -23,6 +23,9 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
             ``transformer_2`` (same tree, shapes and shardings), else None.
         fn: the family's torch step function; latents, timestep, inputs: placed examples.
         timings: receives ``compile_transformer_s`` (and ``compile_transformer_cached_s``).
+        precompiled: (compiled, seconds) of ``compile_step`` for these arguments' signature,
+            compiled ahead from shapes (``engine.pipeline.ahead``), or None; without a step
+            cache it is used instead of compiling.
 
     Returns:
         step: ``(latents, t, inputs) -> noise prediction`` with the weights bound, or an
@@ -43,23 +46,28 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
 
         def compiled(*args):
             return full(*args)[0]
+    elif precompiled is not None:
+        compiled, timings["compile_transformer_s"] = precompiled
     else:
         compiled, timings["compile_transformer_s"] = compile_step(placed, mesh, fn, latents,
                                                                   timestep, inputs)
     if second:
+        # transformer_2 placed parked (experts.place_second): the idle expert stays parked.
+        parked = experts.ExpertParking([placed, second]) if second.get("parked") else None
         step = experts.ExpertStep(
             compiled, [placed, second],
             (config.video.guidance_scale, config.video.guidance_scale_2), inputs,
             boundary_ratio=pipe.config.boundary_ratio,
             num_train_timesteps=pipe.scheduler.config.num_train_timesteps,
-            timesteps=pipe.scheduler.timesteps)
+            timesteps=pipe.scheduler.timesteps, parking=parked)
         if cache is not None:
             split = (step.schedule.count(0), step.schedule.count(1))
             if split != settings.expert_steps or step.schedule != sorted(step.schedule):
                 raise GenerationError(f"the experts' steps {step.schedule} differ from the "
                                       f"split {settings.expert_steps} the step cache was "
                                       "scheduled with")
-            cache.add_experts([placed, second], step.scale_arrays)
+            cache.add_experts([placed, second], step.scale_arrays,
+                              parked.ensure if parked else None)
         return step, cache
     params, buffers = placed["params"], placed["buffers"]
     return (lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)), cache

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from torchax import interop
 
 from custom_splash_attention import forced_attention
+from engine.programs import executables
 
 
 class ChunkedDecoder:
@@ -99,24 +100,37 @@ class ChunkedDecoder:
         key = (kinds, first, tuple((c.shape, str(c.dtype)) for c in cache))
         if key not in self.programs:
             spatial = self.spatial(z.shape)
-            fn = self.chunk_fn(self.placed["module"], kinds, first, self.kinds_out, spatial)
-            with forced_attention("xla"):  # one float32 head of 384: see forced_attention
-                lowered = jax.jit(interop.jax_view(fn)).lower(*self._args(z, cache))
-            cache_out = lowered.out_info[1]
+            args = self._args(z, cache)
+
+            def lower():
+                fn = self.chunk_fn(self.placed["module"], kinds, first, self.kinds_out, spatial)
+                with forced_attention("xla"):  # one float32 head of 384: see forced_attention
+                    return jax.jit(interop.jax_view(fn)).lower(*args)
+
+            # The output cache's kinds are learnt while tracing: a loaded program brings them.
+            compiled, kinds_out = executables.compile_program(
+                "vae_decode_chunk", lower, args, extra=[kinds, first],
+                meta=lambda: self.kinds_out[(kinds, first)])
+            self.kinds_out[(kinds, first)] = _tuples(kinds_out)
+            cache_out = compiled.out_info[1]
             if spatial is not None:
                 cache_out = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=spatial)
                              for c in cache_out]
-            self.programs[key] = (lowered.compile(), cache_out)
+            self.programs[key] = (compiled, cache_out)
         return self.programs[key]
 
     def compile(self, latents) -> float:
         """AOT-compile every program decoding ``latents`` (array or ShapeDtypeStruct)."""
         t0 = time.perf_counter()
         if self.full_fn is not None:
-            with forced_attention("xla"):
-                self.full = jax.jit(interop.jax_view(self.full_fn(self.placed["module"])),
-                                    out_shardings=self.replicated).lower(
-                    *self._args(latents, [])[:5]).compile()
+            args = self._args(latents, [])[:5]
+
+            def lower():
+                with forced_attention("xla"):
+                    return jax.jit(interop.jax_view(self.full_fn(self.placed["module"])),
+                                   out_shardings=self.replicated).lower(*args)
+
+            self.full, _ = executables.compile_program("vae_decode_full", lower, args)
             return time.perf_counter() - t0
         b, c, f, h, w = latents.shape
         z = jax.ShapeDtypeStruct((b, c, 1, h, w), latents.dtype,
@@ -126,6 +140,14 @@ class ChunkedDecoder:
             _, cache = self._program(kinds, i == 0, z, cache)
             kinds = self.kinds_out[(kinds, i == 0)]
         return time.perf_counter() - t0
+
+    def adopt(self, other: ChunkedDecoder) -> None:
+        """Take ``other``'s compiled programs (and the cache kinds learnt tracing them):
+        ``other`` was built from shapes (``abstract=True``) for weights, statistics and
+        latents of this decoder's signature, which the caller checked
+        (``engine.pipeline.ahead.Ahead.decoder_for``). A program takes its weights as
+        arguments, so it runs this decoder's own."""
+        self.programs, self.kinds_out, self.full = other.programs, other.kinds_out, other.full
 
     def memory(self) -> dict:
         """Peak per-device bytes over the compiled programs (they run one at a time).
@@ -156,3 +178,8 @@ class ChunkedDecoder:
             kinds = self.kinds_out[(kinds, i == 0)]
             chunks.append(out)
         return jnp.concatenate(chunks, axis=2)
+
+
+def _tuples(x):
+    """JSON's lists back to the tuples the cache kinds are (nested)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x

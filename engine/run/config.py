@@ -137,6 +137,9 @@ class RunSettings:
     prompts_file: str | None = None
     seeds: str | None = None
     videos: tuple = ()
+    executable_cache_dir: str = "none"
+    embeddings_cache: str = "none"
+    overlap_compile: str = "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,7 @@ class DryRunSettings:
     dry_run_skip_vae: bool
     dry_run_exact_convs: bool
     estimate: bool
+    aot_export: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,3 +415,47 @@ def check_writable_dir(path: str, flag: str = "--output_dir") -> None:
             pass
     except OSError as e:
         fail(flag, path, f"must be a writable directory ({e.strerror or e})")
+
+
+def add_cache_flags(g, home: str) -> None:
+    """--compilation_cache_dir (default ``home``/jax-compilation-cache),
+    --executable_cache_dir and --embeddings_cache on the argparse group ``g``; "auto"
+    folders are resolved by ``resolve_cache_dirs``."""
+    g.add_argument("--compilation_cache_dir",
+                   default=os.path.join(home, "jax-compilation-cache"),
+                   help="JAX persistent compilation cache; 'none' disables it")
+    g.add_argument("--executable_cache_dir", default="auto",
+                   help="compiled programs by program, input signature, sources, library "
+                        "versions, devices and settings: a warm run neither traces nor "
+                        "compiles them; auto = 'executables' beside --compilation_cache_dir "
+                        "(off when that is 'none'); 'none' disables it (docs/features.md)")
+    g.add_argument("--embeddings_cache", default="auto", metavar="DIR",
+                   help="prompt embeddings by text encoder, prompts, length and dtype: when "
+                        "every video hits, the text encoder is neither read nor run; auto = "
+                        "'embeddings' beside --compilation_cache_dir (off when that is "
+                        "'none'); 'none' disables it (docs/features.md)")
+    g.add_argument("--overlap_compile", choices=("auto", "on", "off"), default="auto",
+                   help="compile the step and the VAE decode from shapes on a thread while "
+                        "the checkpoint is read, the prompts encoded and the weights placed; "
+                        "auto = on with accelerators or 4+ CPU cores (docs/features.md)")
+
+
+def resolve_cache_dirs(args) -> dict:
+    """{flag name: folder or "none"} of the three cache flags, "auto" resolved beside
+    --compilation_cache_dir.
+
+    Raises:
+        UsageError: a folder given explicitly that is not a writable directory.
+    """
+    compilation = args.compilation_cache_dir
+    out = dict(compilation_cache_dir=compilation)
+    for flag, leaf in (("executable_cache_dir", "executables"),
+                       ("embeddings_cache", "embeddings")):
+        value = getattr(args, flag)
+        if value == "auto":
+            value = "none" if compilation.lower() == "none" else os.path.join(
+                os.path.dirname(os.path.abspath(compilation)), leaf)
+        elif value.lower() != "none":
+            check_writable_dir(value, flag=f"--{flag}")
+        out[flag] = value
+    return out
