@@ -15,7 +15,10 @@ How a step is put together (per chip; see the project's shared notes, tpu-static
   steps, read from the kernel's own ``grid`` as the sharded wrapper builds it in the
   compiled block) / the assumed clock. Cycles per step do not depend on the grid's size
   (the tests' 1x2 against 2x2x2 check); the tiny grid over-weights the per-q-block init
-  and finish slightly.
+  and finish slightly. One exception (``reduced_q_cost``): a kernel comparing segment ids
+  in every kv block at a block_q above ``MASKED_PROFILE_MAX_BLOCK_Q`` (HunyuanVideo-1.5's
+  last kv block at v6e's default blocks) is profiled at two smaller block_q and
+  extrapolated linearly, since libtpu's profile of it at the real block_q outgrows the host.
 * **Everything else in a block** (linear layers, norms, modulation, RoPE, copies): ONE
   transformer block compiled at the real per-chip shapes (the inputs the model hands its
   first block, laid out as between blocks), the kernel replaced by a no-op Pallas call of
@@ -50,6 +53,8 @@ The profile and HLO text parsers are ``engine.dry_run.hlo``; the kernel's calls 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import glob
 import json
 import math
@@ -374,9 +379,26 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     path = clear_profile()
     jax.jit(fn).lower(*args).compile()
     cycles = sum(op["cycles"] for op in read_profile(path) if KERNEL_NAME in op["name"])
+    release_compile_memory()
     if not cycles:
         raise RuntimeError(f"no {KERNEL_NAME} op in the static profile of {path}")
     return cycles, steps
+
+
+def release_compile_memory() -> None:
+    """Hand a profiled compile's host memory back to the OS before the next one.
+
+    Without it the profiling worker's RSS grew from profile to profile: six kernel profiles
+    in one process (HunyuanVideo-1.5, 720p, v6e default blocks) peaked at 5.3 GB, against
+    3.6 GB for the largest of them alone. Dropping JAX's caches and glibc's free lists
+    (``malloc_trim``) after each brought the process back to 0.9 GB between profiles and
+    its peak to 3.6 GB. Not glibc: the trim is skipped."""
+    jax.clear_caches()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _recorded(call) -> dict:
@@ -491,9 +513,70 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
 
 
 def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
-    """Cost model of our kernel at one configuration, from two profiled tiny grids (an
-    ESTIMATE from libtpu's static model): cycles of a call with grid (batch, heads, Q, K) =
-    ``per_step`` x grid steps + ``per_q_block`` x batch x heads x Q.
+    """Cost model of our kernel at one configuration (an ESTIMATE from libtpu's static
+    model): cycles of a call with grid (batch, heads, Q, K) = ``per_step`` x grid steps +
+    ``per_q_block`` x batch x heads x Q. ``block_sizes``: the fitted (block_q, block_kv,
+    block_kv_compute); ``kw`` goes to ``kernel_cycles``.
+
+    Profiled at the real blocks (``grid_cost``), except a kernel comparing segment ids in
+    every block at a block_q above ``MASKED_PROFILE_MAX_BLOCK_Q``, whose profile would need
+    more host memory than a user's machine may have: that one is profiled at two smaller
+    block_q and extrapolated (``reduced_q_cost``).
+    """
+    bs = block_sizes if isinstance(block_sizes, BlockSizes) else BlockSizes(*block_sizes)
+    masked = kw.get("segment_ids") and not kw.get("real_keys_before")
+    if masked and bs.block_q > MASKED_PROFILE_MAX_BLOCK_Q:
+        return reduced_q_cost(topology, block_sizes, kv_steps=kv_steps, **kw)
+    return grid_cost(topology, block_sizes, kv_steps=kv_steps, **kw)
+
+
+# The largest block_q at which a kernel comparing segment ids in every kv block is profiled
+# as it is. libtpu 0.0.42.1's static profile of that kernel (v6e, block_kv 2048/1024, 2 q
+# blocks) is cheap up to here and explodes above it: 2 x 3 grids peak at 3.0 GB (block_q
+# 2304) and 3.7 GB (3328) of host RSS in 20-35 s, the 2 x 2 grid at 4736 passed 8.4 GB in
+# 111 s (stopped) and in a full estimate grew past 20 GB without finishing, while 4736 with
+# every block declared real (2.6 GB) or with no ids (3.6 GB for 2 x 3) stays small; so does
+# 4736 on one q block (1.4 GB for 1 x 3). The cause is inside libtpu's profiler; what it
+# profiles above the bound is extrapolated (``reduced_q_cost``).
+MASKED_PROFILE_MAX_BLOCK_Q = 3328
+# The second, smaller block_q of the extrapolation: one 1024-row step below the first.
+REDUCED_Q_SPAN = 1024
+
+
+def reduced_q_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
+    """``grid_cost`` at block_q = ``MASKED_PROFILE_MAX_BLOCK_Q`` and 1024 rows below (same
+    block_kv and block_kv_compute), extrapolated linearly in block_q to the real one, for
+    per_step and per_q_block alike (an ESTIMATE). Why linear: a grid step's work is its
+    block_kv x block_q score tile, q along lanes, so cycles per step are a fixed part plus a
+    part proportional to block_q. Checked where the real blocks' profile fits (v6e, libtpu
+    0.0.42.1, benchmarks/dry_run_results.md): see ``tests/test_estimate.py``.
+
+    Returns:
+        ``grid_cost``'s dict, its ``profiles`` keyed "bq<block_q> QxK", with
+        ``reduced_block_q`` (the two block_q profiled) and a ``note`` saying so.
+    """
+    bs = block_sizes if isinstance(block_sizes, BlockSizes) else BlockSizes(*block_sizes)
+    hi = MASKED_PROFILE_MAX_BLOCK_Q
+    lo = hi - REDUCED_Q_SPAN
+    costs = {b: grid_cost(topology, (b, bs.block_kv, bs.block_kv_compute),
+                          kv_steps=kv_steps, **kw) for b in (lo, hi)}
+    frac = (bs.block_q - lo) / (hi - lo)
+
+    def at(field):
+        return costs[lo][field] + frac * (costs[hi][field] - costs[lo][field])
+
+    notes = [c["note"] for c in costs.values() if c["note"]]
+    note = (f"block_q {bs.block_q} extrapolated linearly from profiles at block_q {lo} and "
+            f"{hi} (a profile comparing segment ids at the real block_q needs more host "
+            "memory than allowed)" + "".join(f"; {n}" for n in notes))
+    return dict(per_step=at("per_step"), per_q_block=at("per_q_block"),
+                profiles={f"bq{b} {g}": c for b in (lo, hi)
+                          for g, c in costs[b]["profiles"].items()},
+                reduced_block_q=[lo, hi], note=note)
+
+
+def grid_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
+    """``kernel_cost`` from two profiled tiny grids at ``block_sizes`` themselves.
 
     A q block's first and last kv step also run ``_init`` and ``_finish``; on a 2 x 2 grid
     they weigh ~12x more than on the 720p grid (25 kv steps per q block), so one tiny grid's
@@ -552,7 +635,8 @@ def worker_failure(returncode: int, stderr: str, calls: list) -> str:
     killed by a signal with nothing to say (Linux's out-of-memory killer sends SIGKILL),
     which signal and the blocks it was profiling. libtpu's profile of HunyuanVideo-1.5's
     kernel with segment ids at 4736/2048/1024 held 20 GB of host RAM on this project's
-    24 GB machine; smaller blocks profile in less."""
+    24 GB machine (now profiled at smaller block_q, ``reduced_q_cost``); smaller blocks
+    profile in less."""
     said = " | ".join(stderr.strip().splitlines()[-5:])
     if returncode < 0 and not said:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() \
@@ -670,8 +754,9 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
 
 
 METHOD = ("attention: our kernel's cycles per grid step and per q block, fitted to libtpu's "
-          "static profiles of two tiny grids at the real block sizes, x the real per-chip "
-          "grid; linear layers: FLOPs / MXU peak "
+          "static profiles of two tiny grids at the real block sizes (a kernel comparing "
+          "segment ids in every block above block_q 3328: at two smaller block_q, "
+          "extrapolated linearly), x the real per-chip grid; linear layers: FLOPs / MXU peak "
           "(roofline) or HBM bytes / bandwidth, whichever is larger, per op of one compiled "
           "block; elementwise: HBM bytes / bandwidth (libtpu's profile of a 14B-sized layer "
           "norm is below it; XLA's fusion cost model, 4x above the profile there, is given "

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from torchax import interop
 
 from custom_splash_attention import install_sdpa_override
-from engine.dry_run import estimate
+from engine.dry_run import estimate, export
 from engine.dry_run.abstract import (
     abstract_arrays,
     abstract_inputs,
@@ -38,7 +38,7 @@ from engine.files.checkpoint import (
 )
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
-from engine.programs import parking, step_cache
+from engine.programs import experts, parking, step_cache
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
@@ -223,24 +223,67 @@ def _leaves(tree) -> list:
     return jax.tree.leaves(tree)
 
 
+def _expert_parking(placed, inputs, vae_placed, latents, mode: str, chip) -> dict:
+    """A two-expert model's idle expert parked (``engine.programs.experts``, the rule a run
+    applies): one expert whole beside the other parked, and at the boundary step one swap
+    (the done expert parked, then the next gathered, one weight at a time).
+
+    Returns dict(parked, whole_bytes_per_device, parked_bytes_per_device,
+    swap_peak_bytes: what a device holds at the swap's worst moment: VAE weights, inputs and
+    latents, one expert whole, the other parked, plus the largest weight's parked slice (a
+    weight's old and new copies are both live while it moves),
+    gather_bytes_per_device: what each device receives in the swap's all-gathers,
+    gather_s_estimate: those bytes at the chip's assumed ICI egress (a static estimate, as
+    ``--estimate``'s collectives; None for a chip without one)).
+    """
+    arrays = [*placed["params"].values(), *placed["buffers"].values()]
+    whole, parked_bytes = experts.expert_bytes(arrays)
+    park = experts.park_idle_expert(mode, whole, parked_bytes, chip.usable_hbm_bytes)
+    largest = max((placement.shard_bytes(jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=placement.parked_sharding(a))) for a in arrays), default=0)
+    others = _per_chip_bytes([*vae_placed["params"].values(), *vae_placed["buffers"].values(),
+                              latents, *_leaves(inputs)])
+    gather = whole - parked_bytes
+    ici = (estimate.device_ici_bytes_per_s(chip.name)
+           if chip.name in estimate.ICI_EGRESS_GBPS else None)
+    return dict(parked=park, mode=mode, whole_bytes_per_device=whole,
+                parked_bytes_per_device=parked_bytes,
+                swap_peak_bytes=others + whole + parked_bytes + largest,
+                gather_bytes_per_device=gather,
+                gather_s_estimate=None if ici is None else gather / ici)
+
+
 def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
-                  experts: int = 1, park_weights: str = "off") -> dict:
+                  experts: int = 1, park_weights: str = "off",
+                  expert_parking: dict | None = None) -> dict:
     """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
     weights while the transformer runs; the decoded chunks and their concatenation are held
     too. With two experts (Wan 2.2 A14B) both stay resident: the step program's arguments
-    are one expert's weights, the other's are kept. The compiler sees one program at a time,
-    so add what the others keep. With ``park_weights`` (``engine.programs.parking``, the same
-    rule a run applies) the decode keeps the transformer weights parked: sharded over every
-    device. Returns the parking decision, dict(parked, mode, weights_bytes_per_device,
+    are one expert's weights, the other's are kept, whole, or parked where
+    ``expert_parking`` (``_expert_parking``) says so; then a row for the expert swap's
+    transient is added. The compiler sees one program at a time, so add what the others
+    keep. With ``park_weights`` (``engine.programs.parking``, the same rule a run applies)
+    the decode keeps the transformer weights parked: sharded over every device. Returns the
+    parking decision, dict(parked, mode, weights_bytes_per_device,
     parked_bytes_per_device)."""
     step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
     now, parked = parking.weights_bytes([placed] * experts)
+    other = step_weights
+    if expert_parking and expert_parking["parked"]:
+        other = expert_parking["parked_bytes_per_device"]  # the idle expert, parked
+        now = step_weights + other
+        parked = 2 * other
+        rows.append(dict(program="expert swap (transient)", argument_bytes=None,
+                         output_bytes=None, temp_bytes=None, total_bytes=0,
+                         capacity_bytes=rows[0]["capacity_bytes"], fits=True, flops=None,
+                         compile_s=0.0))
     resident = {"transformer step": _per_chip_bytes([*vae_placed["params"].values(),
                                                      *vae_placed["buffers"].values()])
-                + (experts - 1) * step_weights,
+                + (experts - 1) * other,
                 "VAE decode": now + _per_chip_bytes(_leaves(inputs))
                 + 2 * video_bytes,
-                "VAE encode": 0}  # image-to-video: before anything else is placed
+                "VAE encode": 0,  # image-to-video: before anything else is placed
+                "expert swap": expert_parking and expert_parking["swap_peak_bytes"]}
     decision = dict(parked=False, mode=park_weights, weights_bytes_per_device=now,
                     parked_bytes_per_device=parked)
     for r in rows:
@@ -267,6 +310,40 @@ def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
                 largest_slice_bytes=largest)
 
 
+def _deviceless(config):
+    """Set libtpu up to compile for ``--topology`` with no TPU; (devices, chip)."""
+    if config.dry.estimate and config.dry.topology.split(":")[0] in runtime.PROFILE_LIBTPU_CHIPS:
+        estimate.dump_block_hlo()  # the newer libtpu's HLO is read from its own text dump
+    # An exported VAE decode must be the program a run compiles: the full convolution search.
+    runtime.use_deviceless_tpu(config.dry.topology, profile_libtpu=True, fast_convs=not (
+        config.dry.dry_run_exact_convs or config.dry.aot_export))
+    runtime.configure_jax_platform()
+    runtime.quiet_known_warnings()
+    devices, chip = _topology(config.dry.topology)
+    export.check_topology(config, devices)
+    return devices, chip
+
+
+def _compiled_rows(config, family, models, mesh, inputs_abstract, capacity: int, layers: int,
+                   n_experts: int):
+    """The step (or the step cache's programs) and the VAE decode compiled for the topology,
+    written to ``--aot_export`` when given. ``models``: (placed transformer, VAE, placed
+    VAE). Returns (rows, the step cache's entry or None, the decoder, the export's entry)."""
+    placed, vae, vae_placed = models
+    modules = dict(transformer=placed["module"], vae=vae,
+                   **({"transformer_2": placed["module"]} if n_experts > 1 else {}))
+    cache = None
+    with export.exporting(config, modules, mesh) as exported:
+        if config.step_cache is not None and config.step_cache.on:
+            rows, cache = _cache_rows(config, family, placed, mesh, inputs_abstract, capacity)
+        else:
+            rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity, layers)]
+        decoder = family.vae.decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling,
+                                     abstract=True)
+        rows += _vae_rows(config, decoder, inputs_abstract[0], capacity)
+    return rows, cache, decoder, exported
+
+
 def dry_run(config, family) -> tuple[int, dict]:
     """Compile the denoising step and the VAE decode for ``config.dry.topology`` without a TPU.
 
@@ -276,13 +353,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     Raises:
         UsageError: unknown topology, or a mesh the topology cannot hold.
     """
-    if config.dry.estimate and config.dry.topology.split(":")[0] in runtime.PROFILE_LIBTPU_CHIPS:
-        estimate.dump_block_hlo()  # the newer libtpu's HLO is read from its own text dump
-    runtime.use_deviceless_tpu(config.dry.topology, fast_convs=not config.dry.dry_run_exact_convs,
-                               profile_libtpu=True)
-    runtime.configure_jax_platform()
-    runtime.quiet_known_warnings()
-    devices, chip = _topology(config.dry.topology)
+    devices, chip = _deviceless(config)
     capacity = chip.usable_hbm_bytes  # per JAX device (a v7x chip is 2 devices)
     folder = model_config_dir(config.model.model_id)
     cfg = read_component_config(config.model.model_id, "transformer")
@@ -301,20 +372,17 @@ def dry_run(config, family) -> tuple[int, dict]:
     vae, vae_placed = abstract_vae(family, folder, mesh)
     inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     latents, inputs = inputs_abstract[0], inputs_abstract[2]
-    cache = None
-    if config.step_cache is not None and config.step_cache.on:
-        rows, cache = _cache_rows(config, family, placed, mesh, inputs_abstract, capacity)
-    else:
-        rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity,
-                          cfg["num_layers"])]
-    decoder = family.vae.decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling, abstract=True)
-    rows += _vae_rows(config, decoder, latents, capacity)
+    n_experts = expert_count(read_model_index(config.model.model_id))
+    rows, cache, decoder, exported = _compiled_rows(
+        config, family, (placed, vae, vae_placed), mesh, inputs_abstract, capacity,
+        cfg["num_layers"], n_experts)
     rows += _encode_rows(config, family, vae, devices, capacity)
     video = 3 * config.video.frames * config.video.height * config.video.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
-    n_experts = expert_count(read_model_index(config.model.model_id))
+    swap = n_experts > 1 and _expert_parking(placed, inputs, vae_placed, latents,
+                                             config.run.park_weights, chip) or None
     parked = _add_resident(rows, placed, vae_placed, inputs, video, n_experts,
-                           config.run.park_weights)
+                           config.run.park_weights, swap)
     fits = all(r["fits"] for r in rows)
     report = dict(
         dry_run=True, topology=config.dry.topology, devices=len(devices),
@@ -323,13 +391,15 @@ def dry_run(config, family) -> tuple[int, dict]:
         vae_checked=not config.dry.dry_run_skip_vae,
         settings={**config.settings(), "attention": attention, **dataclasses.asdict(shape)},
         mesh=dataclasses.asdict(shape), layers_compiled=cfg["num_layers"], tokens=tokens,
-        experts_resident=n_experts, park_weights=parked,
+        experts_resident=n_experts, park_weights=parked, expert_parking=swap,
         per_chip=rows, analytic_transformer_flops_per_step=family.transformer.flops(cfg, config),
         analytic_self_attention_flops_per_step=family.transformer.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
         hosts=_hosts(placed, vae_placed, n_experts))
     if cache is not None:
         report["cache"] = cache
+    if exported:
+        report["aot_export"] = exported
     if config.model.lora or config.model.lora_2:
         # transformer_2 has the first expert's tree and specs (one program serves both).
         report["loras"] = [dict(x.report(), expert=loras.component,
@@ -406,6 +476,15 @@ def print_dry_run(report: dict) -> None:
         print(f"--park_weights {park['mode']}: while the VAE decodes, the transformer weights "
               f"are sharded over every device ({park['weights_bytes_per_device'] / 2**30:.2f} "
               f"-> {park['parked_bytes_per_device'] / 2**30:.2f} GiB per device)")
+    swap = report.get("expert_parking") or {}
+    if swap.get("parked"):
+        est = swap["gather_s_estimate"]
+        print(f"--park_weights {swap['mode']}: the idle expert stays parked "
+              f"({swap['whole_bytes_per_device'] / 2**30:.2f} GiB whole -> "
+              f"{swap['parked_bytes_per_device'] / 2**30:.2f} parked per device); one swap per "
+              f"video at the boundary step: {swap['gather_bytes_per_device'] / 2**30:.2f} GiB "
+              "all-gathered per device"
+              + ("" if est is None else f", {est:.3f} s at the assumed ICI egress (estimate)"))
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"
           + (f"; {report['experts_resident']} experts resident"
              if report.get("experts_resident", 1) > 1 else ""))
@@ -429,4 +508,9 @@ def run_dry(config, family, checked: dict) -> int:
     path = os.path.join(config.run.output_dir, f"{stem}_dry_run.json")
     reporting.save_report(report, path)
     print(f"wrote {', '.join([*written, path])}")
+    if "aot_export" in report:
+        e = report["aot_export"]
+        print(f"exported {e['programs_written']} programs to {e['dir']} for "
+              f"{config.dry.topology} (not yet verified on a TPU: copy the folder to the VM "
+              "and pass it as --executable_cache_dir)")
     return code

@@ -1,27 +1,74 @@
 """Two-expert denoising (Wan 2.2 A14B): one compiled step program, the expert chosen per step
-on the host.
+on the host, the idle expert parked where both whole would not fit.
 
 diffusers' ``WanPipeline`` (0.42.1, ``pipeline_wan.py:585-604``) runs a step whose timestep
 ``t >= boundary_ratio * num_train_timesteps`` with ``transformer`` (the high-noise expert) and
 ``guidance_scale``, every other step with ``transformer_2`` (the low-noise expert) and
 ``guidance_scale_2``. The timesteps are known before the loop, so the host knows each step's
 expert. Both experts have the same config, so their placed weights have the same tree,
-shapes, dtypes and shardings; the step program takes the weights and the guidance scale as
-arguments, so one executable serves both (``ExpertStep``). Both experts stay resident in HBM,
-each streamed from its own safetensors (``place_second``).
+shapes, dtypes and (home) shardings; the step program takes the weights and the guidance
+scale as arguments, so one executable serves both (``ExpertStep``). Each expert is streamed
+from its own safetensors (``place_second``).
+
+Expert parking (``--park_weights``, ``ExpertParking``): only one expert runs at a step, so
+the idle one can be kept parked, every weight sharded over all devices
+(``engine.weights.placement.parked_sharding``). ``transformer_2`` is placed parked; at the
+boundary step the done expert is parked (local slices, no interconnect traffic) and the next
+one gathered (one all-gather per weight), one weight at a time. A layout that replicates the
+weights (Ulysses ``sp``) then holds one expert whole and 1/devices of the other: Wan 2.2
+A14B at dp2 x sp4 on v6e-8 holds 26.67 + 3.33 GiB instead of 53.3.
 """
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
+from engine.programs import parking
 from engine.programs.denoise import set_timesteps
+from engine.run import chips
 from engine.run.errors import GenerationError, fail
-from engine.weights import sharding
+from engine.weights import placement, sharding
 
 # diffusers' argument names, used in the report.
 EXPERT_NAMES = ("transformer", "transformer_2")
+# ``--park_weights auto`` parks the idle expert when the two experts whole would take more
+# than this share of a device's usable HBM (leaving under 3.9 GiB of v6e's 31.25 for a
+# 720p x 81 step's activations), on every chip. Below the v6e Ulysses share
+# (``chips.ULYSSES_WEIGHT_FRACTION``), so a layout chosen for parking always parks.
+PARK_EXPERT_FRACTION = 0.875
+
+
+def park_idle_expert(mode: str, whole_bytes: int, parked_bytes: int,
+                     capacity: int | None) -> bool:
+    """Whether a two-expert model keeps its idle expert parked.
+
+    Args:
+        mode: ``--park_weights`` (``on``: always; ``off``: never; ``auto``: when the two
+            experts whole exceed ``PARK_EXPERT_FRACTION`` of ``capacity``).
+        whole_bytes / parked_bytes: one expert's weights per device, whole (its home
+            shardings) and parked.
+        capacity: usable HBM bytes per device, or None (CPU: ``auto`` never parks).
+
+    Never parks when parking saves nothing (weights already sharded over every device).
+    """
+    if mode == "off" or parked_bytes >= whole_bytes:
+        return False
+    if mode == "on":
+        return True
+    return capacity is not None and 2 * whole_bytes > PARK_EXPERT_FRACTION * capacity
+
+
+def expert_bytes(structs) -> tuple[int, int]:
+    """(whole, parked) bytes per device of one expert's weights (``jax.Array``s or sharded
+    ``ShapeDtypeStruct``s at their home shardings), the largest over devices."""
+    structs = list(structs)
+    parked = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement.parked_sharding(a))
+              for a in structs]
+    return (sum(placement.shard_bytes(a) for a in structs),
+            sum(placement.shard_bytes(a) for a in parked))
 
 
 def resolve_guidance_scale_2(given: float | None, defaults: dict) -> float | None:
@@ -85,16 +132,92 @@ def expert_steps(model_index: dict, scheduler_config: dict | None, make_schedule
 def place_second(config, family, pipe, mesh, fallbacks) -> dict:
     """Stream ``transformer_2``'s weights from its own safetensors into the same shardings as
     the first expert's (``engine.weights.sharding.place_expert``), with the ``--lora_2`` files
-    fused into each slice as ``--lora`` is into the first expert's."""
+    fused into each slice as ``--lora`` is into the first expert's; placed parked (its
+    ``parked`` True) where ``park_idle_expert`` says so for the run's chip."""
+    chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
+    capacity = chip and chip.usable_hbm_bytes
+
+    def park(structs) -> bool:
+        return park_idle_expert(config.run.park_weights, *expert_bytes(structs), capacity)
+
     return sharding.place_expert(config, family, pipe.transformer_2, "transformer_2", mesh,
-                                 fallbacks)
+                                 fallbacks, park=park)
 
 
-def _layout(placed: dict):
+def _layout(placed: dict, homes: dict | None = None):
     """What the compiled program fixes of an expert's weights: tree, shapes, dtypes,
-    shardings."""
-    return jax.tree.map(lambda a: (a.shape, str(a.dtype), a.sharding),
-                        (placed["params"], placed["buffers"]))
+    shardings (``homes``' where given: a parked expert's are its home shardings)."""
+    def entry(group, name, a):
+        sh = a.sharding if homes is None else homes[(group, name)]
+        return (a.shape, str(a.dtype), sh)
+
+    return {group: {name: entry(group, name, a) for name, a in placed[group].items()}
+            for group in ("params", "buffers")}
+
+
+class ExpertParking:
+    """The two experts' weights, one whole and the other parked, swapped on demand.
+
+    Args:
+        experts: the two placed experts (dicts with ``params`` / ``buffers``, changed in
+            place so every program bound to them sees the moved arrays); ``experts[0]``
+            whole, ``experts[1]`` parked (as ``place_second`` places it).
+        on_move: optional ``f()`` called while a weight's old and new copies are both live
+            (tests sample the device bytes there).
+
+    ``ensure(k)`` makes expert ``k`` whole: the other expert's weights are parked first
+    (each a local slice of what the device holds), then ``k``'s gathered to their home
+    shardings (one all-gather each), one weight at a time, so the HBM held at any moment is
+    at most the steady state (one whole, one parked) plus one weight's parked slice.
+    ``release()`` records that a decode parked everything (``parking.ParkingDecoder``).
+    ``swaps``: one dict per swap (to, park_s, gather_s, gathered_bytes_per_device).
+    """
+
+    def __init__(self, experts: list, on_move=None):
+        self.experts, self.on_move = experts, on_move
+        first = experts[0]
+        mesh = next(iter(first["params"].values())).sharding.mesh
+        self.homes = {**{("params", k): jax.sharding.NamedSharding(mesh, first["specs"][k])
+                         for k in first["params"]},
+                      **{("buffers", k): a.sharding for k, a in first["buffers"].items()}}
+        self.whole: int | None = 0
+        self.swaps: list[dict] = []
+        for placed in experts:
+            placed["expert_parking"] = self  # the decode's parking leaves the restore to us
+
+    def release(self) -> None:
+        self.whole = None
+
+    def _put(self, k: int, home: bool) -> int:
+        """Move expert ``k``'s weights home (``home``) or to parked; returns the bytes per
+        device it gained."""
+        gained = 0
+        for group in ("params", "buffers"):
+            arrays = self.experts[k][group]
+            for name, arr in list(arrays.items()):
+                target = self.homes[(group, name)] if home else placement.parked_sharding(arr)
+                if target.is_equivalent_to(arr.sharding, arr.ndim):
+                    continue
+                before = placement.shard_bytes(arr)
+                arrays[name] = parking.move_array(arr, target, self.on_move)
+                gained += placement.shard_bytes(arrays[name]) - before
+        return gained
+
+    def ensure(self, k: int) -> None:
+        """Make expert ``k`` whole and the other parked (nothing when it already is)."""
+        if self.whole == k:
+            return
+        t0 = time.perf_counter()
+        self._put(1 - k, home=False)
+        t1 = time.perf_counter()
+        gathered = self._put(k, home=True)
+        self.whole = k
+        self.swaps.append(dict(to=EXPERT_NAMES[k], park_s=t1 - t0,
+                               gather_s=time.perf_counter() - t1,
+                               gathered_bytes_per_device=gathered))
+
+    def report(self) -> dict:
+        return dict(idle_expert_parked=True, swaps=self.swaps)
 
 
 class ExpertStep:
@@ -112,19 +235,23 @@ class ExpertStep:
             each expert's scale is placed with.
         boundary_ratio, num_train_timesteps: diffusers' switch rule.
         timesteps: the run's scheduler timesteps (for the report's per-step experts).
+        parking: an ``ExpertParking`` of ``experts`` when the idle one is kept parked (each
+            step then first makes its expert whole), else None.
 
     Raises:
-        GenerationError: the experts' weights differ in tree, shape, dtype or sharding (one
-            program could not serve both).
+        GenerationError: the experts' weights differ in tree, shape, dtype or (home)
+            sharding (one program could not serve both).
     """
 
     def __init__(self, compiled, experts: list, scales: tuple, inputs, *,
-                 boundary_ratio: float, num_train_timesteps: int, timesteps):
-        if _layout(experts[0]) != _layout(experts[1]):
+                 boundary_ratio: float, num_train_timesteps: int, timesteps, parking=None):
+        homes = parking and parking.homes
+        if _layout(experts[0], homes) != _layout(experts[1], homes):
             raise GenerationError("transformer and transformer_2 differ in their weights' "
                                   "tree, shapes, dtypes or shardings: one compiled step "
                                   "cannot serve both")
         self.compiled, self.experts, self.scales = compiled, experts, tuple(scales)
+        self.parking = parking
         self.boundary_ratio, self.num_train_timesteps = boundary_ratio, num_train_timesteps
         layout = inputs["guidance_scale"]
         self.scale_arrays = [jax.device_put(np.full(layout.shape, s, np.float32),
@@ -137,6 +264,8 @@ class ExpertStep:
     def at_timestep(self, t):
         """The model call for host timestep ``t`` (a torch or Python number)."""
         k = self.expert_for(t)
+        if self.parking is not None:  # the boundary step: park the done expert, gather k
+            self.parking.ensure(k)
         placed, scale = self.experts[k], self.scale_arrays[k]
 
         def call(latents, timestep, inputs):
@@ -160,7 +289,8 @@ class ExpertStep:
                  "transformer_2 with guidance_scale_2 (diffusers' two-expert pipeline)",
             guidance_scale=self.scales[0], guidance_scale_2=self.scales[1],
             steps=steps, steps_per_expert={k: len(v) for k, v in steps.items()},
-            compiled_programs=1)
+            compiled_programs=1,
+            parking=self.parking.report() if self.parking else dict(idle_expert_parked=False))
 
 
 def flops_per_step(step, flops_of_expert) -> float | None:

@@ -21,49 +21,19 @@ old copy is deleted), so at most one weight is held twice.
 
 from __future__ import annotations
 
-import math
 import time
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from engine.weights import placement
 
 MODES = ("auto", "on", "off")
 
 
-def parked_spec(spec, shape: tuple, mesh):
-    """``spec`` with every mesh axis it leaves unused (size > 1) added to one dimension.
-
-    The dimension is the largest one whose size divides by its current shards times the
-    unused axes' product; with none (a small 1-D bias, an odd shape), ``spec`` is returned
-    unchanged and the weight stays as it is.
-
-    Args:
-        spec: the weight's ``PartitionSpec``.
-        shape: the weight's global shape.
-        mesh: the run's ``jax.sharding.Mesh``.
-    """
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    axes_of = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
-    used = {a for axes in axes_of for a in axes}
-    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
-    if not free:
-        return spec
-    extra = math.prod(mesh.shape[a] for a in free)
-    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
-        if shape[d] % (math.prod(mesh.shape[a] for a in axes_of[d]) * extra) == 0:
-            entries[d] = axes_of[d] + free
-            return P(*entries)
-    return spec
-
-
-def parked_sharding(arr):
-    """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
-    while parked (``parked_spec`` of its own)."""
-    sh = arr.sharding
-    return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
+# Where a weight goes while parked: engine.weights.placement (placement streams a two-expert
+# model's idle expert straight there).
+parked_spec = placement.parked_spec
+parked_sharding = placement.parked_sharding
 
 
 def weights_bytes(weights: list) -> tuple[int, int]:
@@ -142,12 +112,19 @@ class ParkingDecoder:
         t0 = time.perf_counter()
         homes = _move(self.weights, None)
         t1 = time.perf_counter()
+        # A two-expert model whose idle expert is parked (``experts.ExpertParking``) keeps
+        # everything parked after the decode: the next step gathers the expert it runs,
+        # which a restore here would only have to park again.
+        owner = self.weights[0].get("expert_parking")
         try:
             video = self.decoder(latents)
             video.block_until_ready()
         finally:
             t2 = time.perf_counter()
-            _move(self.weights, homes)
+            if owner is None:
+                _move(self.weights, homes)
+            else:
+                owner.release()
             self.last = dict(park_s=t1 - t0, restore_s=time.perf_counter() - t2)
         return video
 
@@ -170,7 +147,19 @@ def _move(weights: list, homes: dict | None) -> dict:
                     target = homes[key]
                 else:
                     continue
-                arrays[name] = jax.block_until_ready(jax.device_put(arr, target, donate=True))
-                if not arr.is_deleted():  # donate is a hint JAX may ignore; the copy is ours
-                    arr.delete()
+                arrays[name] = move_array(arr, target)
     return moved
+
+
+def move_array(arr, target, on_move=None):
+    """``arr`` resharded to ``target`` (a parking slice is local; a restore is an all-gather
+    over the interconnect), then the old buffer deleted: at most one weight is held twice.
+
+    ``on_move``: optional ``f()`` called while both copies are live (the transient the dry
+    run charges: ``tests/test_expert_parking.py`` samples the live bytes there)."""
+    new = jax.block_until_ready(jax.device_put(arr, target, donate=True))
+    if on_move is not None:
+        on_move()
+    if not arr.is_deleted():  # donate is a hint JAX may ignore; the copy is ours
+        arr.delete()
+    return new

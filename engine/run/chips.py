@@ -72,8 +72,11 @@ ULYSSES_DEFAULT_CHIPS = ("tpu7x",)
 # HunyuanVideo-1.5 720p x 121 3.39 against 3.59 at dp2 x tp4), but 31.25 GiB leave little
 # room: Wan 2.1 T2V 14B's 26.67 GiB (85%) fit with the activations (step 28.79 GiB on
 # v6e:2x4 by the dry run), Wan 2.1 I2V 14B's 30.59 GiB (98%) do not (32.44), nor do a
-# Wan 2.2 A14B pair's 53.3. 87.5% sits between them and leaves 3.9 GiB for activations.
-ULYSSES_WEIGHT_FRACTION = {"v6e": 0.875}
+# Wan 2.2 A14B pair's 53.3. With the idle expert parked (engine.programs.experts) a pair
+# holds 26.67 GiB + 1/devices of it: 30.00 (96%) on v6e:2x4, whose step needs 32.12; 28.34
+# (90.7%) on v6e:4x4, whose step fits at 30.30 (dry runs, 2026-11-26,
+# benchmarks/dry_run_results.md). 93% sits between those and leaves 2.2 GiB.
+ULYSSES_WEIGHT_FRACTION = {"v6e": 0.93}
 
 
 def prefers_ulysses(chip: Chip | None, weight_bytes: int | None) -> bool:

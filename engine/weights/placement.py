@@ -25,6 +25,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 
@@ -122,6 +124,39 @@ def per_device_bytes(arrays=None) -> dict:
         for device in arr.sharding.device_set:
             totals[device] = totals.get(device, 0) + shard_bytes(arr)
     return totals
+
+
+def parked_spec(spec, shape: tuple, mesh):
+    """``spec`` with every mesh axis it leaves unused (size > 1) added to one dimension.
+
+    The dimension is the largest one whose size divides by its current shards times the
+    unused axes' product; with none (a small 1-D bias, an odd shape), ``spec`` is returned
+    unchanged and the weight stays as it is.
+
+    Args:
+        spec: the weight's ``PartitionSpec``.
+        shape: the weight's global shape.
+        mesh: the run's ``jax.sharding.Mesh``.
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    axes_of = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
+    used = {a for axes in axes_of for a in axes}
+    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    if not free:
+        return spec
+    extra = math.prod(mesh.shape[a] for a in free)
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[d] % (math.prod(mesh.shape[a] for a in axes_of[d]) * extra) == 0:
+            entries[d] = axes_of[d] + free
+            return P(*entries)
+    return spec
+
+
+def parked_sharding(arr):
+    """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
+    while parked (``parked_spec`` of its own)."""
+    sh = arr.sharding
+    return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
 
 
 def shard_bytes(arr) -> int:

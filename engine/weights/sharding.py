@@ -18,6 +18,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from torchax import interop
+from torchax.ops import mappings
 
 import custom_splash_attention as csa
 from engine.files.checkpoint import component_folder
@@ -111,7 +112,7 @@ def undivided_weights(specs: dict, rules, stack=scan_layers.DEFAULT_STACK) -> li
 
 def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
                  checkpoint: str | None = None, desc: str = "weights", on_placed=None,
-                 loras=()) -> dict:
+                 loras=(), park=None) -> dict:
     """Wrap a torch module for torchax and stream its weights into their shards on ``mesh``.
 
     Every weight goes straight into its ``NamedSharding``: no device holds a whole weight
@@ -135,13 +136,18 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         on_placed: optional ``f(name, jax.Array)`` after each weight (memory accounting).
         loras: ``engine.weights.lora.Lora``s fused into the slices as they are read (needs
             ``checkpoint``).
+        park: optional ``f([sharded ShapeDtypeStruct of each weight]) -> bool``; True places
+            every weight at its parked sharding (``engine.programs.parking.parked_sharding``:
+            a two-expert model's idle expert, ``engine.programs.experts``), while ``specs``
+            stay the weights' home specs (the compiled step's).
 
     Returns:
         dict(module=JittableModule, params={name: jax.Array}, buffers={name: jax.Array},
         specs={name: PartitionSpec}, rule_counts={regex: parameters}, unmatched=[names],
         undivided=[names a rule matched but whose dims the mesh does not divide],
         param_bytes=weights in their run dtypes, bytes=weights and buffers,
-        bytes_read=bytes read from ``checkpoint`` (None without it), seconds=wall time).
+        bytes_read=bytes read from ``checkpoint`` (None without it), seconds=wall time,
+        parked=whether ``park`` placed the weights parked).
 
     Raises:
         GenerationError: ``checkpoint`` holds no safetensors file, or lacks a tensor the
@@ -157,6 +163,7 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
     specs, counts, unmatched = module_sharding_specs(
         module, {k: v.shape for k, v in params.items()}, rules, mesh, fsdp=fsdp)
     shardings = {k: NamedSharding(mesh, specs[k]) for k in params}
+    shardings, parked = _maybe_parked(params, shardings, park)
     t0 = time.perf_counter()
     if loras and reader is None:
         raise ValueError("place_module: LoRAs are fused only when streaming from a checkpoint")
@@ -176,7 +183,17 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
                 param_bytes=param_bytes,
                 bytes=param_bytes + sum(t.numel() * t.element_size() for t in buffers.values()),
                 bytes_read=None if reader is None else reader.bytes_read,
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, parked=parked)
+
+
+def _maybe_parked(params: dict, shardings: dict, park) -> tuple[dict, bool]:
+    """(``shardings``, False), or every weight's parked sharding and True where ``park``
+    (``place_module``'s) says so for the weights at their home ``shardings``."""
+    homes = {k: jax.ShapeDtypeStruct(tuple(v.shape), mappings.t2j_dtype(v.dtype),
+                                     sharding=shardings[k]) for k, v in params.items()}
+    if park is None or not park(list(homes.values())):
+        return shardings, False
+    return {k: placement.parked_sharding(h) for k, h in homes.items()}, True
 
 
 def _stack(module):
@@ -210,11 +227,12 @@ def _checkpoint_reader(module, folder: str, params: dict):
     return reader, stacked
 
 
-def place_expert(config, family, module, component: str, mesh, fallbacks) -> dict:
+def place_expert(config, family, module, component: str, mesh, fallbacks, park=None) -> dict:
     """Stream one transformer of the pipeline (``component``: "transformer", or a two-expert
     model's "transformer_2") from its own safetensors into the family's shardings, with that
     component's LoRA set (``config.model.lora`` / ``config.model.lora_2``) fused into each slice.
 
+    ``park``: as ``place_module``'s (a two-expert model's idle expert placed parked).
     Returns ``place_transformer``'s dict plus "loras": the fused files' report entries.
     """
     loras = config.model.lora if component == "transformer" else config.model.lora_2
@@ -222,14 +240,14 @@ def place_expert(config, family, module, component: str, mesh, fallbacks) -> dic
         module, mesh, family.transformer.sharding_rules(config),
         checkpoint=component_folder(config.model.model_id, component), fsdp=config.layout.fsdp,
         scan=config.layout.scan_layers, megatron_sp=config.layout.megatron_sp, fallbacks=fallbacks,
-        stack=family.transformer.block_stack, loras=loras)
+        stack=family.transformer.block_stack, loras=loras, park=park)
     placed["loras"] = loras.report() if loras else []
     return placed
 
 
 def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
                       scan: bool, megatron_sp: bool = False, fallbacks=None,
-                      stack=scan_layers.DEFAULT_STACK, loras=()) -> dict:
+                      stack=scan_layers.DEFAULT_STACK, loras=(), park=None) -> dict:
     """Stream a transformer's weights from ``checkpoint`` into their shards on ``mesh`` by
     ``rules`` (plus FSDP with ``fsdp``); see ``place_module``. With ``scan`` its blocks become
     one ``jax.lax.scan`` first (``scan_layers.scan_blocks``); the residual stream's tokens are
@@ -237,12 +255,12 @@ def place_transformer(transformer, mesh, rules, *, checkpoint: str, fsdp: bool,
     rule matched and, at debug
     level, every weight no rule names; weights a rule matched but the mesh cannot divide are
     reported to ``fallbacks``. ``stack`` is the family's ``scan_layers.BlockStack``;
-    ``loras`` (``engine.weights.lora.Lora``) are fused into each slice as it is read.
-    Returns as ``place_module``."""
+    ``loras`` (``engine.weights.lora.Lora``) are fused into each slice as it is read;
+    ``park`` as ``place_module``'s. Returns as ``place_module``."""
     if scan:
         scan_layers.scan_blocks(transformer, stack=stack)  # before the sp hooks, which it keeps
     placed = place_module(transformer, mesh, rules, fsdp=fsdp, desc="transformer",
-                          checkpoint=checkpoint, loras=loras)
+                          checkpoint=checkpoint, loras=loras, park=park)
     for rx, n in placed["rule_counts"].items():
         log.info("sharding rule %-70s matched %12s parameters", rx, f"{n:,}")
     log.debug("replicated (no rule): %s", ", ".join(placed["unmatched"]))
