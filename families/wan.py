@@ -31,7 +31,7 @@ from custom_splash_attention import LocalMask
 from engine.files.checkpoint import expert_count, read_component_config, read_model_index
 from engine.run.errors import GenerationError, first_line
 from engine.weights.scan_layers import BlockStack
-from families import wan_ti2v, wan_vae
+from families import wan_attention, wan_ti2v, wan_vae
 from families.base import (
     Checkpoint,
     Flags,
@@ -269,10 +269,13 @@ def self_attention_flops(cfg: dict, config) -> float:
 
 def empty_transformer(cfg: dict, dtype):
     """``WanTransformer3DModel`` of config ``cfg`` with meta parameters in ``dtype`` (see
-    ``families.base.empty_model``)."""
+    ``families.base.empty_model``), its attention processors ``wan_attention``'s (the RoPE
+    without a size-2 minor dimension; diffusers' own values in float32)."""
     from diffusers import WanTransformer3DModel
 
-    return empty_model(WanTransformer3DModel, cfg, dtype)
+    transformer = empty_model(WanTransformer3DModel, cfg, dtype)
+    wan_attention.install(transformer)
+    return transformer
 
 
 def empty_vae(folder: str):

@@ -28,6 +28,9 @@ of one block, not a measurement): elementwise HBM time 0.332 -> 0.303 s/step (th
 -> 3.010); XLA's own fusion cost model, which charges the scatters far more than their bytes,
 1.083 -> 0.780 s/step of elementwise work. What is left of the RoPE (strided lane slices and
 interior pads that XLA does not fuse into their consumers) is still about 4 GB per block.
+Since 2026-11-26 Wan's transformer runs its family's own attention processor, whose RoPE
+has neither pattern (``families/wan_attention.py``); these lowerings still serve
+HunyuanVideo-1.5's RoPE and any diffusers code run as it is.
 
 ``install(env)`` puts both in place, once per process; every call site of the model code is
 unchanged (diffusers' files and classes are not edited).
