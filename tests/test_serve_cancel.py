@@ -68,8 +68,9 @@ def test_cancel_queued_and_running_then_the_next_job_runs(served):
         # The queued job: cancelled at once, never started.
         r = c.post(f"/v1/videos/{q['id']}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-        # The running job: steps done when the cancel is sent (progress = 100 * done // 9).
-        done_before = c.get(f"/v1/videos/{a['id']}").json()["progress"] * 9 // 100
+        # The running job: steps done when the cancel is sent (progress = 100 * done // 9,
+        # so done = ceil(progress * 9 / 100): 11 % is 1 step, 22 % is 2).
+        done_before = -(-c.get(f"/v1/videos/{a['id']}").json()["progress"] * 9 // 100)
         assert c.post(f"/v1/videos/{a['id']}/cancel").status_code == 200
         a_end = wait_for(c, a["id"], lambda j: j["status"] == "cancelled")
         assert running["progress"] > 0

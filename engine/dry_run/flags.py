@@ -34,7 +34,8 @@ def add_dry_run_flags(g) -> None:
                    help="with --dry_run: write the compiled programs to DIR as executable-cache "
                         "entries that a run on that topology loads (copy DIR to the TPU VM's "
                         "--executable_cache_dir); implies exact convolutions; single-host "
-                        "topologies, not tpu7x; not yet verified on a TPU (docs/features.md)")
+                        "topologies, not tpu7x; not yet verified on a TPU (default: none, "
+                        "nothing exported; docs/features.md)")
 
 
 def check_aot_export(args) -> None:

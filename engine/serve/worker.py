@@ -156,11 +156,11 @@ class Worker:
 
         def on_step(done: int, steps: int) -> None:
             percent = 100 * done // (steps + 1)  # the decode is the last part
-            time.sleep(delay)
             try:
                 if percent != last[0]:
                     last[0] = percent
                     self.store.progress(job_id, percent, self.fleet.id)
+                time.sleep(delay)  # the test hook: a cancel lands between steps
                 pending = self.store.check(job_id, self.fleet.id)
             except sa.exc.SQLAlchemyError as e:  # go on; the lease says whose the job is
                 _store_away(f"{job_id}'s step {done}", e)
