@@ -21,7 +21,6 @@ from engine.pipeline import ahead as aheads
 from engine.pipeline import prologue as prologues
 from engine.pipeline.stages import (
     encode,
-    encode_cached,
     encode_image,
     for_video,
     install_attention,
@@ -89,15 +88,12 @@ class Generation:
         self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
         if stage not in ("all", "encode"):
             return
+        self.embeds, self.timings["text_encode_s"], hits = encode(
+            self.pipe, self.config, self.family, self.video_list, self.cached, self.cache)
         if self.cache is not None:
-            self.embeds, self.timings["text_encode_s"], hits = encode_cached(
-                self.pipe, self.config, self.family, self.video_list, self.cached, self.cache)
             self.report["embeddings_cache"]["videos"] = [
                 dict(video=0 if v is None else v.label, hit=h)
                 for v, h in zip(self.video_list, hits, strict=True)]
-        else:
-            self.embeds, self.timings["text_encode_s"] = encode(
-                self.pipe, self.config, self.family, self.video_list)
         if self.config.video.image is not None:
             self.embeds, self.timings["image_encode_s"] = encode_image(
                 self.pipe, self.config, self.family, self.embeds, self.start.devices)

@@ -35,25 +35,17 @@ def for_video(config: RunConfig, video) -> RunConfig:
                           seed=video.seed)
 
 
-def encode(pipe, config: RunConfig, family, videos):
-    """Prompt embeddings on the CPU, before JAX places anything: ([{name: tensor}] per
-    video, seconds). Every video's prompts are encoded before the text encoders are freed."""
-    t0 = time.perf_counter()
-    encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
-    embeds = []
-    for video in videos:
-        for name, module in encoders.items():  # the family frees them after each call
-            if module is not None:
-                setattr(pipe, name, module)
-        embeds.append(family.text.encode_prompts(pipe, for_video(config, video)))
-    return embeds, time.perf_counter() - t0
+def encode(pipe, config: RunConfig, family, videos, cached: list | None = None, cache=None):
+    """Prompt embeddings on the CPU, before JAX places anything. Every video's prompts are
+    encoded before the text encoders are freed.
 
-
-def encode_cached(pipe, config: RunConfig, family, videos, cached: list, cache):
-    """``encode`` through the prompt-embedding cache: each video's embeddings from
-    ``cached`` (what ``cache.load`` gave, None on a miss), the misses encoded on the CPU and
-    stored. Returns ([{name: tensor}] per video, seconds, [hit?] per video)."""
+    ``cached``: each video's embeddings from the prompt-embedding cache (what
+    ``cache.load`` gave; None for a miss; default: every video a miss); the misses are
+    encoded and, with ``cache``, stored. Returns ([{name: tensor}] per video, seconds,
+    [hit?] per video).
+    """
     t0 = time.perf_counter()
+    cached = [None] * len(videos) if cached is None else cached
     encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
     embeds = []
     for video, hit in zip(videos, cached, strict=True):
@@ -64,8 +56,9 @@ def encode_cached(pipe, config: RunConfig, family, videos, cached: list, cache):
             if module is not None:
                 setattr(pipe, name, module)
         embeds.append(family.text.encode_prompts(pipe, for_video(config, video)))
-        cache.store(for_video(config, video), embeds[-1])
-    for name in encoders:  # as after ``encode``: nothing keeps the encoders
+        if cache is not None:
+            cache.store(for_video(config, video), embeds[-1])
+    for name in encoders:  # freed also when every video hit (no call freed them)
         if hasattr(pipe, name):
             setattr(pipe, name, None)
     return embeds, time.perf_counter() - t0, [hit is not None for hit in cached]
@@ -195,17 +188,17 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     ``step_cache.StepCache`` or None). The weights are bound, so the timed loop passes only
     what changes (``transformer_step.compile_transformer_step``): with step caching the full
     and the cached programs; with a ``second`` expert one program serves both. ``ahead``
-    (joined): its step is used when compiled for these arguments' signature."""
+    (joined): its step is used when compiled for these arguments' signature. Through the
+    executable cache when called within ``executables.caching`` (``prepare_programs``,
+    the server's other buckets)."""
     set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler.sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
     fn = family.transformer.step_fn(placed["module"], config)
     precompiled = ahead.step_for((placed["params"], placed["buffers"], latents0, t, inputs)) \
         if ahead is not None else None
-    with executables.caching(config.run.executable_cache_dir, program_settings(config, pipe),
-                             mesh):
-        return transformer_step.compile_transformer_step(
-            config, family.transformer.block_stack, pipe, placed, second, mesh, fn, latents0,
-            t, inputs, timings, precompiled)
+    return transformer_step.compile_transformer_step(
+        config, family.transformer.block_stack, pipe, placed, second, mesh, fn, latents0, t,
+        inputs, timings, precompiled)
 
 
 def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,

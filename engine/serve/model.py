@@ -112,7 +112,7 @@ class WarmModel:
         for name, module in self.encoders.items():  # the family freed them after last use
             if module is not None:
                 setattr(self.pipe, name, module)
-        embeds, seconds = stages.encode(self.pipe, config, self.family, [None])
+        embeds, seconds, _ = stages.encode(self.pipe, config, self.family, [None])
         return embeds[0], {"text_encode_s": seconds}
 
     def encode_image(self, config, image) -> tuple[dict, dict]:
@@ -250,17 +250,8 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
         else:
             inputs, latents0 = stages.place_model_inputs(
                 config, model.family, model.pipe, bucket_embeds, model.mesh)
-            with runtime.hardware_errors("compiling the transformer step", model.oom_hint):
-                step, cache = stages.compile_transformer(
-                    config, model.family, model.pipe, placed, model.mesh, latents0, inputs,
-                    timings, second)
-            # The VAE decoder's weights placed with the first bucket (placing frees the host
-            # copies), compiled for this shape.
-            decode = model.family.vae.decoder(first.vae_decode.placed, model.pipe.vae,
-                                              model.mesh, tiling=config.run.vae_tiling,
-                                              fallbacks=fallbacks)
-            with runtime.hardware_errors("compiling the VAE decode", model.oom_hint):
-                timings["compile_vae_s"] = decode.compile(latents0)
+            step, cache, decode = _compile_bucket(model, config, placed, second, first,
+                                                  latents0, inputs, timings, fallbacks)
             if hasattr(first.vae_decode, "with_decoder"):  # the same --park_weights
                 decode = first.vae_decode.with_decoder(decode)
             programs = dataclasses.replace(first, step=step, cache=cache, vae_decode=decode,
@@ -273,6 +264,27 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
         model.buckets[key] = Bucket(config=config, programs=programs, timings=timings)
         print(f"bucket {key}: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()
                                             if k.endswith("_s")), flush=True)
+
+
+def _compile_bucket(model: WarmModel, config, placed, second, first, latents0, inputs,
+                    timings: dict, fallbacks):
+    """A bucket after the first: its step and VAE decode compiled on the weights placed with
+    the first, through the executable cache with this bucket's settings (as
+    ``prepare_programs`` does for the first). Returns (step, step cache, decoder)."""
+    with executables.caching(config.run.executable_cache_dir,
+                             stages.program_settings(config, model.pipe), model.mesh):
+        with runtime.hardware_errors("compiling the transformer step", model.oom_hint):
+            step, cache = stages.compile_transformer(
+                config, model.family, model.pipe, placed, model.mesh, latents0, inputs,
+                timings, second)
+        # The VAE decoder's weights placed with the first bucket (placing frees the host
+        # copies), compiled for this shape.
+        decode = model.family.vae.decoder(first.vae_decode.placed, model.pipe.vae,
+                                          model.mesh, tiling=config.run.vae_tiling,
+                                          fallbacks=fallbacks)
+        with runtime.hardware_errors("compiling the VAE decode", model.oom_hint):
+            timings["compile_vae_s"] = decode.compile(latents0)
+    return step, cache, decode
 
 
 def _warmup_image(config):
