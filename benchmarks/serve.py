@@ -41,11 +41,10 @@ import time
 
 import httpx2
 import psutil
-import psycopg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from serve_util import Server, env  # noqa: E402  (tests/serve_util.py: start and wait)
+from serve_util import Server, create_database, env  # noqa: E402  (tests/serve_util.py: start and wait)
 
 
 def _shape(args) -> list[str]:
@@ -140,19 +139,11 @@ def cli_steady(checkpoint, root, args) -> float:
         return json.load(f)["timings"]["steady_mean_s"]
 
 
-def new_database(postgres: str) -> str:
-    """A new database on the ``postgres`` server; its URL."""
-    name = f"bench_{time.monotonic_ns()}"
-    with psycopg.connect(postgres, autocommit=True) as db:
-        db.execute(f"CREATE DATABASE {name}")
-    return postgres.rsplit("/", 1)[0] + "/" + name
-
-
 def postgres_rss(checkpoint, root, args, cache, postgres: str) -> dict:
     """``rss_over_jobs`` on a server whose jobs live in PostgreSQL."""
     server = Server(["--model_id", checkpoint, *_shape(args), "--compilation_cache_dir", cache,
-                     "--jobs_db", new_database(postgres)], os.path.join(root, "out-rss-pg"),
-                    log=os.path.join(root, "rss-pg.log")).start()
+                     "--jobs_db", create_database(postgres, "bench")],
+                    os.path.join(root, "out-rss-pg"), log=os.path.join(root, "rss-pg.log")).start()
     try:
         server.wait_ready()
         one_video(httpx2.Client(base_url=server.url, timeout=600), 0)
@@ -169,7 +160,7 @@ def fleet_rows(checkpoint, root, args, cache, postgres: str) -> list[dict]:
     for label, n, pg in (("1 server, SQLite", 1, False), ("1 server, PostgreSQL", 1, True),
                          ("2 servers, one PostgreSQL", 2, True),
                          ("1 server, SQLite (again)", 1, False)):
-        url = new_database(postgres) if pg else None
+        url = create_database(postgres, "bench") if pg else None
         out = os.path.join(root, f"out-{len(rows)}")
         servers = [Server(["--model_id", checkpoint, *_shape(args), "--compilation_cache_dir",
                            cache, *(["--jobs_db", url] if url else [])], out,

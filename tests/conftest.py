@@ -5,10 +5,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import uuid
 
-import psycopg
 import pytest
+from serve_util import create_database, drop_database
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -93,12 +92,9 @@ def new_database():
         if os.environ.get("CI"):
             pytest.fail(reason + " (.ci/run starts one)")
         pytest.skip(reason)
-    name = f"test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(base, autocommit=True) as db:
-        db.execute(f"CREATE DATABASE {name}")
-    yield base.rsplit("/", 1)[0] + "/" + name
-    with psycopg.connect(base, autocommit=True) as db:
-        db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    url = create_database(base, "test")
+    yield url
+    drop_database(base, url)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx2
+import psycopg
 from safetensors.numpy import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,3 +163,18 @@ def chromium():
                 "--autoplay-policy=no-user-gesture-required"):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+
+
+def create_database(server_url: str, prefix: str) -> str:
+    """A new, empty database named ``prefix`` + a unique suffix on the PostgreSQL server at
+    ``server_url`` (a URL naming any database there); its URL."""
+    name = f"{prefix}_{time.time_ns()}_{os.getpid()}"
+    with psycopg.connect(server_url, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    return server_url.rsplit("/", 1)[0] + "/" + name
+
+
+def drop_database(server_url: str, url: str) -> None:
+    """Drop the database ``url`` names (made by ``create_database``), connections and all."""
+    with psycopg.connect(server_url, autocommit=True) as db:
+        db.execute(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")

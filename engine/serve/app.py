@@ -382,7 +382,7 @@ def open_store(config) -> JobStore:
         return JobStore(config.run.output_dir, s.jobs_db, s.lease_s)
     except sa.exc.SQLAlchemyError as e:
         shown = "the SQLite file in --output_dir" if s.jobs_db is None else \
-            sa.make_url(s.jobs_db).render_as_string(hide_password=True)
+            store_rows.masked(s.jobs_db)
         reason = first_line(getattr(e, "orig", None) or e)
         fail("--jobs_db", shown, f"cannot open the job store ({reason})")
 

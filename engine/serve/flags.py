@@ -9,7 +9,7 @@ import re
 import sqlalchemy as sa
 
 from engine.run.errors import fail
-from engine.serve.jobs import DEFAULT_LEASE_S
+from engine.serve.jobs import DEFAULT_LEASE_S, masked
 
 API_KEY_ENV = "GENERATE_FLAX_API_KEY"
 JOBS_DB_ENV = "GENERATE_FLAX_JOBS_DB"  # keeps a database password off the command line
@@ -57,7 +57,7 @@ class ServeSettings:
                     retention_hours=None if self.retention_s is None
                     else self.retention_s / 3600,
                     jobs_db=None if self.jobs_db is None else
-                    sa.make_url(self.jobs_db).render_as_string(hide_password=True),
+                    masked(self.jobs_db),
                     job_lease_s=self.lease_s)
 
 
@@ -152,10 +152,8 @@ def _jobs_db(args) -> tuple[str | None, float]:
         except sa.exc.ArgumentError:
             backend = None
         if backend not in ("postgresql", "sqlite"):
-            shown = url if backend is None else \
-                sa.make_url(url).render_as_string(hide_password=True)
-            fail("--jobs_db", shown, "expected postgresql://USER:PASSWORD@HOST[:PORT]/DB "
-                 "(or sqlite:///PATH)")
+            fail("--jobs_db", url if backend is None else masked(url),
+                 "expected postgresql://USER:PASSWORD@HOST[:PORT]/DB (or sqlite:///PATH)")
     lease = DEFAULT_LEASE_S if args.job_lease_s is None else args.job_lease_s
     if not LEASE_RANGE[0] <= lease <= LEASE_RANGE[1]:
         fail("--job_lease_s", lease, f"must be in {LEASE_RANGE[0]:g}..{LEASE_RANGE[1]:g} "

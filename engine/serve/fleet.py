@@ -14,6 +14,7 @@ lease at real sizes; the lease must say whether the process lives, not how long 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import threading
@@ -77,12 +78,15 @@ class Fleet:
             except sa.exc.SQLAlchemyError:
                 pass  # stopping anyway; the row ages out
 
-    def view(self, own):
+    def _live(self, model: str) -> list[dict]:
+        return [s for s in self.store.live_servers() if s["model"] == model]
+
+    def view(self, own, live: list | None = None):
         """What a request may ask for now: (``own`` — this server's ``Served`` — with the
         sizes and frames of every live server of the same model, this server's first;
         the set of live bucket keys). A create is checked against these, so a job another
-        server will run is accepted here."""
-        live = [s for s in self.store.live_servers() if s["model"] == own.model]
+        server will run is accepted here. ``live``: ``_live``'s rows, if already read."""
+        live = self._live(own.model) if live is None else live
         keys = set(self.buckets).union(*(s["buckets"] for s in live))
         shapes = sorted(bucket_shape(k) for k in keys)
         sizes = list(own.sizes) + sorted({(w, h) for w, h, _ in shapes} - set(own.sizes))
@@ -91,11 +95,10 @@ class Fleet:
 
     def describe(self, own) -> dict:
         """``GET /v1/models``' entry: the model with the union of live servers' sizes and
-        frames, each live bucket ("WxHxF") and how many servers run it."""
-        view, keys = self.view(own)
-        counts = {}
-        for s in self.store.live_servers():
-            for k in s["buckets"]:
-                counts[k] = counts.get(k, 0) + 1
-        return dict(view.describe(), buckets={k.rsplit(":", 1)[1]: max(1, counts.get(k, 0))
+        frames, each live bucket ("WxHxF") and how many servers run it (one read of the
+        servers table)."""
+        live = self._live(own.model)
+        view, keys = self.view(own, live)
+        counts = collections.Counter(k for s in live for k in s["buckets"])
+        return dict(view.describe(), buckets={k.rsplit(":", 1)[1]: max(1, counts[k])
                                               for k in sorted(keys)})

@@ -126,9 +126,10 @@ def engine_url(jobs_db: str | None, folder: str) -> sa.URL:
     return url
 
 
-def shown_url(jobs_db: str | None, folder: str) -> str:
-    """``--jobs_db`` for logs and reports: the password masked."""
-    return engine_url(jobs_db, folder).render_as_string(hide_password=True)
+def masked(url) -> str:
+    """A database URL (string or ``sqlalchemy.URL``) for logs, reports and errors: the
+    password shown as ***."""
+    return sa.make_url(url).render_as_string(hide_password=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,7 @@ class JobStore:
         self.folder, self.lease_s = folder, float(lease_s)
         url = engine_url(jobs_db, folder)
         self.shared = url.get_backend_name() != "sqlite"  # several servers may share it
-        self.url = url.render_as_string(hide_password=True)
+        self.url = masked(url)
         if self.shared:
             self.engine = sa.create_engine(url, pool_pre_ping=True, pool_size=4)
         else:
