@@ -242,8 +242,13 @@ def test_web_page_in_headless_chromium(served, tmp_path):
                                     if e.get_attribute("data-id") not in known])[0]
         video_id = bar.get_attribute("data-id")
         seen = set()
-        wait.until(lambda d: seen.add(int(float(bar.get_attribute("value")))) or
-                   bar.get_attribute("value") == "100")
+
+        def finished(_) -> bool:  # one read per poll: the bar may move between two reads
+            value = int(float(bar.get_attribute("value")))
+            seen.add(value)
+            return value == 100
+
+        wait.until(finished)
         video = wait.until(lambda d: d.find_element(By.CSS_SELECTOR,
                                                     f"video[data-id='{video_id}']"))
         # Playable: the browser decoded the mp4's metadata and its first frame.
