@@ -20,6 +20,9 @@ What differs from diffusers, and why (none of it changes a real token's output):
   override turns into segment ids (real = 1, padding = 0) for the Splash kernels. Padded
   queries attend only padding, so they stay finite; no output reads them. (diffusers'
   padded rows come out zero; torchax's stock SDPA gives NaN there.)
+* **RoPE without the pair split** (``families.rope``): diffusers' ``apply_rotary_emb``
+  values, computed on the whole head_dim after the permute to (B, H, N, D), so TPU keeps
+  no (2, 128)-tiled copies of q and k (``KeyPaddingAttnProcessor``).
 * **CFG in one batch-2 call.** diffusers' guider makes two batch-1 transformer calls; here
   [cond, uncond] run as one call with the batch over "dp", combined with the checkpoint's
   guidance formula.
@@ -54,6 +57,7 @@ from families.base import (
     VaePrograms,
     empty_model,
 )
+from families.rope import apply_rope
 
 VAE_TEMPORAL_SCALE = 4
 VAE_SPATIAL_SCALE = 16
@@ -423,32 +427,45 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
 
 class KeyPaddingAttnProcessor:
     """``HunyuanVideo15AttnProcessor2_0`` with the text padding passed to SDPA as a
-    (B, 1, 1, S) key-padding mask instead of a dense (B, 1, S, S) one.
+    (B, 1, 1, S) key-padding mask instead of a dense (B, 1, S, S) one, and the video
+    stream's RoPE as ``families.rope.apply_rope`` on (B, H, N, D).
 
-    The projections, QK norms, RoPE on the video stream, joint [video, text] sequence and
-    output projections are diffusers' own modules, called in diffusers' order. The SDPA
+    The projections, QK norms, joint [video, text] sequence and output projections are
+    diffusers' own modules, called in diffusers' order. RoPE gives diffusers' values (its
+    tables repeat each frequency over its lane pair, the case ``apply_rope`` is exact for)
+    without the pair split that TPU stores as (2, 128) tiles; it runs after the (B, N, H, D)
+    -> (B, H, N, D) permute, where XLA fuses QK norm, permute and rotation into one pass
+    (static estimate, 720p x 121 on v6e:2x4: 3.314 -> 3.202 s/step; see ``families.rope``
+    and benchmarks/dry_run_results.md, "A RoPE of our own for HunyuanVideo-1.5"). The SDPA
     override (``custom_splash_attention``) turns the mask into segment ids.
+
+    Call: (attn, hidden (B, N, dim), encoder_hidden_states (B, T, dim), attention_mask (B, T)
+    bool text mask, image_rotary_emb (cos, sin) each float32 (N, head_dim), or None) ->
+    (video (B, N, dim), text (B, T, dim)), hidden's dtype.
     """
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-
         def heads(x):  # (B, N, H*D) -> (B, N, H, D)
             return x.unflatten(2, (attn.heads, -1))
 
-        query = attn.norm_q(heads(attn.to_q(hidden_states)))
-        key = attn.norm_k(heads(attn.to_k(hidden_states)))
-        value = heads(attn.to_v(hidden_states))
+        def permuted(x):  # (B, N, H, D) -> (B, H, N, D), the layout SDPA takes
+            return x.transpose(1, 2)
+
+        query = permuted(attn.norm_q(heads(attn.to_q(hidden_states))))
+        key = permuted(attn.norm_k(heads(attn.to_k(hidden_states))))
+        value = permuted(heads(attn.to_v(hidden_states)))
         if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            # On the permuted q and k, as Wan's processor: one fusion with the norm and the
+            # permute (here XLA fuses it before the permute too: same estimate).
+            cos, sin = image_rotary_emb  # (N, D), broadcast over (B, H, N, D)
+            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         n_text = encoder_hidden_states.shape[1]
-        text_q = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
-        text_k = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
-        text_v = heads(attn.add_v_proj(encoder_hidden_states))
-        # (B, N + T, H, D) -> (B, H, N + T, D), the layout SDPA takes.
-        query, key, value = (torch.cat(pair, dim=1).transpose(1, 2) for pair in (
+        text_q = permuted(attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states))))
+        text_k = permuted(attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states))))
+        text_v = permuted(heads(attn.add_v_proj(encoder_hidden_states)))
+        # (B, H, N + T, D): video then text along the sequence.
+        query, key, value = (torch.cat(pair, dim=2) for pair in (
             (query, text_q), (key, text_k), (value, text_v)))
         # Video tokens are always real: the mask is [ones(N), text mask], (B, 1, 1, N + T).
         real = F.pad(attention_mask.bool(), (query.shape[2] - n_text, 0), value=True)

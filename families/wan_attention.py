@@ -13,13 +13,14 @@ per Wan 14B block (720p, dp2 x sp4, v6e; reading and writing q and k once is 0.8
 
 ``WanRopeAttnProcessor`` is diffusers' processor with two changes, both exact:
 
-* the rotation is ``x * cos + rotate_pairs(x) * sin`` on the whole head_dim, where
-  ``rotate_pairs`` swaps each (even, odd) lane pair and negates the new even lane. In
-  bfloat16 the swap is a matmul with a (D, D) signed permutation (one +-1 per column, so
-  exact), which XLA fuses with the rotation into one MXU fusion; in other dtypes it is two
-  lane rolls and a select (a float32 matmul would be rounded to bfloat16 by the TPU's
-  default matmul precision). Rolls and a select in bfloat16 were tried: XLA writes the
-  rolled slices out as passes of their own.
+* the rotation is ``families.rope.apply_rope`` (shared with HunyuanVideo-1.5's processor):
+  ``x * cos + rotate_pairs(x) * sin`` on the whole head_dim, where ``rotate_pairs`` swaps
+  each (even, odd) lane pair and negates the new even lane. In bfloat16 the swap is a
+  matmul with a (D, D) signed permutation (one +-1 per column, so exact), which XLA fuses
+  with the rotation into one MXU fusion; in other dtypes it is two lane rolls and a select
+  (a float32 matmul would be rounded to bfloat16 by the TPU's default matmul precision).
+  Rolls and a select in bfloat16 were tried: XLA writes the rolled slices out as passes of
+  their own.
 * RoPE runs after the (B, S, H, D) -> (B, H, S, D) permute that SDPA needs, so XLA fuses the
   QK norm, the rotation and the permute into that one fusion (before it, the permute stays a
   copy of its own).
@@ -43,43 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """The pair rotation's partner: out[..., 2i] = -x[..., 2i + 1], out[..., 2i + 1] = x[..., 2i].
-
-    Args:
-        x: (..., D), D even, any float dtype.
-
-    Returns:
-        (..., D), x's dtype; exact (each lane is one lane of x, maybe negated), for finite
-        x (in the bfloat16 path an inf lane makes its whole row NaN: 0 x inf).
-    """
-    lane = torch.arange(x.shape[-1], device=x.device)
-    even = lane % 2 == 0
-    if x.dtype == torch.bfloat16:
-        # Column j of the permutation takes row j ^ 1, negated for even j: one MXU pass that
-        # XLA fuses with the products below, where a lane shuffle is a pass of its own.
-        partner = lane + 1 - 2 * (lane % 2)
-        sign = torch.where(even, -1.0, 1.0).to(x.dtype)
-        perm = (partner[:, None] == lane[None, :]).to(x.dtype) * sign[None, :]
-        return x @ perm
-    return torch.where(even, -torch.roll(x, -1, dims=-1), torch.roll(x, 1, dims=-1))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' Wan rotary embedding without splitting the head_dim into pairs.
-
-    Args:
-        x: q or k, (..., D) with D = head_dim last ((B, H, S, D) in the processor), any
-            float dtype.
-        cos, sin: float32 tables of ``WanRotaryPosEmbed`` (each frequency repeated over its
-            lane pair), broadcastable to x ((1, 1, S, D) in the processor).
-
-    Returns:
-        x's shape and dtype; the products are taken in the promoted dtype (float32 for
-        bfloat16 x), as diffusers takes them.
-    """
-    return (x * cos + rotate_pairs(x) * sin).type_as(x)
+from families.rope import apply_rope
 
 
 class WanRopeAttnProcessor:

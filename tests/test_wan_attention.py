@@ -1,6 +1,6 @@
 """families/wan_attention.py: our Wan attention processor against diffusers' ``WanAttnProcessor``
-(float32, eager and through torchax), its RoPE against complex multiplication in float64, and
-its lowering (no size-2 minor dimension, no scatter)."""
+(float32, eager and through torchax), its RoPE (families/rope.py) against complex
+multiplication in float64, and its lowering (no size-2 minor dimension, no scatter)."""
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ from torchax import interop
 from custom_splash_attention import install_sdpa_override
 from engine.run import lowering
 from families import wan
-from families.wan_attention import WanRopeAttnProcessor, apply_rope, rotate_pairs
+from families.rope import apply_rope, rotate_pairs
+from families.wan_attention import WanRopeAttnProcessor
 
 HEADS, HEAD_DIM = 4, 16
 
