@@ -67,7 +67,7 @@ from engine.run.errors import (
 )
 from engine.serve import flags as serving
 from engine.serve.app import serve
-from engine.weights import lora
+from engine.weights import layout, lora
 from families import FAMILIES, detect_family
 
 # Engine defaults in one place; the model-specific ones (prompt, size, frames, steps, guidance,
@@ -84,6 +84,7 @@ DEFAULTS = dict(
     scan_layers=True,
     bq=None, bkv=None, bkv_compute=None,  # Splash blocks: None = the chip's (default_block_sizes)
     park_weights="auto",
+    park_memory="auto",
 )
 FAMILY_FLAGS = ("prompt", "negative_prompt", "height", "width", "frames", "fps",
                 "num_inference_steps", "guidance_scale", "max_sequence_length")
@@ -217,6 +218,10 @@ def _add_run_flags(g) -> None:
                    help="shard the transformer's replicated weights over every device while "
                         "the VAE decodes, and a two-expert model's idle expert until its "
                         "boundary step (auto: each where it would not fit otherwise)")
+    g.add_argument("--park_memory", choices=layout.PARK_MEMORY, default=d["park_memory"],
+                   help="where a two-expert model's parked idle expert lives: device (HBM) "
+                        "or pinned_host (host memory: no HBM, the swap also crosses the host "
+                        "link); auto: pinned_host only where that lets the layout be Ulysses")
     g.add_argument("--verbose", action="store_true", help="debug logging (e.g. unsharded weights)")
 
 
@@ -276,6 +281,9 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
         UsageError: one line naming the flag, the value and the rule.
     """
     check_numbers(args)
+    if args.park_memory == "pinned_host" and args.park_weights == "off":
+        fail("--park_memory", args.park_memory, "says where parked weights live: needs "
+             "--park_weights auto or on")
     dry_flags.check_aot_export(args)
     validate_block_size_flags(args)
     runtime.validate_distributed_flags(args)

@@ -591,12 +591,15 @@ COLUMN_PARALLEL_RULES = (
     (r"blocks\.\d+\.attn[12]\.norm_[qk]\.weight$", ("tp",)),
     (r"blocks\.\d+\.ffn\.net\.0\.proj\.weight$", ("tp", None)),
     (r"blocks\.\d+\.ffn\.net\.0\.proj\.bias$", ("tp",)),
-    # Wan 2.1 I2V's image cross-attention (257 CLIP keys): 2.1 B parameters at 14B, which
-    # replicated would cost 3 GiB more per chip at tp4. norm_added_k is an RMSNorm across
-    # heads, like norm_k: split with its projection.
-    (r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj)\.weight$", ("tp", None)),
-    (r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj)\.bias$", ("tp",)),
-    (r"blocks\.\d+\.attn2\.norm_added_k\.weight$", ("tp",)),
+    # Wan 2.1 I2V's image cross-attention (257 CLIP keys): 2.1 B parameters at 14B (3.9 GiB
+    # in bf16). Split over tp and sp together: their work is 257 rows, so the all-gather of
+    # the image keys and values over sp costs ~2.6 MB per block, while replicated over sp
+    # (Ulysses: tp 1) they would keep Wan 2.1 I2V 14B off Ulysses on v6e-8 (30.59 GiB of
+    # replicated weights; 27.66 with these over sp4, engine.weights.layout). norm_added_k is
+    # an RMSNorm across heads, like norm_k: split with its projection.
+    (r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj)\.weight$", (("tp", "sp"), None)),
+    (r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj)\.bias$", (("tp", "sp"),)),
+    (r"blocks\.\d+\.attn2\.norm_added_k\.weight$", (("tp", "sp"),)),
     (r"condition_embedder\.(time_embedder|text_embedder)\.linear_1\.weight$", ("tp", None)),
     (r"condition_embedder\.(time_embedder|text_embedder)\.linear_1\.bias$", ("tp",)),
 )

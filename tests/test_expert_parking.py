@@ -17,7 +17,7 @@ from engine.pipeline import generate
 from engine.programs import experts, parking
 from engine.run import chips
 from engine.run.mesh import MeshShape, make_mesh
-from engine.weights import placement
+from engine.weights import layout, placement
 from engine.weights.layout import resident_weight_bytes, resolve_run_mesh
 from families import FAMILIES
 
@@ -34,8 +34,9 @@ def two_expert_8h(tmp_path_factory):
                   "--head_dim", "12", "--ffn_dim", "64")
 
 
-def _run(checkpoint, mode: str, iterations: int):
+def _run(checkpoint, mode: str, iterations: int, memory: str = "auto"):
     args = gf.validate_args(gf.parse_args([
+        "--park_memory", memory,
         "--model_id", checkpoint, "--dtype", "float32", "--seed", "7", "--flow_shift", "5",
         "--num_inference_steps", "4", "--num_iterations", str(iterations),
         "--warmup_steps", "0", "--height", "64", "--width", "128", "--frames", "5",
@@ -61,10 +62,23 @@ def test_parked_experts_give_the_unparked_frames(two_expert_8h):
     assert report_on["experts"]["steps"] == {"transformer": [0, 1], "transformer_2": [2, 3]}
 
 
-def _experts_on(mesh, seed: int):
+def test_experts_parked_in_host_memory_give_the_unparked_frames(two_expert_8h):
+    """--park_memory pinned_host: the idle expert's slices live in host memory; two videos
+    give the unparked run's frames exactly, with the same three swaps."""
+    frames_off, _ = _run(two_expert_8h, "off", 1)
+    frames_host, report = _run(two_expert_8h, "on", 2, "pinned_host")
+    np.testing.assert_array_equal(frames_host, frames_off)
+    parking_report = report["experts"]["parking"]
+    assert parking_report["memory"] == "pinned_host"
+    assert [s["to"] for s in parking_report["swaps"]] == ["transformer_2", "transformer",
+                                                          "transformer_2"]
+
+
+def _experts_on(mesh, seed: int, memory: str | None = None):
     """Two placed-expert dicts on ``mesh`` as ``place_module`` returns them: params at their
     home specs (one tp-less replicated matrix, one 3-D weight, one small bias that no
-    parking divides), a replicated buffer; and their host values."""
+    parking divides), a replicated buffer; and their host values. transformer_2's params
+    are parked in ``memory`` (None: the devices')."""
     rng = np.random.default_rng(seed)
     specs = {"w": P(), "stack": P(), "bias": P()}
     shapes = {"w": (64, 48), "stack": (2, 40, 16), "bias": (7,)}
@@ -76,7 +90,7 @@ def _experts_on(mesh, seed: int):
         for k, v in values.items():
             home = NamedSharding(mesh, specs[k])
             target = placement.parked_sharding(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                                    sharding=home))
+                                                                    sharding=home), memory)
             params[k] = jax.device_put(v, home if i == 0 else target)  # transformer_2 parked
         placed.append(dict(params=params, specs=specs,
                            buffers={"rope": jax.device_put(np.arange(24, dtype=np.float32) + i,
@@ -84,13 +98,14 @@ def _experts_on(mesh, seed: int):
     return placed, host
 
 
-def _device_bytes() -> dict:
-    """{device: bytes} of every live ``jax.Array``'s buffers, each buffer counted once: on
-    the CPU backend a reshard leaves single-device views of the source's shards in
-    ``jax.live_arrays()`` that alias its buffers (they would count the source twice)."""
+def _device_bytes(host: bool = False) -> dict:
+    """{device: bytes} of every live ``jax.Array``'s buffers in the devices' own memory
+    (``host``: in their host memory instead), each buffer counted once: on the CPU backend a
+    reshard leaves single-device views of the source's shards in ``jax.live_arrays()`` that
+    alias its buffers (they would count the source twice)."""
     buffers = {}
     for arr in jax.live_arrays():
-        if arr.is_deleted():
+        if arr.is_deleted() or placement.on_host(arr) != host:
             continue
         for shard in arr.addressable_shards:
             key = (shard.device, shard.data.unsafe_buffer_pointer())
@@ -173,7 +188,8 @@ def test_park_rule_and_dry_run_rows():
 
     placed = dict(params={"w": struct((64, 32), P())}, buffers={})  # 8 KiB, replicated
     vae = dict(params={"v": struct((16,), P())}, buffers={})  # 64 B
-    swap = dict(parked=True, parked_bytes_per_device=1024, swap_peak_bytes=5000)
+    swap = dict(parked=True, parked_bytes_per_device=1024, idle_hbm_bytes_per_device=1024,
+                swap_peak_bytes=5000)
     rows = [dict(program="transformer step", total_bytes=0, fits=True, capacity_bytes=10000),
             dict(program="VAE decode (3 programs, peak)", total_bytes=0, fits=True,
                  capacity_bytes=10000)]
@@ -186,6 +202,11 @@ def test_park_rule_and_dry_run_rows():
     dry_run._add_resident(unparked, placed, vae, {}, 0, 2, "off")
     assert [r["resident_bytes"] for r in unparked] == [64 + 8192, 2 * 8192]
     assert not unparked[1]["fits"]
+    # --park_memory pinned_host: the idle expert holds no HBM in the step nor in the decode.
+    host = [dict(r, total_bytes=0, fits=True) for r in rows[:2]]
+    dry_run._add_resident(host, placed, vae, {}, 0, 2, "off",
+                          dict(swap, idle_hbm_bytes_per_device=0, swap_peak_bytes=4000))
+    assert [r["resident_bytes"] for r in host] == [64, 8192, 4000]
 
 
 def test_resident_weight_bytes_count_the_idle_expert_parked(two_expert_8h):
@@ -201,14 +222,63 @@ def test_resident_weight_bytes_count_the_idle_expert_parked(two_expert_8h):
                                       "Wan-AI/Wan2.2-I2V-A14B-Diffusers"])
 def test_v6e_layout_counts_the_idle_expert_parked(model_id):
     """From the shipped configs: an A14B pair takes Ulysses on v6e-16 (one expert whole and
-    1/16 of the other: 28.34 GiB; the dry run's step fits at 30.30 of 31.25), keeps
-    dp2 x tp2 x sp2 on v6e-8 (30.00 GiB; the dry run's step needs 32.12), and with
-    --park_weights off counts both experts whole (53.3 GiB: tp on both)."""
+    1/16 of the other in HBM: 28.34 GiB; the dry run's step fits at 30.30 of 31.25), and on
+    v6e-8 with the idle expert in host memory (26.67 GiB, --park_memory auto); parked in HBM
+    there it keeps dp2 x tp2 x sp2 (30.00 GiB; the dry run's step needs 32.12); with
+    --park_weights off both experts count whole (53.3 GiB: tp on both)."""
     v6e = chips.CHIPS["v6e"]
     cfg = read_component_config(model_id, "transformer")
     extra = ["--image", "tests/data/first_frame.png"] if "I2V" in model_id else []
-    for park, n, want in (("auto", 16, MeshShape(2, 1, 8)), ("auto", 8, MeshShape(2, 2, 2)),
-                          ("off", 16, MeshShape(2, 4, 2))):
+    for park, memory, n, want in (("auto", "auto", 16, MeshShape(2, 1, 8)),
+                                  ("auto", "auto", 8, MeshShape(2, 1, 4)),
+                                  ("auto", "device", 8, MeshShape(2, 2, 2)),
+                                  ("off", "auto", 16, MeshShape(2, 4, 2))):
         config = gf.validate_args(gf.parse_args(["--model_id", model_id, "--park_weights",
-                                                 park, *extra]))
+                                                 park, "--park_memory", memory, *extra]))
         assert resolve_run_mesh(config, FAMILIES["wan"], cfg, n, v6e) == want
+    one = resident_weight_bytes(FAMILIES["wan"], model_id, cfg, "bfloat16")
+    # auto picks host memory on v6e-8 only: on v6e-16 the HBM-parked layout already fits.
+    assert layout.idle_expert_memory("auto", v6e, one // 2, one // 16) == "pinned_host"
+    assert layout.idle_expert_memory("auto", v6e, one // 2, one // 32) == "device"
+    assert layout.idle_expert_memory("auto", None, one // 2, one // 16) == "device"
+    assert layout.idle_expert_memory("pinned_host", None, 1, 1) == "pinned_host"
+
+
+def test_swap_bytes_per_device_with_the_idle_expert_in_host_memory():
+    """--park_memory pinned_host, per device: the idle expert's parked slices are in host
+    memory before and after a swap (its HBM holds one expert whole and nothing of the
+    other), the values come back exactly, and the dry run's model charges no HBM for it."""
+    mesh = make_mesh(MeshShape(2, 1, 4))
+    base, base_host = _device_bytes(), _device_bytes(host=True)
+    placed, host = _experts_on(mesh, 1, "pinned_host")
+    n = 8
+    whole = sum(v.nbytes for v in host[0].values()) + 24 * 4
+    parked = 64 * 48 * 4 // n + 2 * 40 * 16 * 4 // n + 7 * 4 + 24 * 4 // n
+    # transformer_2's buffer was placed whole on the devices (placement parks params only).
+    assert _device_bytes() == {d: base.get(d, 0) + whole + 24 * 4 for d in jax.devices()}
+    assert _device_bytes(host=True) == {d: base_host.get(d, 0) + parked - 24 * 4 // n
+                                        for d in jax.devices()}
+    samples = []
+    swap = experts.ExpertParking(placed, on_move=lambda: samples.append(_device_bytes()),
+                                 memory="pinned_host")
+    swap.ensure(1)
+    assert _device_bytes() == {d: base.get(d, 0) + whole for d in jax.devices()}
+    assert _device_bytes(host=True) == {d: base_host.get(d, 0) + parked for d in jax.devices()}
+    largest = 64 * 48 * 4 // n
+    assert all(max(s[d] for s in samples) <= base.get(d, 0) + whole + 24 * 4 + largest
+               for d in jax.devices())
+    for k, v in host[1].items():
+        np.testing.assert_array_equal(np.asarray(placed[1]["params"][k]), v)
+    assert all(placement.on_host(a) for a in placed[0]["params"].values())
+    swap.ensure(0)
+    for k, v in host[0].items():
+        np.testing.assert_array_equal(np.asarray(placed[0]["params"][k]), v)
+    assert swap.report()["memory"] == "pinned_host"
+    structs = {g: {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                   for k, a in placed[0][g].items()} for g in ("params", "buffers")}
+    model = dry_run._expert_parking(structs, {}, dict(params={}, buffers={}),
+                                    jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(
+                                        mesh, P())), "on", chips.CHIPS["v6e"], "pinned_host")
+    assert model["memory"] == "pinned_host" and model["idle_hbm_bytes_per_device"] == 0
+    assert model["host_bytes_per_device"] == parked
+    assert model["swap_peak_bytes"] == 16 + whole + largest

@@ -79,8 +79,10 @@ def test_prefers_ulysses_by_chip_and_replicated_weights():
 def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
     # Through the script's own resolution, from the configs/ the repo ships: Ulysses (tp 1)
     # where the replicated weights leave room on v6e (Wan 2.1 T2V 14B 26.67 GiB,
-    # HunyuanVideo-1.5 15.51), the family's default_sp where they do not (Wan 2.1 I2V 14B
-    # 30.59 GiB, an A14B pair 53.3), and head-sharded tp on v5e.
+    # HunyuanVideo-1.5 15.51; an A14B pair 26.67 with its idle expert parked in host memory,
+    # --park_memory auto; Wan 2.1 I2V 14B 27.66 with its image cross-attention split over
+    # sp4), the family's default_sp where they do not (an A14B pair parked in HBM,
+    # 26.67 + 3.33), and head-sharded tp on v5e.
     import generate_flax as gf
 
     v6e, v5e = chips.CHIPS["v6e"], chips.CHIPS["v5e"]
@@ -88,9 +90,9 @@ def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
             ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan", MeshShape(2, 1, 4)),
             ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan", MeshShape(2, 1, 4)),
             ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan", MeshShape(2, 1, 4)),
-            ("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "wan", MeshShape(2, 2, 2)),
-            ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan", MeshShape(2, 2, 2)),
-            ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan", MeshShape(2, 2, 2)),
+            ("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "wan", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan", MeshShape(2, 1, 4)),
+            ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan", MeshShape(2, 1, 4)),
             ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v", "hunyuanvideo",
              MeshShape(2, 1, 4)),
             ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v", "hunyuanvideo",
@@ -99,6 +101,11 @@ def test_v6e_default_is_ulysses_where_the_replicated_weights_fit():
                                                  "--topology", "v6e:2x4"]))
         assert resolve_mesh(config, FAMILIES[family], 8, v6e) == on_v6e, model_id
         assert resolve_mesh(config, FAMILIES[family], 8, v5e) == MeshShape(2, 4, 1)
+    for model_id in ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"):
+        config = gf.validate_args(gf.parse_args(["--model_id", model_id, "--dry_run",
+                                                 "--topology", "v6e:2x4", "--park_memory",
+                                                 "device"]))
+        assert resolve_mesh(config, FAMILIES["wan"], 8, v6e) == MeshShape(2, 2, 2), model_id
 
 
 @pytest.mark.parametrize("family", ["wan", "hunyuanvideo"])

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from jax.sharding import PartitionSpec as P
 from PIL import Image, ImageOps
 
 import generate_flax
@@ -124,12 +125,12 @@ def test_staged_i2v_denoise_needs_no_image(i2v_checkpoint, tmp_path):
     np.testing.assert_allclose(frames, ref, atol=1e-3, rtol=0)
 
 
-def test_image_cross_attention_is_tp_split(i2v_checkpoint):
+def test_image_cross_attention_is_split_over_tp_and_sp(i2v_checkpoint):
     """Streamed from the checkpoint (whose file also holds ``attn2.norm_added_q`` tensors
     the model lacks: skipped as ``from_pretrained`` skips them), add_k_proj / add_v_proj /
-    norm_added_k land split over tp: each device holds half their bytes at tp2, by
-    ``jax.live_arrays()`` accounting, with the checkpoint's values. (Ported from a helper's
-    branch.)"""
+    norm_added_k land split over tp and sp together: each device holds a quarter of their
+    bytes at tp2 x sp2, by ``jax.live_arrays()`` accounting, with the checkpoint's values;
+    at dp2 x sp4 (Ulysses, tp 1) a quarter too, so Wan 2.1 I2V 14B fits that layout."""
     from diffusers import WanTransformer3DModel
     from safetensors import safe_open
 
@@ -154,11 +155,15 @@ def test_image_cross_attention_is_tp_split(i2v_checkpoint):
     assert all(id(a) in live for a in image.values())
     per_device = placement.per_device_bytes(list(image.values()))
     whole = sum(a.size * a.dtype.itemsize for a in image.values())
-    assert set(per_device.values()) == {whole // 2}  # every device: half of every tensor
-    w = image["blocks.0.attn2.add_k_proj.weight"]  # (out 24, in 24): rows over tp
-    assert {s.data.shape for s in w.addressable_shards} == {(12, 24)}
+    assert set(per_device.values()) == {whole // 4}  # every device: a quarter of each
+    w = image["blocks.0.attn2.add_k_proj.weight"]  # (out 24, in 24): rows over tp x sp
+    assert {s.data.shape for s in w.addressable_shards} == {(6, 24)}
     for name, arr in image.items():
         np.testing.assert_array_equal(np.asarray(arr), expected[name].numpy(), err_msg=name)
+    specs, _, _ = sharding.sharding_specs({"blocks.0.attn2.add_v_proj.weight": (24, 24)},
+                                          wan.transformer_sharding_rules(),
+                                          make_mesh(MeshShape(2, 1, 4), jax.devices()))
+    assert specs["blocks.0.attn2.add_v_proj.weight"] == P(("tp", "sp"), None)
 
 
 def test_ti2v_i2v_matches_diffusers(ti2v_checkpoint, tmp_path):

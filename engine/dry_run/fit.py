@@ -44,7 +44,7 @@ from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
 from engine.run.errors import EXIT_DOES_NOT_FIT, GenerationError, UsageError, fail, first_line
 from engine.run.mesh import make_mesh, spatial_mesh
-from engine.weights import lora, placement
+from engine.weights import layout, lora, placement
 from engine.weights.layout import resolve_run_mesh
 
 
@@ -223,15 +223,21 @@ def _leaves(tree) -> list:
     return jax.tree.leaves(tree)
 
 
-def _expert_parking(placed, inputs, vae_placed, latents, mode: str, chip) -> dict:
+def _expert_parking(placed, inputs, vae_placed, latents, mode: str, chip,
+                    memory_mode: str = "device") -> dict:
     """A two-expert model's idle expert parked (``engine.programs.experts``, the rule a run
     applies): one expert whole beside the other parked, and at the boundary step one swap
-    (the done expert parked, then the next gathered, one weight at a time).
+    (the done expert parked, then the next gathered, one weight at a time). ``memory_mode``:
+    ``--park_memory``; in host memory (``layout.idle_expert_memory``) the idle expert holds
+    no HBM.
 
-    Returns dict(parked, whole_bytes_per_device, parked_bytes_per_device,
+    Returns dict(parked, memory ("device" or "pinned_host"), whole_bytes_per_device,
+    parked_bytes_per_device (one expert's parked slices), idle_hbm_bytes_per_device (what
+    the idle expert holds in HBM), host_bytes_per_device (what a swap moves over the host
+    link each way: the parked slices, in host memory only),
     swap_peak_bytes: what a device holds at the swap's worst moment: VAE weights, inputs and
-    latents, one expert whole, the other parked, plus the largest weight's parked slice (a
-    weight's old and new copies are both live while it moves),
+    latents, one expert whole, the other parked in HBM, plus the largest weight's parked
+    slice (a weight's old and new copies are both live while it moves),
     gather_bytes_per_device: what each device receives in the swap's all-gathers,
     gather_s_estimate: those bytes at the chip's assumed ICI egress (a static estimate, as
     ``--estimate``'s collectives; None for a chip without one)).
@@ -239,6 +245,8 @@ def _expert_parking(placed, inputs, vae_placed, latents, mode: str, chip) -> dic
     arrays = [*placed["params"].values(), *placed["buffers"].values()]
     whole, parked_bytes = experts.expert_bytes(arrays)
     park = experts.park_idle_expert(mode, whole, parked_bytes, chip.usable_hbm_bytes)
+    memory = layout.idle_expert_memory(memory_mode, chip, whole, parked_bytes)
+    idle = 0 if memory == "pinned_host" else parked_bytes
     largest = max((placement.shard_bytes(jax.ShapeDtypeStruct(
         a.shape, a.dtype, sharding=placement.parked_sharding(a))) for a in arrays), default=0)
     others = _per_chip_bytes([*vae_placed["params"].values(), *vae_placed["buffers"].values(),
@@ -246,9 +254,10 @@ def _expert_parking(placed, inputs, vae_placed, latents, mode: str, chip) -> dic
     gather = whole - parked_bytes
     ici = (estimate.device_ici_bytes_per_s(chip.name)
            if chip.name in estimate.ICI_EGRESS_GBPS else None)
-    return dict(parked=park, mode=mode, whole_bytes_per_device=whole,
-                parked_bytes_per_device=parked_bytes,
-                swap_peak_bytes=others + whole + parked_bytes + largest,
+    return dict(parked=park, mode=mode, memory=memory, whole_bytes_per_device=whole,
+                parked_bytes_per_device=parked_bytes, idle_hbm_bytes_per_device=idle,
+                host_bytes_per_device=parked_bytes - idle,
+                swap_peak_bytes=others + whole + idle + largest,
                 gather_bytes_per_device=gather,
                 gather_s_estimate=None if ici is None else gather / ici)
 
@@ -270,9 +279,9 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
     now, parked = parking.weights_bytes([placed] * experts)
     other = step_weights
     if expert_parking and expert_parking["parked"]:
-        other = expert_parking["parked_bytes_per_device"]  # the idle expert, parked
+        other = expert_parking["idle_hbm_bytes_per_device"]  # the idle expert, parked
         now = step_weights + other
-        parked = 2 * other
+        parked = expert_parking["parked_bytes_per_device"] + other
         rows.append(dict(program="expert swap (transient)", argument_bytes=None,
                          output_bytes=None, temp_bytes=None, total_bytes=0,
                          capacity_bytes=rows[0]["capacity_bytes"], fits=True, flops=None,
@@ -380,7 +389,8 @@ def dry_run(config, family) -> tuple[int, dict]:
     video = 3 * config.video.frames * config.video.height * config.video.width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
     swap = n_experts > 1 and _expert_parking(placed, inputs, vae_placed, latents,
-                                             config.run.park_weights, chip) or None
+                                             config.run.park_weights, chip,
+                                             config.run.park_memory) or None
     parked = _add_resident(rows, placed, vae_placed, inputs, video, n_experts,
                            config.run.park_weights, swap)
     fits = all(r["fits"] for r in rows)
@@ -479,11 +489,15 @@ def print_dry_run(report: dict) -> None:
     swap = report.get("expert_parking") or {}
     if swap.get("parked"):
         est = swap["gather_s_estimate"]
-        print(f"--park_weights {swap['mode']}: the idle expert stays parked "
+        where = ("in host memory (--park_memory pinned_host: no HBM)"
+                 if swap["memory"] == "pinned_host" else "in HBM")
+        print(f"--park_weights {swap['mode']}: the idle expert stays parked {where} "
               f"({swap['whole_bytes_per_device'] / 2**30:.2f} GiB whole -> "
               f"{swap['parked_bytes_per_device'] / 2**30:.2f} parked per device); one swap per "
               f"video at the boundary step: {swap['gather_bytes_per_device'] / 2**30:.2f} GiB "
               "all-gathered per device"
+              + (f", {swap['host_bytes_per_device'] / 2**30:.2f} GiB each way over the host "
+                 "link" if swap["host_bytes_per_device"] else "")
               + ("" if est is None else f", {est:.3f} s at the assumed ICI egress (estimate)"))
     print("kept = HBM other stages hold meanwhile (the other model's weights, decoded frames)"
           + (f"; {report['experts_resident']} experts resident"

@@ -16,7 +16,10 @@ the idle one can be kept parked, every weight sharded over all devices
 boundary step the done expert is parked (local slices, no interconnect traffic) and the next
 one gathered (one all-gather per weight), one weight at a time. A layout that replicates the
 weights (Ulysses ``sp``) then holds one expert whole and 1/devices of the other: Wan 2.2
-A14B at dp2 x sp4 on v6e-8 holds 26.67 + 3.33 GiB instead of 53.3.
+A14B at dp2 x sp4 on v6e-8 holds 26.67 + 3.33 GiB instead of 53.3. With ``--park_memory
+pinned_host`` (``engine.weights.layout.idle_expert_memory``; "auto" picks it where it lets
+the layout be Ulysses: A14B on v6e-8) the parked slices live in host memory instead, so the
+idle expert holds no HBM; the swap then also moves each device's slice over the host link.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from engine.programs import parking
 from engine.programs.denoise import set_timesteps
 from engine.run import chips
 from engine.run.errors import GenerationError, fail
-from engine.weights import placement, sharding
+from engine.weights import layout, placement, sharding
 
 # diffusers' argument names, used in the report.
 EXPERT_NAMES = ("transformer", "transformer_2")
@@ -133,15 +136,24 @@ def place_second(config, family, pipe, mesh, fallbacks) -> dict:
     """Stream ``transformer_2``'s weights from its own safetensors into the same shardings as
     the first expert's (``engine.weights.sharding.place_expert``), with the ``--lora_2`` files
     fused into each slice as ``--lora`` is into the first expert's; placed parked (its
-    ``parked`` True) where ``park_idle_expert`` says so for the run's chip."""
+    ``parked`` the memory kind, "device" or "pinned_host") where ``park_idle_expert`` says
+    so for the run's chip, in the memory ``layout.idle_expert_memory`` picks."""
     chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
     capacity = chip and chip.usable_hbm_bytes
 
-    def park(structs) -> bool:
-        return park_idle_expert(config.run.park_weights, *expert_bytes(structs), capacity)
+    def park(structs) -> str | None:
+        whole, parked = expert_bytes(structs)
+        if not park_idle_expert(config.run.park_weights, whole, parked, capacity):
+            return None
+        return layout.idle_expert_memory(config.run.park_memory, chip, whole, parked)
 
     return sharding.place_expert(config, family, pipe.transformer_2, "transformer_2", mesh,
                                  fallbacks, park=park)
+
+
+def _hbm_bytes(arr) -> int:
+    """Bytes one device holds of ``arr`` in its HBM (0 for an array in host memory)."""
+    return 0 if placement.on_host(arr) else placement.shard_bytes(arr)
 
 
 def _layout(placed: dict, homes: dict | None = None):
@@ -164,6 +176,8 @@ class ExpertParking:
             whole, ``experts[1]`` parked (as ``place_second`` places it).
         on_move: optional ``f()`` called while a weight's old and new copies are both live
             (tests sample the device bytes there).
+        memory: where parked weights live: "device" (HBM) or "pinned_host" (host memory,
+            ``--park_memory``).
 
     ``ensure(k)`` makes expert ``k`` whole: the other expert's weights are parked first
     (each a local slice of what the device holds), then ``k``'s gathered to their home
@@ -173,8 +187,8 @@ class ExpertParking:
     ``swaps``: one dict per swap (to, park_s, gather_s, gathered_bytes_per_device).
     """
 
-    def __init__(self, experts: list, on_move=None):
-        self.experts, self.on_move = experts, on_move
+    def __init__(self, experts: list, on_move=None, memory: str = "device"):
+        self.experts, self.on_move, self.memory = experts, on_move, memory
         first = experts[0]
         mesh = next(iter(first["params"].values())).sharding.mesh
         self.homes = {**{("params", k): jax.sharding.NamedSharding(mesh, first["specs"][k])
@@ -195,12 +209,13 @@ class ExpertParking:
         for group in ("params", "buffers"):
             arrays = self.experts[k][group]
             for name, arr in list(arrays.items()):
-                target = self.homes[(group, name)] if home else placement.parked_sharding(arr)
+                target = self.homes[(group, name)] if home else placement.parked_sharding(
+                    arr, None if self.memory == "device" else self.memory)
                 if target.is_equivalent_to(arr.sharding, arr.ndim):
                     continue
-                before = placement.shard_bytes(arr)
+                before = _hbm_bytes(arr)
                 arrays[name] = parking.move_array(arr, target, self.on_move)
-                gained += placement.shard_bytes(arrays[name]) - before
+                gained += _hbm_bytes(arrays[name]) - before
         return gained
 
     def ensure(self, k: int) -> None:
@@ -217,7 +232,7 @@ class ExpertParking:
                                gathered_bytes_per_device=gathered))
 
     def report(self) -> dict:
-        return dict(idle_expert_parked=True, swaps=self.swaps)
+        return dict(idle_expert_parked=True, memory=self.memory, swaps=self.swaps)
 
 
 class ExpertStep:

@@ -39,9 +39,10 @@ parked_sharding = placement.parked_sharding
 def weights_bytes(weights: list) -> tuple[int, int]:
     """(bytes per device now, bytes per device parked) of the placed weights ``weights``
     (dicts with ``params`` and ``buffers``: ``jax.Array``s or sharded ``ShapeDtypeStruct``s),
-    the largest over devices. Works deviceless (``--dry_run``)."""
+    the largest over devices, in HBM (weights in host memory count nothing). Works
+    deviceless (``--dry_run``)."""
     arrays = [a for placed in weights for group in ("params", "buffers")
-              for a in placed[group].values()]
+              for a in placed[group].values() if not placement.on_host(a)]  # no HBM
     parked = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=parked_sharding(a))
               for a in arrays]
     return (sum(placement.shard_bytes(a) for a in arrays),
@@ -140,7 +141,10 @@ def _move(weights: list, homes: dict | None) -> dict:
                 key = (i, group, name)
                 if homes is None:
                     target = parked_sharding(arr)
-                    if target.is_equivalent_to(arr.sharding, arr.ndim):
+                    # Already parked: sharded in HBM, or (``--park_memory pinned_host``) a
+                    # two-expert model's idle expert in host memory, which holds no HBM.
+                    if placement.on_host(arr) or target.is_equivalent_to(arr.sharding,
+                                                                         arr.ndim):
                         continue
                     moved[key] = arr.sharding
                 elif key in homes:
@@ -157,7 +161,10 @@ def move_array(arr, target, on_move=None):
 
     ``on_move``: optional ``f()`` called while both copies are live (the transient the dry
     run charges: ``tests/test_expert_parking.py`` samples the live bytes there)."""
-    new = jax.block_until_ready(jax.device_put(arr, target, donate=True))
+    # Donation across memory kinds (HBM <-> pinned host) is not implemented in JAX; there
+    # the old buffer is deleted below instead.
+    same = target.memory_kind == arr.sharding.memory_kind
+    new = jax.block_until_ready(jax.device_put(arr, target, donate=same))
     if on_move is not None:
         on_move()
     if not arr.is_deleted():  # donate is a hint JAX may ignore; the copy is ours

@@ -53,7 +53,8 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
                                                                   timestep, inputs)
     if second:
         # transformer_2 placed parked (experts.place_second): the idle expert stays parked.
-        parked = experts.ExpertParking([placed, second]) if second.get("parked") else None
+        parked = (experts.ExpertParking([placed, second], memory=second["parked"])
+                  if second.get("parked") else None)
         step = experts.ExpertStep(
             compiled, [placed, second],
             (config.video.guidance_scale, config.video.guidance_scale_2), inputs,

@@ -120,7 +120,8 @@ class RunSettings:
     """The process's work and its outputs: the stage and its folders, the benchmark protocol
     (warmup, timed iterations, profile), the persistent compile cache, the videos of
     --prompts_file / --seeds (``engine.files.videos.Video``s), what is written, and the VAE
-    decode's tiling and ``--park_weights`` (``engine.programs.parking``)."""
+    decode's tiling, ``--park_weights`` (``engine.programs.parking``) and ``--park_memory``
+    (``engine.weights.layout.idle_expert_memory``)."""
 
     stage: str
     work_dir: str
@@ -134,6 +135,7 @@ class RunSettings:
     vae_tiling: bool
     no_plots: bool = False
     park_weights: str = "auto"
+    park_memory: str = "auto"
     prompts_file: str | None = None
     seeds: str | None = None
     videos: tuple = ()

@@ -1,5 +1,6 @@
 """The run's default layout: Ulysses where the checkpoint's replicated weights leave room
-(a two-expert model's idle expert counted parked, unless ``--park_weights off``).
+(a two-expert model's idle expert counted parked, unless ``--park_weights off``: in HBM, or
+none of it where ``idle_expert_memory`` parks it in host memory).
 
 ``resolve_run_mesh`` is where the run (``generate_flax.resolve_mesh``, the server) and the dry
 run choose (dp, tp, sp), so that a dry run predicts the run's layout. It weighs the
@@ -8,15 +9,45 @@ transformer from its config alone (meta tensors), before any weight is read.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from engine.files.checkpoint import expert_count, read_model_index
 from engine.run import chips
 from engine.run.mesh import MeshShape, resolve_mesh_shape
 
+PARK_MEMORY = ("auto", "device", "pinned_host")
+
+
+def idle_expert_memory(mode: str, chip, whole_bytes: int, parked_bytes: int) -> str:
+    """Where a two-expert model's parked idle expert lives: "device" (1/devices of every
+    weight in each device's HBM) or "pinned_host" (the same slices in host memory: no HBM,
+    and each swap also moves them over the host link).
+
+    Args:
+        mode: ``--park_memory`` ("auto", "device" or "pinned_host").
+        chip: the run's ``chips.Chip`` (None off TPU: "auto" keeps "device").
+        whole_bytes / parked_bytes: one expert's weights per device, replicated and parked.
+
+    "auto" takes host memory only where it changes the layout: on a chip that weighs the
+    replicated weights for Ulysses (``chips.ULYSSES_WEIGHT_FRACTION``), when one expert
+    whole fits that share but one whole beside the other parked in HBM does not (Wan 2.2
+    A14B on v6e-8: 26.67 GiB fits, 26.67 + 3.33 does not; dry runs in
+    benchmarks/dry_run_results.md).
+    """
+    if mode != "auto":
+        return mode
+    if chip is None or chip.name not in chips.ULYSSES_WEIGHT_FRACTION:
+        return "device"
+    changes = (chips.prefers_ulysses(chip, whole_bytes)
+               and not chips.prefers_ulysses(chip, whole_bytes + parked_bytes))
+    return "pinned_host" if changes else "device"
+
 
 def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str,
-                          park_over: int | None = None) -> int:
+                          park_over: int | None = None, park_memory: str = "device",
+                          chip=None, sp_over: int | None = None, rules=()) -> int:
     """Bytes of transformer weights one device holds when they are replicated.
 
     Every parameter of ``family.transformer.empty(cfg, dtype)`` (meta tensors: no RAM, about
@@ -29,14 +60,31 @@ def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str,
     (``engine.programs.experts.ExpertParking``), or None (both whole). Then the second
     expert counts 1/``park_over`` of its bytes (rounded up; a weight no dimension of which
     divides stays whole, a few MiB at most: the dry run counts them exactly). A14B in
-    bfloat16 over 8 devices: 26.67 + 3.33 GiB instead of 53.3.
+    bfloat16 over 8 devices: 26.67 + 3.33 GiB instead of 53.3; nothing for the idle expert
+    where ``idle_expert_memory(park_memory, chip, ...)`` parks it in host memory.
+
+    ``sp_over`` with ``rules`` (the family's sharding rules): weights whose rule splits them
+    over "sp" even when tp is 1 (Wan 2.1 I2V's image cross-attention, 3.9 GiB at 14B) count
+    1/``sp_over`` of their bytes, as a Ulysses layout with that sp holds them.
     """
     model = family.transformer.empty(cfg, getattr(torch, dtype))
-    one = sum(p.numel() * p.element_size() for p in model.parameters())
+    one = sum(_held_bytes(name, p, rules, sp_over) for name, p in model.named_parameters())
     experts = expert_count(read_model_index(model_id))
     if experts == 2 and park_over:
-        return one + -(-one // park_over)
+        parked = -(-one // park_over)
+        if idle_expert_memory(park_memory, chip, one, parked) == "pinned_host":
+            return one
+        return one + parked
     return one * experts
+
+
+def _held_bytes(name: str, param, rules, sp_over: int | None) -> int:
+    """Bytes of one weight a device holds under Ulysses: 1/``sp_over`` where its first
+    matching rule names "sp", else all of it."""
+    nbytes = param.numel() * param.element_size()
+    rule = next((axes for rx, axes in rules if re.search(rx, name)), ())
+    names = {x for a in rule if a is not None for x in (a if isinstance(a, tuple) else (a,))}
+    return -(-nbytes // sp_over) if sp_over and "sp" in names else nbytes
 
 
 def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> MeshShape:
@@ -56,8 +104,13 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
     # device wherever both whole would not fit (experts.park_idle_expert), so only then do
     # they count as one whole and one parked.
     park_over = n_devices if config.run.park_weights != "off" else None
-    weights = resident_weight_bytes(family, config.model.model_id, cfg, config.model.dtype,
-                                    park_over) if weighed else None
+    # The Ulysses candidate's sp (tp 1; dp as resolve_mesh_shape picks it), for the weights
+    # the family's rules split over sp even then.
+    dp = layout.dp or (2 if video.batch == 2 and n_devices % 2 == 0 else 1)
+    weights = resident_weight_bytes(
+        family, config.model.model_id, cfg, config.model.dtype, park_over,
+        config.run.park_memory, chip, sp_over=max(n_devices // dp, 1),
+        rules=family.transformer.sharding_rules(config)) if weighed else None
     return resolve_mesh_shape(
         layout.dp, layout.tp, layout.sp, n_devices, batch=video.batch,
         num_heads=family.transformer.num_heads(cfg) if cfg else None,

@@ -109,7 +109,8 @@ def place_tensors(tensors: dict, shardings: dict, *, desc: str, release_host: bo
 
 
 def per_device_bytes(arrays=None) -> dict:
-    """Bytes each device holds of ``arrays`` (default: every live ``jax.Array``).
+    """Bytes each device holds in its own memory of ``arrays`` (default: every live
+    ``jax.Array``); arrays in host memory (``on_host``) are left out.
 
     Counts each array's shard shape on every device of its sharding, so a replicated array
     counts fully on each device and a whole array committed to one device counts there only.
@@ -119,11 +120,15 @@ def per_device_bytes(arrays=None) -> dict:
     """
     totals: dict = {}
     for arr in jax.live_arrays() if arrays is None else arrays:
-        if arr.is_deleted():
+        if arr.is_deleted() or on_host(arr):
             continue
         for device in arr.sharding.device_set:
             totals[device] = totals.get(device, 0) + shard_bytes(arr)
     return totals
+
+
+# JAX memory kinds outside the device's HBM (``jax.Device.addressable_memories``).
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
 def parked_spec(spec, shape: tuple, mesh):
@@ -152,11 +157,19 @@ def parked_spec(spec, shape: tuple, mesh):
     return spec
 
 
-def parked_sharding(arr):
+def parked_sharding(arr, memory_kind: str | None = None):
     """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
-    while parked (``parked_spec`` of its own)."""
+    while parked (``parked_spec`` of its own), in ``memory_kind`` (None: the devices' own
+    memory; "pinned_host": their host's, which costs no HBM: ``--park_memory``)."""
     sh = arr.sharding
-    return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh))
+    return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh),
+                         memory_kind=memory_kind)
+
+
+def on_host(arr) -> bool:
+    """Whether ``arr`` (a ``jax.Array`` or a ``ShapeDtypeStruct`` with a sharding) lives in
+    host memory (``HOST_MEMORY_KINDS``): it holds no HBM."""
+    return getattr(arr.sharding, "memory_kind", None) in HOST_MEMORY_KINDS
 
 
 def shard_bytes(arr) -> int:

@@ -52,7 +52,8 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
 
     Args:
         names_shapes: {name: shape}.
-        rules: ((regex, spec tuple), ...).
+        rules: ((regex, spec tuple), ...); an entry is None, a mesh axis name or a tuple of
+            names (the dimension split over their product, e.g. ("tp", "sp")).
         mesh: the mesh; a rule whose axis size does not divide its dimension is not applied.
         fsdp: also shard every weight of 2+ dims over the mesh axes its rule leaves unused,
             on its largest dimension that they divide (GSPMD all-gathers it before use).
@@ -65,7 +66,7 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
         axes = (None,) * len(shape)
         for rx, rule_axes in rules:
             if re.search(rx, name):
-                if all(a is None or shape[i] % mesh.shape[a] == 0
+                if all(a is None or shape[i] % _axes_size(mesh, a) == 0
                        for i, a in enumerate(rule_axes)):
                     axes = tuple(rule_axes) + (None,) * (len(shape) - len(rule_axes))
                     counts[rx] += int(math.prod(shape))
@@ -73,7 +74,8 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
         else:
             unmatched.append(name)
         if fsdp and len(shape) >= 2:
-            free = tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
+            used = {x for a in axes if a is not None for x in (a if isinstance(a, tuple) else (a,))}
+            free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
             size = math.prod(mesh.shape[a] for a in free)
             free_dims = [d for d in range(len(shape)) if axes[d] is None]
             for d in sorted(free_dims, key=lambda d: -shape[d]):
@@ -82,6 +84,11 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
                     break
         specs[name] = P(*axes)
     return specs, counts, unmatched
+
+
+def _axes_size(mesh, axes) -> int:
+    """Devices a spec entry splits over: one mesh axis's size, or a tuple's product."""
+    return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def module_sharding_specs(module, names_shapes: dict, rules, mesh, *, fsdp: bool = False):
@@ -136,10 +143,11 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         on_placed: optional ``f(name, jax.Array)`` after each weight (memory accounting).
         loras: ``engine.weights.lora.Lora``s fused into the slices as they are read (needs
             ``checkpoint``).
-        park: optional ``f([sharded ShapeDtypeStruct of each weight]) -> bool``; True places
-            every weight at its parked sharding (``engine.programs.parking.parked_sharding``:
-            a two-expert model's idle expert, ``engine.programs.experts``), while ``specs``
-            stay the weights' home specs (the compiled step's).
+        park: optional ``f([sharded ShapeDtypeStruct of each weight]) -> str | None``; a
+            memory kind ("device" or "pinned_host") places every weight at its parked
+            sharding in that memory (``engine.weights.placement.parked_sharding``: a
+            two-expert model's idle expert, ``engine.programs.experts``), while ``specs``
+            stay the weights' home specs (the compiled step's); None places them home.
 
     Returns:
         dict(module=JittableModule, params={name: jax.Array}, buffers={name: jax.Array},
@@ -147,7 +155,7 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
         undivided=[names a rule matched but whose dims the mesh does not divide],
         param_bytes=weights in their run dtypes, bytes=weights and buffers,
         bytes_read=bytes read from ``checkpoint`` (None without it), seconds=wall time,
-        parked=whether ``park`` placed the weights parked).
+        parked=the memory kind ``park`` placed the weights parked in, or False).
 
     Raises:
         GenerationError: ``checkpoint`` holds no safetensors file, or lacks a tensor the
@@ -186,14 +194,16 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
                 seconds=time.perf_counter() - t0, parked=parked)
 
 
-def _maybe_parked(params: dict, shardings: dict, park) -> tuple[dict, bool]:
-    """(``shardings``, False), or every weight's parked sharding and True where ``park``
-    (``place_module``'s) says so for the weights at their home ``shardings``."""
+def _maybe_parked(params: dict, shardings: dict, park) -> tuple[dict, str | bool]:
+    """(``shardings``, False), or every weight's parked sharding and its memory kind where
+    ``park`` (``place_module``'s) names one for the weights at their home ``shardings``."""
     homes = {k: jax.ShapeDtypeStruct(tuple(v.shape), mappings.t2j_dtype(v.dtype),
                                      sharding=shardings[k]) for k, v in params.items()}
-    if park is None or not park(list(homes.values())):
+    memory = None if park is None else park(list(homes.values()))
+    if not memory:
         return shardings, False
-    return {k: placement.parked_sharding(h) for k, h in homes.items()}, True
+    kind = None if memory == "device" else memory  # None: the devices' default memory
+    return {k: placement.parked_sharding(h, kind) for k, h in homes.items()}, memory
 
 
 def _stack(module):
