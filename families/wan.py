@@ -667,11 +667,12 @@ FAMILY = ModelFamily(
         timestep_dtype="int32",
         sharding_rules=sharding_rules,
         block_stack=WAN_BLOCKS,
-        # v6e, for the checkpoints whose replicated weights are too large for Ulysses
-        # (chips.ULYSSES_WEIGHT_FRACTION: Wan 2.1 I2V 14B, the Wan 2.2 A14B pairs): dp2 x tp2 x
-        # sp2 on v6e-8 (tp2 x sp2 for any v6e slice whose tp stays >= 2). By the static
-        # estimate it beats dp2 x tp4 (14B 720p 3.46 -> 3.21 s/step), and those checkpoints
-        # fit by the dry run (A14B T2V/I2V with --park_weights auto); docs/dry_run.md.
+        # v6e, for a run whose weights are too large for Ulysses (chips.ULYSSES_WEIGHT_FRACTION;
+        # by default no shipped checkpoint on v6e-8 since the A14B pairs park their idle expert
+        # in host memory and I2V 14B splits its image cross-attention over sp; still the A14B
+        # pairs with --park_memory device): dp2 x tp2 x sp2 on v6e-8 (tp2 x sp2 for any v6e
+        # slice whose tp stays >= 2). By the static estimate it beats dp2 x tp4 (14B 720p
+        # 3.46 -> 3.21 s/step); docs/dry_run.md.
         default_sp={"v6e": 2},
         # Self-attention over video tokens only (text enters by cross-attention), in the
         # flattened frames x height x width order: --window_size applies.
