@@ -90,12 +90,17 @@ BLOCKS = BlockStack(attr="transformer_blocks", carry=2,
 
 
 def checkpoint_defaults(model_id: str) -> dict:
-    """Flag defaults the checkpoint sets: its guider's CFG scale and its scheduler's shift.
+    """Flag defaults the checkpoint sets: its guider's CFG scale, its scheduler's shift, and
+    for text-to-video the size ``HunyuanVideo15Pipeline`` gives a call without height and
+    width (``default_size``: 480 x 848 for the 480p checkpoint, 720 x 1280 for 720p).
 
     Raises:
         UsageError: the guider uses an option this port does not implement.
     """
     out = {}
+    target = (read_component_config(model_id, "transformer") or {}).get("target_size")
+    if target and not is_image_to_video(model_id):  # image-to-video sizes from the image
+        out["height"], out["width"] = default_size(target)
     guider = read_component_config(model_id, "guider", filename="guider_config.json") or {}
     unsupported = {k: guider[k] for k, default in (
         ("guidance_rescale", 0.0), ("use_original_formulation", False), ("start", 0.0),
@@ -366,6 +371,18 @@ def is_image_to_video(model_id: str) -> bool:
 
 def image_mode(model_id: str) -> str:
     return "required" if is_image_to_video(model_id) else "none"
+
+
+def default_size(target_size: int) -> tuple[int, int]:
+    """(height, width) of ``HunyuanVideo15Pipeline`` with neither given: the 16:9 bucket at
+    the transformer's ``target_size`` (its ``default_aspect_ratio`` and
+    ``HunyuanVideo15ImageProcessor.calculate_default_height_width``)."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import (
+        HunyuanVideo15ImageProcessor,
+    )
+
+    return tuple(HunyuanVideo15ImageProcessor(vae_scale_factor=VAE_SPATIAL_SCALE)
+                 .calculate_default_height_width(9, 16, target_size))
 
 
 def image_size(model_id: str, info) -> tuple[int, int]:

@@ -106,14 +106,25 @@ def _with_guider(checkpoint, tmp_path, guider: dict) -> str:
 
 def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     """Guidance scale and flow shift are the checkpoint's (its guider and scheduler configs),
-    frames and fps the family's; a flag still wins."""
+    height and width the 16:9 bucket HunyuanVideo15Pipeline picks at the transformer's
+    target_size (the tiny checkpoint's 64: 48 x 80; the shipped 480p config: 480 x 848, as
+    its model card's 480p; 720p: 720 x 1280), frames and fps the family's; a flag still
+    wins."""
     config = generate_flax.validate_args(generate_flax.parse_args(
         ["--model_id", hunyuan_checkpoint]))
     assert config.model.family == "hunyuanvideo"
     video = config.video
     assert (video.guidance_scale, video.flow_shift, video.flow_shift_source) == (
         6.0, 9.0, "checkpoint")
-    assert (video.frames, video.height, video.width, video.fps) == (121, 720, 1280, 24)
+    assert (video.frames, video.height, video.width, video.fps) == (121, 48, 80, 24)
+    for size, want in (("480p", (480, 848)), ("720p", (720, 1280))):
+        shipped = generate_flax.validate_args(generate_flax.parse_args(
+            ["--model_id", f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{size}_t2v",
+             "--dry_run", "--topology", "v6e:2x4"])).video
+        assert (shipped.height, shipped.width) == want
+    flagged = generate_flax.validate_args(generate_flax.parse_args(
+        ["--model_id", hunyuan_checkpoint, "--height", "64", "--width", "96"])).video
+    assert (flagged.height, flagged.width) == (64, 96)
     with open(os.path.join(hunyuan_checkpoint, "guider", "guider_config.json")) as f:
         guider = json.load(f)
     copy = _with_guider(hunyuan_checkpoint, tmp_path, {**guider, "guidance_scale": 3.5})
