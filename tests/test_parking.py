@@ -1,6 +1,8 @@
 """--park_weights: the transformer's replicated weights are sharded over every device while the
 VAE decodes, and put back exactly afterwards (``engine.programs.parking``)."""
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -61,6 +63,9 @@ def test_decode_sees_one_eighth_of_the_weights_and_they_come_back_equal():
 
     z = jax.device_put(np.ones(3, np.float32), jax.devices()[0])
     decoder = parking.ParkingDecoder(Decoder(), [weights], "on", None)
+    # Other tests' unreachable arrays (e.g. experts.ExpertParking's dict <-> parking cycle)
+    # would otherwise be freed by the cyclic GC between the two readings.
+    gc.collect()
     live = placement.per_device_bytes()  # other tests' live arrays count in both
     np.testing.assert_array_equal(np.asarray(decoder(z)), 2 * np.ones(3))
     # While decoding each device held 1/8 of "a" and all of the 7-float bias instead of the
