@@ -375,28 +375,28 @@ def image_mode(model_id: str) -> str:
 
 def default_size(target_size: int) -> tuple[int, int]:
     """(height, width) of ``HunyuanVideo15Pipeline`` with neither given: the 16:9 bucket at
-    the transformer's ``target_size`` (its ``default_aspect_ratio``)."""
-    return _bucket(9, 16, target_size)
-
-
-def _bucket(height: int, width: int, target_size: int) -> tuple[int, int]:
-    """The pipeline's (height, width) bucket nearest height:width at ``target_size``
-    (``HunyuanVideo15ImageProcessor.calculate_default_height_width``)."""
+    the transformer's ``target_size`` (its ``default_aspect_ratio`` and
+    ``HunyuanVideo15ImageProcessor.calculate_default_height_width``)."""
     from diffusers.pipelines.hunyuan_video1_5.image_processor import (
         HunyuanVideo15ImageProcessor,
     )
 
     return tuple(HunyuanVideo15ImageProcessor(vae_scale_factor=VAE_SPATIAL_SCALE)
-                 .calculate_default_height_width(height, width, target_size))
+                 .calculate_default_height_width(9, 16, target_size))
 
 
 def image_size(model_id: str, info) -> tuple[int, int]:
     """The (height, width) ``HunyuanVideo15ImageToVideoPipeline`` gives a video of this
     image: the aspect-ratio bucket nearest the image's, at the transformer's
     ``target_size`` (``HunyuanVideo15ImageProcessor.calculate_default_height_width``)."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import (
+        HunyuanVideo15ImageProcessor,
+    )
+
     target = read_component_config(model_id, "transformer")["target_size"]
     width, height = read_image(info).size  # after the EXIF orientation, as the pipeline
-    return _bucket(height, width, target)
+    return HunyuanVideo15ImageProcessor(vae_scale_factor=VAE_SPATIAL_SCALE) \
+        .calculate_default_height_width(height=height, width=width, target_size=target)
 
 
 def encode_image(pipe, config, image, devices, resident: dict | None = None) -> dict:

@@ -74,11 +74,11 @@ def test_experts_parked_in_host_memory_give_the_unparked_frames(two_expert_8h):
                                                           "transformer_2"]
 
 
-def _experts_on(mesh, seed: int, memory: str = "device"):
+def _experts_on(mesh, seed: int, memory: str | None = None):
     """Two placed-expert dicts on ``mesh`` as ``place_module`` returns them: params at their
     home specs (one tp-less replicated matrix, one 3-D weight, one small bias that no
     parking divides), a replicated buffer; and their host values. transformer_2's params
-    are parked in ``memory`` ("device" or "pinned_host")."""
+    are parked in ``memory`` (None: the devices')."""
     rng = np.random.default_rng(seed)
     specs = {"w": P(), "stack": P(), "bias": P()}
     shapes = {"w": (64, 48), "stack": (2, 40, 16), "bias": (7,)}

@@ -209,8 +209,8 @@ class ExpertParking:
         for group in ("params", "buffers"):
             arrays = self.experts[k][group]
             for name, arr in list(arrays.items()):
-                target = (self.homes[(group, name)] if home
-                          else placement.parked_sharding(arr, self.memory))
+                target = self.homes[(group, name)] if home else placement.parked_sharding(
+                    arr, None if self.memory == "device" else self.memory)
                 if target.is_equivalent_to(arr.sharding, arr.ndim):
                     continue
                 before = _hbm_bytes(arr)

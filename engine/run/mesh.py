@@ -19,16 +19,6 @@ class MeshShape:
     sp: int
 
 
-def default_dp(dp: int | None, tp: int | None, sp: int | None, n_devices: int,
-               batch: int) -> int:
-    """--dp, or its default: 2 when CFG doubles the batch and the device count is even and
-    leaves room beside the given tp and sp (the CFG pair split over dp), else 1."""
-    if dp is not None:
-        return dp
-    return 2 if batch == 2 and n_devices % 2 == 0 and (tp or 1) * (sp or 1) * 2 <= n_devices \
-        else 1
-
-
 def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices: int, *,
                        batch: int, num_heads: int | None, tokens: int | None,
                        prefer_sp: bool = False, default_sp: int | None = None) -> MeshShape:
@@ -54,7 +44,9 @@ def resolve_mesh_shape(dp: int | None, tp: int | None, sp: int | None, n_devices
     Raises:
         UsageError: naming --dp/--tp/--sp and the rule they break.
     """
-    dp = default_dp(dp, tp, sp, n_devices, batch)
+    if dp is None:
+        dp = 2 if batch == 2 and n_devices % 2 == 0 and (tp or 1) * (sp or 1) * 2 <= n_devices \
+            else 1
     if prefer_sp and tp is None and sp is None and n_devices % dp == 0 and (
             num_heads is None or num_heads % (n_devices // dp) == 0):
         tp = 1

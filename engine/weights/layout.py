@@ -15,8 +15,7 @@ import torch
 
 from engine.files.checkpoint import expert_count, read_model_index
 from engine.run import chips
-from engine.run.mesh import MeshShape, default_dp, resolve_mesh_shape
-from engine.weights import placement
+from engine.run.mesh import MeshShape, resolve_mesh_shape
 
 PARK_MEMORY = ("auto", "device", "pinned_host")
 
@@ -84,7 +83,7 @@ def _held_bytes(name: str, param, rules, sp_over: int | None) -> int:
     matching rule names "sp", else all of it."""
     nbytes = param.numel() * param.element_size()
     rule = next((axes for rx, axes in rules if re.search(rx, name)), ())
-    names = {x for a in rule for x in placement.entry_axes(a)}
+    names = {x for a in rule if a is not None for x in (a if isinstance(a, tuple) else (a,))}
     return -(-nbytes // sp_over) if sp_over and "sp" in names else nbytes
 
 
@@ -107,7 +106,7 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
     park_over = n_devices if config.run.park_weights != "off" else None
     # The Ulysses candidate's sp (tp 1; dp as resolve_mesh_shape picks it), for the weights
     # the family's rules split over sp even then.
-    dp = default_dp(layout.dp, layout.tp, layout.sp, n_devices, video.batch)
+    dp = layout.dp or (2 if video.batch == 2 and n_devices % 2 == 0 else 1)
     weights = resident_weight_bytes(
         family, config.model.model_id, cfg, config.model.dtype, park_over,
         config.run.park_memory, chip, sp_over=max(n_devices // dp, 1),

@@ -131,12 +131,6 @@ def per_device_bytes(arrays=None) -> dict:
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
-def entry_axes(entry) -> tuple:
-    """The mesh axis names of one ``PartitionSpec`` entry (or sharding-rule entry): () for
-    None, (name,) for a name, the names of a tuple."""
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-
-
 def parked_spec(spec, shape: tuple, mesh):
     """``spec`` with every mesh axis it leaves unused (size > 1) added to one dimension.
 
@@ -150,7 +144,7 @@ def parked_spec(spec, shape: tuple, mesh):
         mesh: the run's ``jax.sharding.Mesh``.
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    axes_of = [entry_axes(e) for e in entries]
+    axes_of = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
     used = {a for axes in axes_of for a in axes}
     free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
     if not free:
@@ -163,13 +157,13 @@ def parked_spec(spec, shape: tuple, mesh):
     return spec
 
 
-def parked_sharding(arr, memory: str = "device"):
+def parked_sharding(arr, memory_kind: str | None = None):
     """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
-    while parked (``parked_spec`` of its own), in ``memory`` ("device": the devices' own
+    while parked (``parked_spec`` of its own), in ``memory_kind`` (None: the devices' own
     memory; "pinned_host": their host's, which costs no HBM: ``--park_memory``)."""
     sh = arr.sharding
     return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh),
-                         memory_kind=None if memory == "device" else memory)
+                         memory_kind=memory_kind)
 
 
 def on_host(arr) -> bool:

@@ -74,7 +74,7 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
         else:
             unmatched.append(name)
         if fsdp and len(shape) >= 2:
-            used = {x for a in axes for x in placement.entry_axes(a)}
+            used = {x for a in axes if a is not None for x in (a if isinstance(a, tuple) else (a,))}
             free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
             size = math.prod(mesh.shape[a] for a in free)
             free_dims = [d for d in range(len(shape)) if axes[d] is None]
@@ -88,7 +88,7 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
 
 def _axes_size(mesh, axes) -> int:
     """Devices a spec entry splits over: one mesh axis's size, or a tuple's product."""
-    return math.prod(mesh.shape[a] for a in placement.entry_axes(axes))
+    return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def module_sharding_specs(module, names_shapes: dict, rules, mesh, *, fsdp: bool = False):
@@ -202,7 +202,8 @@ def _maybe_parked(params: dict, shardings: dict, park) -> tuple[dict, str | bool
     memory = None if park is None else park(list(homes.values()))
     if not memory:
         return shardings, False
-    return {k: placement.parked_sharding(h, memory) for k, h in homes.items()}, memory
+    kind = None if memory == "device" else memory  # None: the devices' default memory
+    return {k: placement.parked_sharding(h, kind) for k, h in homes.items()}, memory
 
 
 def _stack(module):
