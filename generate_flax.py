@@ -67,7 +67,7 @@ from engine.run.errors import (
 )
 from engine.serve import flags as serving
 from engine.serve.app import serve
-from engine.weights import layout, lora
+from engine.weights import layout, lora, quantize
 from families import FAMILIES, detect_family
 
 # Engine defaults in one place; the model-specific ones (prompt, size, frames, steps, guidance,
@@ -176,6 +176,7 @@ def _add_generation_flags(g) -> None:
                    help=f"text tokens the prompt embeddings are padded to ({fam})")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default=d["dtype"],
                    help="transformer and text-encoder weights; the VAE always runs in float32")
+    quantize.add_flag(g)
 
 
 def _add_run_flags(g) -> None:
@@ -290,6 +291,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     family_key = _validate_model(args)
     family = FAMILIES[family_key]
     check_attention_options(args, family)
+    quantize.check_flag(args.quantize, family, args.topology if args.dry_run else None)
     defaults = {**family.flags.defaults, **family.flags.checkpoint_defaults(args.model_id)}
     values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
@@ -419,7 +421,8 @@ def generate(config: RunConfig, family, checked: dict) -> int:
     written += reporting.save_run(report, config.run.output_dir, stem,
                                   plots=not config.run.no_plots)
     devices = report["devices"]
-    reporting.print_summary(report["timings"], devices["kind"], devices["count"])
+    reporting.print_summary(report["timings"], devices["kind"], devices["count"],
+                            quantize.summary_line(report.get("quantize")))
     print(f"\nwrote {', '.join(written)}")
     if report.get("interrupted"):
         print("generate_flax.py: interrupted; the videos above are complete, the JSON lists "

@@ -124,6 +124,9 @@ class Transformer:
     lora_state_dict(tensors) -> converted state dict: diffusers' LoRA key converter for the
         transformer (a ``*LoraLoaderMixin.lora_state_dict``); None: ``--lora`` / ``--lora_2``
         are not supported.
+    quantized_linears: regex (``re.search``) over the transformer's module names (before
+        ``--scan_layers`` stacks the blocks) of the ``torch.nn.Linear`` layers ``--quantize``
+        runs in 8 bits (``engine.weights.quantize``); None: ``--quantize`` is refused.
     """
 
     empty: Callable
@@ -139,6 +142,7 @@ class Transformer:
     default_sp: Mapping[str, int] = dataclasses.field(default_factory=dict)
     masks: tuple[type, ...] = ()
     lora_state_dict: Callable | None = None
+    quantized_linears: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

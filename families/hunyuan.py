@@ -622,6 +622,14 @@ ROW_PARALLEL_RULES = (
 )
 
 
+# --quantize: each dual-stream block's attention projections (both streams) and both MLPs.
+# Kept in --dtype: the blocks' AdaLayerNormZero modulation linears (norm1, norm1_context: the
+# time/modulation projections), the token refiner, every embedder, norm_out and proj_out.
+QUANTIZED_LINEARS = (r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|add_q_proj|"
+                     r"add_k_proj|add_v_proj|to_out\.0|to_add_out)"
+                     r"|ff(_context)?\.net\.(0\.proj|2))$")
+
+
 def sharding_rules(config) -> tuple:
     """The regex table for the transformer's state dict; ``--replicate_row_parallel`` drops
     the row-parallel rules (see ``families.wan.transformer_sharding_rules``)."""
@@ -682,6 +690,7 @@ FAMILY = ModelFamily(
         timestep_dtype="float32",
         sharding_rules=sharding_rules,
         block_stack=BLOCKS,
+        quantized_linears=QUANTIZED_LINEARS,
     ),
     # The image condition is VAE-encoded on the host (no device encoder).
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,

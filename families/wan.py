@@ -609,6 +609,15 @@ ROW_PARALLEL_RULES = (
 )
 
 
+# --quantize: every block's attention projections (self, text cross, and I2V's image k/v) and
+# its MLP: nearly all of a step's linear FLOPs. Kept in --dtype: the condition embedder (time,
+# text and image embedders, time_proj: the modulation, once per step), the patch embedding
+# (a Conv3d), the norms and scale_shift_table, proj_out (the output head), as LightX2V's
+# int8/fp8 Wan checkpoints keep them.
+QUANTIZED_LINEARS = (r"^blocks\.\d+\.(attn[12]\.(to_q|to_k|to_v|to_out\.0|add_k_proj|"
+                     r"add_v_proj)|ffn\.net\.(0\.proj|2))$")
+
+
 def transformer_sharding_rules(*, replicate_row_parallel: bool = False) -> tuple:
     """The regex table for the Wan transformer's state dict.
 
@@ -678,6 +687,7 @@ FAMILY = ModelFamily(
         # flattened frames x height x width order: --window_size applies.
         masks=(LocalMask,),
         lora_state_dict=lora_state_dict,
+        quantized_linears=QUANTIZED_LINEARS,
     ),
     vae=VaePrograms(
         empty=empty_vae,

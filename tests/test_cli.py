@@ -119,6 +119,13 @@ BAD = [
     (["--cache", "magcache", "--mag_ratios", "[1, 0]"], "--mag_ratios='[1, 0]'",
      "JSON list of positive numbers"),
     (["--window_size", "-1"], "--window_size=-1", "must be an int >= 0"),
+    # --quantize: each chip's 8-bit type (engine/run/chips.py), before any model loads.
+    (["--dry_run", "--topology", "v6e:2x4", "--quantize", "fp8"], "--quantize='fp8'",
+     "use --quantize int8"),
+    (["--dry_run", "--topology", "tpu7x:2x2x1", "--quantize", "int8"], "--quantize='int8'",
+     "use --quantize fp8"),
+    (["--dry_run", "--topology", "v4:2x2x1", "--quantize", "int8"], "--quantize='int8'",
+     "no 8-bit matmul rate above bf16's"),
     (["--attention", "stock_splash", "--window_size", "16"], "--window_size=16",
      "needs --attention splash or xla"),
     (["--attention", "stock_splash", "--k_smoothing"], "--k_smoothing=True",

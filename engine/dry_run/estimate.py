@@ -94,12 +94,13 @@ from engine.dry_run.hlo import (  # noqa: F401 (parse_textproto, profile_ops: es
     hlo_op_bytes,
     instruction_flops,
     matmul_flops,
+    matmul_operand_types,
     parse_textproto,
     profile_ops,
     read_profile,
 )
 from engine.files.checkpoint import PROJECT_ROOT, read_component_config
-from engine.run import chips
+from engine.run import chips, runtime
 from engine.weights import sharding as sharding_mod
 from splash.blocks import fit_block_sizes, vmem_limit_bytes
 
@@ -115,6 +116,18 @@ from splash.blocks import fit_block_sizes, vmem_limit_bytes
 MXU_FLOPS_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 4 * 256 * 256 * 2,
                        "tpu7x": 4 * 256 * 256 * 2}
 assert set(MXU_FLOPS_PER_CYCLE) == set(chips.ESTIMATE_CHIPS)
+# HLO element types of an 8-bit matmul (``--quantize``): ``chips.Chip.eight_bit`` runs those
+# with both operands of its type at twice the bf16 rate (Google Cloud's pages: v5e 394 int8
+# TOPS against 197 bf16, v6e 1,836 against 918, TPU7x 4,614 fp8 TFLOP/s against 2,307).
+EIGHT_BIT_HLO = {"int8": "s8", "fp8": "f8e4m3fn"}
+
+
+def mxu_rate(chip: str, operand_types: set) -> float:
+    """The MXU's rate for these matmul operands relative to bf16: 2 where every one is an
+    8-bit matmul of the chip's 8-bit type, else 1."""
+    eight = chips.CHIPS[chip].eight_bit
+    hlo = EIGHT_BIT_HLO.get(eight)
+    return 2.0 if hlo and operand_types == {(hlo, hlo)} else 1.0
 # ICI egress per chip, GB/s: half of the "bidirectional inter-chip interconnect bandwidth
 # per chip" of Google Cloud's TPU v5e (400 GB/s), v6e (800 GB/s) and TPU7x (1,200 GB/s)
 # pages. It assumes every ICI port carries the collective, so collective times are lower
@@ -170,6 +183,18 @@ _NO_WORK = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "p
 _INT64_MAX = 2**63 - 1
 
 
+def _op_cycles(name: str, rest: str, flops: float, rate: float, chip: str, profile):
+    """(cycles, source) of one op by ``program_summary``'s order of sources."""
+    xla = re.search(r'"window_config":\{[^}]*?"estimated_cycles":"(\d+)"', rest)
+    if profile is not None and name in profile:
+        return profile[name], "profile"
+    if flops:
+        return flops / (MXU_FLOPS_PER_CYCLE[chip] * rate), "roofline"
+    if xla and int(xla.group(1)) < _INT64_MAX:
+        return int(xla.group(1)), "xla_cost_model"
+    return 0, "bytes_only"
+
+
 def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
                     exclude: tuple = (KERNEL_NAME, STUB_NAME)) -> dict:
     """Seconds of one compiled program's ops on ``chip`` per call (ESTIMATE), by the
@@ -181,14 +206,16 @@ def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
       * ``profile`` ({op name: estimated cycles} from libtpu's static profile), if given;
       * for ops with a convolution or dot (the linear layers), their FLOPs / MXU FLOPs per
         cycle (the roofline, which libtpu's profile reproduces to about 90% for large bf16
-        matmuls, see the tests);
+        matmuls, see the tests), twice as many per cycle for an 8-bit matmul of the chip's
+        8-bit type (``mxu_rate``; ``--quantize``);
       * for the rest, XLA's own ``estimated_cycles`` in the op's backend config (its TPU
         fusion cost model; absent or unknown: 0, i.e. bytes / HBM bandwidth alone).
 
     Returns:
         dict: linear_s, other_s (seconds), other_hbm_floor_s (the other ops at HBM bytes /
         bandwidth alone, which ``combine`` uses: see the module docstring), hbm_bound_s
-        (seconds of ops whose bytes term won), flops (of the linear ops), bytes, ops,
+        (seconds of ops whose bytes term won), flops (of the linear ops), eight_bit_flops
+        (of those, the ones at the 8-bit rate) and eight_bit_ops (such ops), bytes, ops,
         source (op counts per cycle source), top_ops (the 8 slowest), collective_sent_bytes
         and collectives (per kind).
     """
@@ -203,7 +230,7 @@ def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
             if opcode == "call":
                 control.update(re.findall(r"to_apply=%?([\w.\-]+)", rest))
     out = dict(linear_s=0.0, other_s=0.0, other_hbm_floor_s=0.0, hbm_bound_s=0.0, flops=0.0,
-               bytes=0.0, ops=0,
+               eight_bit_flops=0.0, eight_bit_ops=0, bytes=0.0, ops=0,
                source=dict(profile=0, roofline=0, xla_cost_model=0, bytes_only=0))
     top = []
     for comp in control:
@@ -218,15 +245,11 @@ def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
             called = re.findall(r"calls=%?([\w.\-]+)", rest)
             flops = (matmul_flops(comps, called[0]) if called else 0.0) or instruction_flops(
                 types, result, opcode, rest)
-            xla = re.search(r'"window_config":\{[^}]*?"estimated_cycles":"(\d+)"', rest)
-            if profile is not None and name in profile:
-                cycles, source = profile[name], "profile"
-            elif flops:
-                cycles, source = flops / MXU_FLOPS_PER_CYCLE[chip], "roofline"
-            elif xla and int(xla.group(1)) < _INT64_MAX:
-                cycles, source = int(xla.group(1)), "xla_cost_model"
-            else:
-                cycles, source = 0, "bytes_only"
+            rate = mxu_rate(chip, matmul_operand_types(comps, types, opcode, rest)) if flops else 1
+            cycles, source = _op_cycles(name, rest, flops, rate, chip, profile)
+            if rate > 1:
+                out["eight_bit_flops"] += n * flops
+                out["eight_bit_ops"] += 1
             nbytes = op_bytes.get(name, ("", 0.0))[1]
             compute, memory = n * cycles / hz, n * nbytes / hbm
             seconds = max(compute, memory)
@@ -331,9 +354,7 @@ def block_hlo_text(compiled) -> str:
 
 def topology_device(topology: str):
     """Device 0 of a described TPU slice (deviceless)."""
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    return runtime.topology_desc(topology).devices[0]
 
 
 def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int = 1,
@@ -749,7 +770,9 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
         attention=attn, kernels=kernels,
         layers=layers, block=dict(compile_s=block["compile_s"], ops=block["ops"],
                                   cycle_sources=block["source"], top_ops=block["top_ops"],
-                                  linear_flops=block["flops"]),
+                                  linear_flops=block["flops"],
+                                  eight_bit_flops=block.get("eight_bit_flops", 0.0),
+                                  eight_bit_ops=block.get("eight_bit_ops", 0)),
         method=METHOD)
 
 
@@ -813,7 +836,11 @@ def print_estimate(est: dict) -> None:
     for kind in ("self", "cross"):
         print(f"{kind + '-attention':<26}{p[kind + '_attention_s']:8.3f} s   "
               f"(kernel MXU use {_pct(est['attention'][kind]['kernel_mxu_use'])})")
-    print(f"{'linear layers':<26}{p['linear_s']:8.3f} s")
+    b = est["block"]
+    eight = (f"   ({b['eight_bit_ops']} 8-bit matmuls per block: "
+             f"{b['eight_bit_flops'] / b['linear_flops']:.1%} of the FLOPs at the 8-bit rate)"
+             if b.get("eight_bit_ops") else "")
+    print(f"{'linear layers':<26}{p['linear_s']:8.3f} s{eight}")
     print(f"{'elementwise and other':<26}{p['elementwise_and_other_s']:8.3f} s   "
           "(HBM bytes / bandwidth)")
     print(f"{'collectives':<26}{p['collectives_s']:8.3f} s   "

@@ -103,10 +103,8 @@ def _oom_row(name: str, error: Exception, seconds: float, capacity: int,
 
 def _topology(topology: str):
     """(devices, chip) of a described TPU slice; raises ``UsageError`` for unknown names."""
-    from jax.experimental import topologies
-
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+        topo = runtime.topology_desc(topology)
     except Exception as e:  # libtpu missing or an unknown name
         raise UsageError(f"--topology={topology!r}: {first_line(e)}") from None
     chip = chips.chip_for_topology(topology)

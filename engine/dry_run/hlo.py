@@ -279,6 +279,27 @@ def instruction_flops(types: dict, result: str, opcode: str, rest: str) -> float
     return 0.0
 
 
+def matmul_operand_types(comps: dict, types: dict, opcode: str, rest: str) -> set:
+    """{(lhs element type, rhs element type)} of the convolutions and dots an instruction is
+    or calls (fusions, nested ones included), e.g. {("s8", "s8")} for an int8 matmul."""
+    out: set = set()
+    seen: set = set()
+
+    def visit(types: dict, opcode: str, rest: str) -> None:
+        if opcode in ("convolution", "dot"):
+            ops = re.findall(r"%([\w.\-]+)", _operand_list(rest))[:2]
+            out.add(tuple((types.get(o) or "").split("[")[0] for o in ops))
+        for callee in re.findall(r"calls=%?([\w.\-]+)", rest):
+            if callee in comps and callee not in seen:
+                seen.add(callee)
+                inner = {name: result for name, result, _, _ in comps[callee]}
+                for _, _, op, r in comps[callee]:
+                    visit(inner, op, r)
+
+    visit(types, opcode, rest)
+    return out
+
+
 def matmul_flops(comps: dict, comp: str, seen=None) -> float:
     """FLOPs of the convolutions and dots in a fused computation, nested fusions included."""
     seen = seen if seen is not None else set()

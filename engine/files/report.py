@@ -136,8 +136,13 @@ def summarize(runs, timings: dict, flops_per_step: float | None, devices) -> dic
     return out
 
 
-def print_summary(s: dict, device_kind: str, n_devices: int) -> None:
+def print_summary(s: dict, device_kind: str, n_devices: int, quantized: str | None = None
+                  ) -> None:
+    """Print the run's summary from its report's timings ``s``; ``quantized``: the
+    ``--quantize`` line (``engine.weights.quantize.summary_line``), if any."""
     print(f"\n== Summary ({n_devices} x {device_kind}) ==")
+    if quantized:
+        print(f"{'8-bit (--quantize):':<32}{quantized}")
     rows = [("text encode (CPU, once)", "text_encode_s"),
             ("place transformer weights", "place_transformer_s"),
             ("place VAE weights", "place_vae_s"),
@@ -312,7 +317,8 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
             # the weights' bytes; equal when one host's devices hold a whole replica.
             weights=dict(source="safetensors slices", param_bytes=placed["param_bytes"],
                          bytes_read_by_this_host=placed["bytes_read"]),
-            loras=placed.get("loras", []), loras_2=placed.get("loras_2", []))
+            loras=placed.get("loras", []), loras_2=placed.get("loras_2", []),
+            quantize=placed.get("quantize"))
     return out
 
 

@@ -13,6 +13,7 @@ import jax
 from engine.files.checkpoint import read_component_config
 from engine.run import chips, runtime
 from engine.run.config import RunConfig, resolve_attention_backend
+from engine.weights import quantize
 from engine.weights.layout import resolve_run_mesh
 
 
@@ -73,7 +74,8 @@ def start(config: RunConfig, family, devices=None) -> Prologue:
 
     Raises:
         UsageError: a mesh flag that does not fit (``resolve_mesh``); an ``--attention``
-            backend this platform lacks (``resolve_attention_backend``).
+            backend this platform lacks (``resolve_attention_backend``); a ``--quantize``
+            scheme the devices do not run at an 8-bit rate (``quantize.check_scheme``).
         GenerationError: the attention kernel failed its self-check.
     """
     runtime.configure_jax_platform()
@@ -83,6 +85,8 @@ def start(config: RunConfig, family, devices=None) -> Prologue:
     devices = list(jax.devices() if devices is None else devices)
     attention = resolve_attention_backend(config.kernel.attention, jax.default_backend())
     chip = chips.chip_for_device_kind(devices[0].device_kind)
+    quantize.check_scheme(config.model.quantize, family, devices[0].device_kind,
+                          quantize.eight_bit_for(chip and chip.name, devices[0]))
     config = config.resolve_block_sizes(chip.name if chip else None)
     mesh_shape = resolve_mesh(config, family, len(devices), chip)
     self_check = None

@@ -33,6 +33,10 @@ class Chip:
         hbm_gbps: HBM bandwidth of one chip, GB/s.
         devices_per_chip: JAX devices per chip in libtpu's topologies.
         topology_dims: 2 for the 2-D tori of v5e/v6e ("2x4"), 3 for the 3-D ones ("2x2x1").
+        eight_bit: the 8-bit matmul type the MXU runs at twice the bf16 rate ("int8" on
+            v5e, v5p and v6e: 394 / 918 / 1836 TOPS; "fp8" on TPU7x: 4614 TFLOP/s, which has
+            no int8 rate; None on v4, whose int8 rate equals bf16's), from the same pages;
+            ``--quantize`` must name it.
     """
 
     name: str
@@ -43,19 +47,22 @@ class Chip:
     hbm_gbps: float
     devices_per_chip: int
     topology_dims: int
+    eight_bit: str | None = None
 
 
 CHIPS = {
     c.name: c for c in (
         Chip("v4", ("TPU v4",), 275.0, 32 * GIB, int(15.25 * GIB), 1228.0, 2, 3),
-        Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, 16 * GIB, int(15.75 * GIB), 819.0, 1, 2),
-        Chip("v5p", ("TPU v5", "TPU v5p"), 459.0, 95 * GIB, int(95.74 * GIB), 2765.0, 1, 3),
+        Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, 16 * GIB, int(15.75 * GIB), 819.0, 1, 2,
+             "int8"),
+        Chip("v5p", ("TPU v5", "TPU v5p"), 459.0, 95 * GIB, int(95.74 * GIB), 2765.0, 1, 3,
+             "int8"),
         Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, 32 * GIB, int(31.25 * GIB), 1640.0, 1,
-             2),
+             2, "int8"),
         # TPU7x (Ironwood): two TensorCores per chip, each its own JAX device with half the
         # chip's 192 GB.
         Chip("tpu7x", ("TPU7x", "TPU v7x", "TPU v7"), 2307.0, 192 * 10**9,
-             int(94.75 * GIB), 7370.0, 2, 3),
+             int(94.75 * GIB), 7370.0, 2, 3, "fp8"),
     )
 }
 

@@ -28,14 +28,16 @@ from engine.run.errors import fail
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """What is loaded: ``--model_id`` and its family's key (``families.FAMILIES``), the run
-    dtype, and the LoRA sets (``engine.weights.lora.LoraSet``; None only in a configuration
-    built by hand without LoRAs) fused into ``transformer`` and ``transformer_2``."""
+    dtype, the LoRA sets (``engine.weights.lora.LoraSet``; None only in a configuration
+    built by hand without LoRAs) fused into ``transformer`` and ``transformer_2``, and
+    ``--quantize`` ("none", "int8" or "fp8": ``engine.weights.quantize``)."""
 
     model_id: str
     family: str
     dtype: str
     lora: Any = None
     lora_2: Any = None
+    quantize: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)

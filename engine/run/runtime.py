@@ -60,6 +60,19 @@ def configure_jax_platform() -> None:
     os.environ["JAX_PLATFORMS"] = "cuda" if has_gpu_device_files() else "cpu"
 
 
+def topology_desc(topology: str):
+    """``jax.experimental.topologies.get_topology_desc`` for a TPU topology name ("v6e:2x4").
+
+    A single chip ("v6e:1x1", "v5e:1x1") is refused by JAX with its default hosts' bounds
+    ("not divisible by ... chips_per_host_bounds 2x2x1"): one chip is one host's whole
+    slice, so it is described with ``chips_per_host_bounds=(1, 1, 1)``."""
+    from jax.experimental import topologies
+
+    dims = [int(x) for x in topology.split(":")[1].split("x")]
+    bounds = dict(chips_per_host_bounds=(1, 1, 1)) if math.prod(dims) == 1 else {}
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology, **bounds)
+
+
 def use_deviceless_tpu(topology: str, *, fast_convs: bool = False,
                        profile_libtpu: bool = False) -> None:
     """Let libtpu compile for ``topology`` (e.g. "v6e:2x4") on a host with no TPU.

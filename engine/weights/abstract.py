@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from torchax import interop
 from torchax.ops import mappings
 
-from engine.weights import scan_layers
+from engine.weights import quantize, scan_layers
 from engine.weights.sharding import (
     add_sequence_parallel_hooks,
     module_sharding_specs,
@@ -42,9 +42,10 @@ def abstract_transformer(config, family, cfg: dict, mesh) -> dict:
     buffers, and ``rule_counts`` (matches per sharding rule)."""
     model = family.transformer
     module = model.empty(cfg, getattr(torch, config.model.dtype))
+    quantize.apply(module, family, config.model.quantize)
     if config.layout.scan_layers:
         scan_layers.scan_blocks(module, stack=model.block_stack)
-    jm = interop.JittableModule(module)
+    jm = quantize.jittable(module)
     specs, counts, _ = module_sharding_specs(
         module, {k: v.shape for k, v in jm.params.items()}, model.sharding_rules(config),
         mesh, fsdp=config.layout.fsdp)

@@ -16,6 +16,7 @@ import torch
 from engine.files.checkpoint import expert_count, read_model_index
 from engine.run import chips
 from engine.run.mesh import MeshShape, resolve_mesh_shape
+from engine.weights import quantize as quantize_mod
 
 PARK_MEMORY = ("auto", "device", "pinned_host")
 
@@ -47,7 +48,8 @@ def idle_expert_memory(mode: str, chip, whole_bytes: int, parked_bytes: int) -> 
 
 def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str,
                           park_over: int | None = None, park_memory: str = "device",
-                          chip=None, sp_over: int | None = None, rules=()) -> int:
+                          chip=None, sp_over: int | None = None, rules=(),
+                          quantize: str = "none") -> int:
     """Bytes of transformer weights one device holds when they are replicated.
 
     Every parameter of ``family.transformer.empty(cfg, dtype)`` (meta tensors: no RAM, about
@@ -66,8 +68,12 @@ def resident_weight_bytes(family, model_id: str, cfg: dict, dtype: str,
     ``sp_over`` with ``rules`` (the family's sharding rules): weights whose rule splits them
     over "sp" even when tp is 1 (Wan 2.1 I2V's image cross-attention, 3.9 GiB at 14B) count
     1/``sp_over`` of their bytes, as a Ulysses layout with that sp holds them.
+
+    ``quantize`` ("int8" / "fp8"): the family's 8-bit layers count one byte per weight plus
+    their float32 scales (``engine.weights.quantize``).
     """
     model = family.transformer.empty(cfg, getattr(torch, dtype))
+    quantize_mod.apply(model, family, quantize)  # 8-bit weights and their float32 scales
     one = sum(_held_bytes(name, p, rules, sp_over) for name, p in model.named_parameters())
     experts = expert_count(read_model_index(model_id))
     if experts == 2 and park_over:
@@ -110,7 +116,8 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
     weights = resident_weight_bytes(
         family, config.model.model_id, cfg, config.model.dtype, park_over,
         config.run.park_memory, chip, sp_over=max(n_devices // dp, 1),
-        rules=family.transformer.sharding_rules(config)) if weighed else None
+        rules=family.transformer.sharding_rules(config),
+        quantize=config.model.quantize) if weighed else None
     return resolve_mesh_shape(
         layout.dp, layout.tp, layout.sp, n_devices, batch=video.batch,
         num_heads=family.transformer.num_heads(cfg) if cfg else None,

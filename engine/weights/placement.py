@@ -238,6 +238,11 @@ class SafetensorsReader:
     def keys(self) -> set:
         return set(self.file_of)
 
+    def source(self, name: str) -> str:
+        """The file tensor a read of ``name`` draws on (itself here; a reader that derives
+        tensors, ``engine.weights.quantize.QuantizingReader``, names the one it reads)."""
+        return name
+
     def _slice(self, name: str):
         from safetensors import safe_open
 
@@ -301,10 +306,11 @@ def place_from_safetensors(reader: SafetensorsReader, params: dict, shardings: d
                         layers = range(len(stacked[name]))[index[0]]
                         files = stacked[name]
                         cache[key] = np.stack([reader.read(files[i], index[1:], dtype,
-                                                           fuse.get(files[i]))
+                                                           fuse.get(reader.source(files[i])))
                                                for i in layers])
                     else:
-                        cache[key] = reader.read(name, index, dtype, fuse.get(name))
+                        cache[key] = reader.read(name, index, dtype,
+                                                 fuse.get(reader.source(name)))
                 return cache[key]
 
             arr = jax.make_array_from_callback(tuple(t.shape), shardings[name], read)

@@ -23,7 +23,7 @@ from torchax.ops import mappings
 import custom_splash_attention as csa
 from engine.files.checkpoint import component_folder
 from engine.run.errors import GenerationError
-from engine.weights import lora, placement, scan_layers
+from engine.weights import lora, placement, quantize, scan_layers
 
 log = logging.getLogger("generate_flax")
 
@@ -83,7 +83,7 @@ def sharding_specs(names_shapes: dict, rules, mesh, *, fsdp: bool = False):
                     axes = axes[:d] + (free,) + axes[d + 1:]
                     break
         specs[name] = P(*axes)
-    return specs, counts, unmatched
+    return quantize.scale_specs(specs), counts, unmatched
 
 
 def _axes_size(mesh, axes) -> int:
@@ -162,7 +162,7 @@ def place_module(module, mesh, rules=(), *, fsdp: bool = False, include=None,
             module has.
         ValueError: ``loras`` without ``checkpoint``.
     """
-    jm = interop.JittableModule(module)
+    jm = quantize.jittable(module)
     keep = include or (lambda name: True)
     params = {k: v for k, v in jm.params.items() if keep(k)}
     buffers = {k: v for k, v in jm.buffers.items() if keep(k)}
@@ -227,6 +227,10 @@ def _checkpoint_reader(module, folder: str, params: dict):
         reader = placement.SafetensorsReader(folder)
     except FileNotFoundError as e:
         raise GenerationError(f"--model_id: {e}") from None
+    scheme = next((s for s in map(quantize.scheme_of, (p.dtype for p in params.values()))
+                   if s), None)
+    if scheme:  # --quantize: 8-bit weights are quantized as their slices are read
+        reader = quantize.QuantizingReader(reader, scheme)
     want = {f for name in params for f in stacked.get(name, [name])}
     missing = sorted(want - reader.keys())
     if missing:
@@ -246,12 +250,15 @@ def place_expert(config, family, module, component: str, mesh, fallbacks, park=N
     Returns ``place_transformer``'s dict plus "loras": the fused files' report entries.
     """
     loras = config.model.lora if component == "transformer" else config.model.lora_2
+    quantized = quantize.apply(module, family, config.model.quantize)
     placed = place_transformer(
         module, mesh, family.transformer.sharding_rules(config),
         checkpoint=component_folder(config.model.model_id, component), fsdp=config.layout.fsdp,
         scan=config.layout.scan_layers, megatron_sp=config.layout.megatron_sp, fallbacks=fallbacks,
         stack=family.transformer.block_stack, loras=loras, park=park)
     placed["loras"] = loras.report() if loras else []
+    placed["quantize"] = quantize.report(config.model.quantize, quantized, placed["params"],
+                                         getattr(torch, config.model.dtype))
     return placed
 
 
