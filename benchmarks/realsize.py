@@ -118,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also a bfloat16 run at --full_frames")
     p.add_argument("--full_frames", type=int, default=None,
                    help="frames of the --bf16 run (default: the scale's full length)")
+    p.add_argument("--no_float32", action="store_true",
+                   help="with --bf16: skip the float32 parity run (time-boxed GPU checks)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--guidance_scale", type=float, default=5.0, help="CFG scale")
@@ -128,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default=os.path.join(ROOT, "outputs", "realsize"),
                    help="our runs' files and realsize.json")
     args = p.parse_args(argv)
+    if args.no_float32 and not args.bf16:
+        print("--no_float32: needs --bf16 (without it no run is left)", file=sys.stderr)
+        raise SystemExit(2)
     if args.scale == "auto":
         platforms = os.environ.get("JAX_PLATFORMS", "")
         args.scale = pick_scale(platforms, None if platforms.strip() else jax_backend())
@@ -357,7 +362,8 @@ def ours_figures(report: dict) -> dict:
 def run_all(args) -> list[dict]:
     """Every run: all of ours first (each a process that frees its device memory on exit),
     then diffusers' in this process, so neither side holds memory the other needs."""
-    plan = [("float32", args.frames)] + ([("bfloat16", args.full_frames)] if args.bf16 else [])
+    plan = ([] if args.no_float32 else [("float32", args.frames)]) \
+        + ([("bfloat16", args.full_frames)] if args.bf16 else [])
     ours = {key: run_ours(args, *key) for key in plan}
     results = []
     for (dtype, frames), (our_frames, report) in ours.items():

@@ -86,3 +86,17 @@ def test_scale_auto_takes_the_cpu_size_without_an_accelerator(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS")
     monkeypatch.setattr(realsize, "jax_backend", lambda: "gpu")
     assert realsize.parse_args([]).checkpoint.endswith("realsize-wan2.1-1.3b")
+
+
+def test_no_float32_needs_bf16(capsys):
+    realsize = _realsize_module()
+    args = realsize.parse_args(["--scale", "cpu", "--bf16", "--no_float32"])
+    assert args.no_float32 and args.bf16
+    try:
+        realsize.parse_args(["--scale", "cpu", "--no_float32"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--no_float32 without --bf16 was accepted")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--no_float32: needs --bf16 (without it no run is left)"]
