@@ -17,8 +17,9 @@ state). Public API:
   environment to "xla", "splash", "stock_splash" or "cudnn"; ``default_attention_backend()``;
   ``forced_attention``, ``pad_self_attention_keys``, ``real_keys_before``,
   ``mark_self_attention``: trace-time declarations the override reads.
-* ``reference_attention`` (float32), ``xla_attention``, ``stock_splash_attention`` (JAX's
-  kernel), ``kernel_self_check``.
+* ``reference_attention`` (float32), ``xla_attention`` (the whole score matrix at once: for
+  benchmarks and small calls; the "xla" backend runs ``chunked_attention``),
+  ``stock_splash_attention`` (JAX's kernel), ``kernel_self_check``.
 * The NVIDIA GPU backend "cudnn": ``attention_implementation`` (which path a call takes),
   ``cudnn_attention``, ``sharded_cudnn_attention``, and the query-chunked XLA attention
   ``chunked_attention`` with its chunk size (``chunk_rows``, ``score_budget_bytes``).
@@ -300,7 +301,7 @@ def _sdpa(
     elif attention == "xla":
         if options.k_smoothing:  # exact for softmax; so that the flag means the same everywhere
             k = _smooth_keys(k, segment_ids)
-        out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
+        out = _chunked_route(q, k, v, options, routing["mesh"], scale=scale, real=real)
     elif attention == "cudnn":
         if options.k_smoothing:  # as for "xla"
             k = _smooth_keys(k, None if real is None else _key_segment_ids(q, k, real))
@@ -336,9 +337,9 @@ def _splash_route(q, k, v, attention: str, options: AttentionOptions, routing: d
             routing["on_fallback"](
                 "attention_to_xla",
                 f"{attention} wrapper cannot split q {tuple(q.shape)} over dp="
-                f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: XLA attention instead",
+                f"{mesh.shape['dp']}, tp={mesh.shape['tp']}: chunked XLA attention instead",
             )
-        out = xla_attention(q, k, v, scale=scale, key_mask=real, static_mask=options.mask)
+        out = _chunked_route(q, k, v, options, mesh, scale=scale, real=real)
     else:
         out = sharded_splash_attention(
             q, k, v, mesh=mesh, options=options, scale=scale, segment_ids=segment_ids,
@@ -372,7 +373,17 @@ def _cudnn_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, re
         if mesh is None:
             return cudnn_attention(q, k, v, **kw)
         return sharded_cudnn_attention(q, k, v, mesh=mesh, **kw)
-    # Under a mesh each device holds B/dp x H/tp of the scores: size the chunk for that.
+    return _chunked_route(q, k, v, options, mesh, scale=scale, real=real)
+
+
+def _chunked_route(q, k, v, options: AttentionOptions, mesh, *, scale, real):
+    """The query-chunked XLA attention (``chunked_attention``) for ``_sdpa``: the "xla"
+    backend, the Splash wrappers' and cuDNN's fallback. Plain ``xla_attention`` would hold
+    every (q_len, kv_len) score at once (a tiny Wan checkpoint at 480 x 832 x 81 asked for
+    68.7 GB on CPU); one chunk's scores fit ``score_budget_bytes()``. Without a mesh, or
+    when batch % dp or heads % tp is not 0, the chunk is sized for the whole batch and
+    heads; otherwise for one device's B/dp x H/tp (XLA partitions the call by itself)."""
+    b, h = q.shape[:2]
     shards = 1 if mesh is None or b % mesh.shape["dp"] or h % mesh.shape["tp"] \
         else mesh.shape["dp"] * mesh.shape["tp"]
     chunk = chunk_rows(max(1, b * h // shards), 1, q.shape[2], k.shape[2],
@@ -394,14 +405,15 @@ def install_sdpa_override(
 
     A boolean key-padding ``attn_mask`` (``key_padding_mask``: one row of allowed keys for
     every query, as HunyuanVideo-1.5's text padding) becomes segment ids (real = 1,
-    padding = 0) for the kernels, or a (batch, 1, 1, kv_len) mask for XLA: no dense
-    (batch, 1, q_len, kv_len) mask is built. Calls with other masks or ``is_causal=True``
-    take ``reference_attention`` (exact) whatever ``attention`` says; the rest take
-    ``attention``.
+    padding = 0) for the kernels, or a (batch, kv_len) key mask for the chunked XLA
+    attention: no dense (batch, 1, q_len, kv_len) mask is built. Calls with other masks or
+    ``is_causal=True`` take ``reference_attention`` (exact) whatever ``attention`` says; the
+    rest take ``attention``.
 
     Args:
         env: a ``torchax.tensor.Environment`` (``torchax.default_env()``).
-        attention: "xla" (``xla_attention``), "splash" (``splash_attention``, or
+        attention: "xla" (``chunked_attention``: exact float32 softmax over query chunks,
+            bounded score memory), "splash" (``splash_attention``, or
             ``sharded_splash_attention`` when ``mesh`` is given), "stock_splash" (the same
             with ``stock_splash_attention``, JAX's kernel) or "cudnn" (per call, as
             ``attention_implementation`` decides: ``cudnn_attention``, under ``shard_map``
@@ -414,11 +426,11 @@ def install_sdpa_override(
             attends key ``j`` iff ``|i - j| <= w``, positions in the flattened token order)
             applies to every
             self-attention call (q_len == kv_len; not in ``forced_attention`` scopes),
-            through the kernel's grid or, for "xla", its dense form. Neither with
+            through the kernel's grid or, for "xla", its predicate per chunk. Neither with
             "stock_splash".
         interpret: run the Pallas kernel in interpret mode (CPU).
         on_fallback: optional ``f(kind, detail)`` told when a call the wrapper cannot split
-            goes to XLA instead.
+            goes to the chunked XLA attention instead.
 
     Raises:
         ValueError: unknown ``attention``.

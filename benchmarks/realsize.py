@@ -28,7 +28,13 @@ Reported (a table, and ``<output_dir>/realsize.json``), each figure with its mac
 float32 runs set ``JAX_DEFAULT_MATMUL_PRECISION=highest`` for ours and turn TF32 off in torch,
 so both sides do float32 math on a GPU.
 
+``--scale auto`` (the default) takes the real size where ours would run on an accelerator and
+the CPU size where it would not (``JAX_PLATFORMS``, else JAX's default backend, asked in a
+short subprocess so this process never holds the device): the real size's random checkpoint
+and its two pipelines need more than a 24 GB CPU host has (the kernel's OOM killer ended it).
+
 Examples:
+    python benchmarks/realsize.py                                    # auto: real on a GPU/TPU
     python benchmarks/realsize.py --scale cpu                        # CI size, any machine
     JAX_PLATFORMS=cuda python benchmarks/realsize.py                 # 480x832x21 float32
     JAX_PLATFORMS=cuda python benchmarks/realsize.py --bf16 --torch_compile   # + bf16 x 81
@@ -97,8 +103,9 @@ SCALES = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", choices=sorted(SCALES), default="real",
-                   help="real: Wan 2.1 T2V 1.3B's size; cpu: shrunk for a CPU (CI)")
+    p.add_argument("--scale", choices=("auto", *sorted(SCALES)), default="auto",
+                   help="real: Wan 2.1 T2V 1.3B's size; cpu: shrunk for a CPU (CI); auto "
+                        "(default): real on a GPU or TPU, cpu without one")
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint folder, built if missing "
                         "(default: checkpoints/realsize-wan2.1-1.3b[-cpu])")
@@ -111,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also a bfloat16 run at --full_frames")
     p.add_argument("--full_frames", type=int, default=None,
                    help="frames of the --bf16 run (default: the scale's full length)")
+    p.add_argument("--no_float32", action="store_true",
+                   help="with --bf16: skip the float32 parity run (time-boxed GPU checks)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--guidance_scale", type=float, default=5.0, help="CFG scale")
@@ -121,6 +130,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default=os.path.join(ROOT, "outputs", "realsize"),
                    help="our runs' files and realsize.json")
     args = p.parse_args(argv)
+    if args.no_float32 and not args.bf16:
+        print("--no_float32: needs --bf16 (without it no run is left)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.scale == "auto":
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        args.scale = pick_scale(platforms, None if platforms.strip() else jax_backend())
+        print(f"--scale auto: {args.scale} (ours would run on "
+              f"{'an accelerator' if args.scale == 'real' else 'the CPU'}; "
+              f"--scale {'cpu' if args.scale == 'real' else 'real'} to override)", flush=True)
     scale = SCALES[args.scale]
     for name in ("height", "width", "frames", "full_frames"):
         if getattr(args, name) is None:
@@ -129,6 +147,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         suffix = "" if args.scale == "real" else f"-{args.scale}"
         args.checkpoint = os.path.join(ROOT, "checkpoints", f"realsize-wan2.1-1.3b{suffix}")
     return args
+
+
+def pick_scale(jax_platforms: str, backend: str | None) -> str:
+    """The scale ``--scale auto`` means: "real" where ours runs on an accelerator, "cpu" where
+    it runs on the CPU (the real size's random checkpoint and both pipelines need more host
+    memory than a 24 GB CPU host has).
+
+    Args:
+        jax_platforms: ``$JAX_PLATFORMS`` ("" if unset); its first entry is the platform
+            ours gets.
+        backend: ``jax.default_backend()`` of this machine ("cpu", "gpu", "tpu"), used when
+            ``jax_platforms`` is empty; None when it could not be asked.
+
+    Returns:
+        "real" or "cpu".
+    """
+    first = next((p.strip() for p in jax_platforms.split(",") if p.strip()), None)
+    platform_name = first if first is not None else backend
+    return "cpu" if platform_name in (None, "cpu") else "real"
+
+
+def jax_backend() -> str | None:
+    """``jax.default_backend()`` asked in a subprocess (this process must not hold a GPU's or
+    TPU's memory while ours runs), without GPU preallocation; None if that fails."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.split()
+    return lines[-1] if proc.returncode == 0 and lines else None
 
 
 def build_pipeline(scale: Scale):
@@ -312,7 +362,8 @@ def ours_figures(report: dict) -> dict:
 def run_all(args) -> list[dict]:
     """Every run: all of ours first (each a process that frees its device memory on exit),
     then diffusers' in this process, so neither side holds memory the other needs."""
-    plan = [("float32", args.frames)] + ([("bfloat16", args.full_frames)] if args.bf16 else [])
+    plan = ([] if args.no_float32 else [("float32", args.frames)]) \
+        + ([("bfloat16", args.full_frames)] if args.bf16 else [])
     ours = {key: run_ours(args, *key) for key in plan}
     results = []
     for (dtype, frames), (our_frames, report) in ours.items():

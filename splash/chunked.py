@@ -2,8 +2,9 @@
 by looping over query chunks (``chunked_attention``), and the chunk size from the device's
 free memory (``score_budget_bytes``, ``chunk_rows``).
 
-It is the GPU backend's path for what cuDNN does not take (float32, a head_dim cuDNN
-rejects, ``LocalMask`` and other ``Mask`` values): plain ``xla_attention`` materialises
+It is the "xla" backend (the CPU default), the Splash wrappers' fallback, and the GPU
+backend's path for what cuDNN does not take (float32, a head_dim cuDNN rejects,
+``LocalMask`` and other ``Mask`` values): plain ``xla_attention`` materialises
 every (q_len, kv_len) score at once (Wan 14B at 720p: ~228 GB per chip), one chunk of rows
 needs ``batch * heads * chunk * kv_len * 4`` bytes.
 """

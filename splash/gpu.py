@@ -26,7 +26,7 @@ CUDNN_HEAD_DIM_MULTIPLE = 8
 # known at trace time to be the tail (sequence parallelism's declared token padding), or a
 # (batch, kv_len) bool array (a key-padding ``attn_mask``: padding anywhere).
 KEY_MASKS = ("none", "tail", "data")
-IMPLEMENTATIONS = ("cudnn", "xla_chunked", "xla", "splash", "stock_splash")
+IMPLEMENTATIONS = ("cudnn", "xla_chunked", "splash", "stock_splash")
 
 
 def cudnn_max_head_dim(device=None) -> int:
@@ -47,8 +47,8 @@ def attention_implementation(backend: str, *, platform: str, dtype, head_dim: in
     """Which implementation one SDPA call of ``backend`` runs (static facts only).
 
     Args:
-        backend: an ``ATTENTION_BACKENDS`` name. Only "cudnn" has a choice; the others
-            return themselves.
+        backend: an ``ATTENTION_BACKENDS`` name. Only "cudnn" has a choice; "xla" always
+            runs "xla_chunked", the Splash kernels return themselves.
         platform: ``jax.default_backend()`` ("gpu", "tpu", "cpu"). Off "gpu" cuDNN does not
             exist, so "cudnn" runs "xla_chunked" (the run's prologue refuses
             ``--attention cudnn`` there; this keeps library calls and CPU tests working).
@@ -64,7 +64,8 @@ def attention_implementation(backend: str, *, platform: str, dtype, head_dim: in
         "cudnn": bf16/fp16, head_dim % 8 == 0 and <= ``max_head_dim``, no static mask.
         "xla_chunked": any other "cudnn" call (float32, another head_dim, any ``Mask``:
         cuDNN's window is left-only and causal, ``LocalMask`` is symmetric).
-        ``backend`` itself for "xla", "splash" and "stock_splash".
+        "xla_chunked" for "xla" too (bounded score memory on every platform).
+        ``backend`` itself for "splash" and "stock_splash".
 
     Raises:
         ValueError: unknown ``backend`` or ``key_mask``.
@@ -74,7 +75,7 @@ def attention_implementation(backend: str, *, platform: str, dtype, head_dim: in
     if key_mask not in KEY_MASKS:
         raise ValueError(f"key_mask: expected one of {KEY_MASKS}, got {key_mask!r}")
     if backend != "cudnn":
-        return backend
+        return "xla_chunked" if backend == "xla" else backend
     takes = (platform == "gpu" and jnp.dtype(dtype).name in CUDNN_DTYPES
              and head_dim % CUDNN_HEAD_DIM_MULTIPLE == 0 and head_dim <= max_head_dim
              and mask is None)

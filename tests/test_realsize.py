@@ -60,3 +60,43 @@ def test_cpu_scale_run_matches_diffusers_in_float32(tmp_path):
     assert ours["peak_bytes"] is None and theirs["peak_bytes"] is None
     assert "| float32, 64x96x9, 4 steps | eager |" in proc.stdout
     assert result["checkpoint"]["transformer_params"] > 0
+
+
+def test_scale_auto_takes_the_cpu_size_without_an_accelerator(monkeypatch):
+    """No flags on a CPU host once built the real size and was killed by the OOM killer:
+    ``--scale auto`` (the default) follows the platform ours would run on."""
+    realsize = _realsize_module()
+    pick = realsize.pick_scale
+    assert pick("", "cpu") == "cpu" and pick("", None) == "cpu"  # no accelerator, or unknown
+    assert pick("", "gpu") == "real" and pick("", "tpu") == "real"
+    # JAX_PLATFORMS wins over the probe: its first entry is what ours gets.
+    assert pick("cpu", "gpu") == "cpu" and pick("cuda,cpu", "cpu") == "real"
+    assert pick(" tpu ", None) == "real"
+
+    def no_probe():
+        raise AssertionError("JAX_PLATFORMS is set: no probe")
+
+    monkeypatch.setattr(realsize, "jax_backend", no_probe)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    args = realsize.parse_args([])
+    assert (args.scale, args.height, args.width, args.frames) == ("cpu", 64, 96, 9)
+    assert args.checkpoint.endswith("realsize-wan2.1-1.3b-cpu")
+    # An explicit --scale is kept and asks nothing.
+    assert realsize.parse_args(["--scale", "real"]).scale == "real"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(realsize, "jax_backend", lambda: "gpu")
+    assert realsize.parse_args([]).checkpoint.endswith("realsize-wan2.1-1.3b")
+
+
+def test_no_float32_needs_bf16(capsys):
+    realsize = _realsize_module()
+    args = realsize.parse_args(["--scale", "cpu", "--bf16", "--no_float32"])
+    assert args.no_float32 and args.bf16
+    try:
+        realsize.parse_args(["--scale", "cpu", "--no_float32"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--no_float32 without --bf16 was accepted")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--no_float32: needs --bf16 (without it no run is left)"]

@@ -169,7 +169,7 @@ def test_attention_the_wrapper_cannot_split_is_reported(monkeypatch):
 
 def test_vae_attention_never_reaches_a_splash_kernel(tiny_checkpoint, monkeypatch):
     """Even with --attention splash on one device (which the wrapper could split), the VAE's
-    one-head float32 attention is traced with XLA attention."""
+    one-head float32 attention is traced with (chunked) XLA attention."""
     import torchax
     from diffusers import AutoencoderKLWan
 
@@ -185,7 +185,8 @@ def test_vae_attention_never_reaches_a_splash_kernel(tiny_checkpoint, monkeypatc
 
     monkeypatch.setattr(csa, "sharded_splash_attention",
                         counting("splash", csa.sharded_splash_attention))
-    monkeypatch.setattr(csa, "xla_attention", counting("xla", csa.xla_attention))
+    # The "xla" backend's path: query-chunked XLA attention.
+    monkeypatch.setattr(csa, "chunked_attention", counting("xla", csa.chunked_attention))
     mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
     csa.install_sdpa_override(torchax.default_env(), attention="splash", mesh=mesh,
                               interpret=True)

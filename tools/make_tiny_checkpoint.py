@@ -9,7 +9,8 @@ same ``from_pretrained`` path as the real ``Wan-AI/Wan2.1-T2V-*-Diffusers`` weig
 
 The default architecture is the one diffusers' own Wan pipeline tests use (transformer with
 patch (1, 2, 2), 2 heads x 12 dims, 2 layers; VAE with base_dim 3, z_dim 16). ``--heads``,
-``--head_dim``, ``--layers`` and ``--ffn_dim`` widen it for benchmarks.
+``--head_dim``, ``--layers`` and ``--ffn_dim`` widen it for benchmarks; ``--rope_max_seq_len``
+(default 32, diffusers' value) lets it run frames wider or taller than 512 pixels.
 
 Wan 2.2 layouts, both run by the same ``WanPipeline``:
     --experts 2 --boundary_ratio R   T2V-A14B style: a second, differently initialised
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--ffn_dim", type=int, default=32, help="transformer FFN hidden size")
     p.add_argument("--text_dim", type=int, default=32, help="UMT5 hidden size (d_model)")
+    p.add_argument("--rope_max_seq_len", type=int, default=32,
+                   help="longest patch grid side the rotary embedding covers (diffusers' tests: "
+                        "32, i.e. up to 512 pixels; 480 x 832 needs 52, Wan ships 1024)")
     p.add_argument("--seed", type=int, default=0, help="torch seed for the random init")
     p.add_argument("--experts", type=int, choices=(1, 2), default=1,
                    help="2: Wan 2.2 A14B layout with transformer_2 (the low-noise expert)")
@@ -234,7 +238,7 @@ def build_pipeline(args: argparse.Namespace):
             num_layers=args.layers,
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
+            rope_max_seq_len=args.rope_max_seq_len,
         ).eval()
 
     transformer = new_transformer()
