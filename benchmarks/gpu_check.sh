@@ -12,8 +12,8 @@
 #      torch.compile'd one: s/step, peak memory, mean/max difference in 0-255 levels.
 #      --no_float32 leaves out realsize.py's float32 row here (run 3 has it): its own compile
 #      and a float32 torch.compile would not fit the budget.   Budget 300 s (expected ~250).
-#   2. HOOK: the same bf16 row with ours at --quantize fp8 (issue 54), against diffusers'
-#      eager bf16 only.                                           Budget 140 s (expected ~110).
+#   2. The same bf16 row with ours at --quantize fp8 (issue 54), against diffusers' eager
+#      bf16 only.                                           Budget 140 s (expected ~110).
 #   3. float32 parity at 5 frames (not the default 21: a minute, not two) against eager
 #      diffusers, TF32 off on both sides.                         Budget 110 s (expected ~95).
 # Worst case 550 s of runs plus ~20 s of installs: inside the device tool's 600 s.
@@ -61,8 +61,7 @@ main() {
   } 2>&1 | tee "$OUT/env.txt"
 
   run 300 bf16 --bf16 --no_float32 --torch_compile
-  # HOOK (issue 54): the lead adds --quantize fp8 to this line and uncomments it:
-  # run 140 bf16-fp8 --bf16 --no_float32
+  run 140 bf16-fp8 --bf16 --no_float32 --quantize fp8
   run 110 float32
 
   echo "== gpu_check done at $SECONDS s"

@@ -125,6 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--guidance_scale", type=float, default=5.0, help="CFG scale")
     p.add_argument("--flow_shift", type=float, default=3.0, help="UniPC flow_shift")
     p.add_argument("--attention", default="auto", help="our --attention")
+    p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
+                   help="ours' --quantize (W8A8, issue 54) in the --bf16 run; diffusers stays "
+                        "bf16, so the parity columns are the 8 bits' difference")
     p.add_argument("--torch_compile", action="store_true",
                    help="a second baseline: pipe.transformer = torch.compile(pipe.transformer)")
     p.add_argument("--output_dir", default=os.path.join(ROOT, "outputs", "realsize"),
@@ -228,7 +231,9 @@ def run_ours(args, dtype: str, frames: int) -> tuple[np.ndarray, dict]:
     frames in [0, 1], its JSON report with ``process_wall_s`` added)."""
     from safetensors.numpy import load_file
 
-    out = os.path.join(args.output_dir, f"ours-{dtype}-{frames}f")
+    eight = dtype == "bfloat16" and args.quantize != "none"
+    out = os.path.join(args.output_dir, f"ours-{dtype}-{frames}f"
+                       + (f"-{args.quantize}" if eight else ""))
     os.makedirs(out, exist_ok=True)
     for old in glob.glob(os.path.join(out, "*")):  # one run's files per folder
         os.remove(old)
@@ -241,7 +246,8 @@ def run_ours(args, dtype: str, frames: int) -> tuple[np.ndarray, dict]:
            "--num_inference_steps", str(args.steps), "--guidance_scale", str(args.guidance_scale),
            "--flow_shift", str(args.flow_shift), "--seed", str(args.seed),
            "--scheduler", "unipc", "--attention", args.attention, "--num_iterations", "1",
-           "--save_frames", "--no_plots", "--output_dir", out]
+           "--save_frames", "--no_plots", "--output_dir", out,
+           *(("--quantize", args.quantize) if eight else ())]
     print("$", " ".join(cmd), flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -371,6 +377,7 @@ def run_all(args) -> list[dict]:
         for compiled in (False, True) if args.torch_compile else (False,):
             ref, theirs = run_diffusers(args, dtype, frames, prompts, compiled)
             results.append(dict(dtype=dtype, frames=frames, height=args.height,
+                                quantize=report["settings"].get("quantize", "none"),
                                 width=args.width, steps=args.steps, seed=args.seed,
                                 guidance_scale=args.guidance_scale, flow_shift=args.flow_shift,
                                 ours=ours_figures(report), diffusers=theirs,
@@ -392,7 +399,8 @@ def print_table(results: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         o, d, p = r["ours"], r["diffusers"], r["parity"]
-        print(f"| {r['dtype']}, {r['height']}x{r['width']}x{r['frames']}, {r['steps']} steps "
+        q = "" if r.get("quantize", "none") == "none" else f" --quantize {r['quantize']}"
+        print(f"| {r['dtype']}{q}, {r['height']}x{r['width']}x{r['frames']}, {r['steps']} steps "
               f"| {d['baseline']} | {_fmt(o['s_per_step'], '.3f')} "
               f"| {_fmt(d['s_per_step'], '.3f')} | {p['mean_abs_levels']:.4f} "
               f"| {p['max_abs_levels']:.4f} | {_fmt(o['cold_start_s'], '.1f')} "

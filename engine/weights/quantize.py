@@ -343,6 +343,7 @@ class QuantizingReader:
     def __init__(self, reader, scheme: str):
         self.reader, self.scheme = reader, scheme
         self._scales: dict = {}
+        self._last: tuple = (None, None)
 
     @property
     def bytes_read(self) -> int:
@@ -360,6 +361,9 @@ class QuantizingReader:
         if weight not in self._scales:
             whole = self.reader.read(weight, (slice(None), slice(None)), torch.float32, fuse)
             self._scales[weight] = channel_scale(whole, self.scheme)
+            # The whole weight's codes, for the slices read next (placement reads a weight's
+            # slices one after another): one read and one quantization per weight.
+            self._last = (weight, quantize_rows(whole, self._scales[weight], self.scheme))
         return self._scales[weight]
 
     def read(self, name: str, index: tuple, dtype, fuse=None) -> np.ndarray:
@@ -369,5 +373,7 @@ class QuantizingReader:
         if scheme_of(dtype) is None:
             return self.reader.read(name, index, dtype, fuse)
         rows = self._scale(name, fuse)[index[0]]
+        if self._last[0] == name:
+            return np.ascontiguousarray(self._last[1][index])
         return quantize_rows(self.reader.read(name, index, torch.float32, fuse), rows,
                              self.scheme)
