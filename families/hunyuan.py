@@ -67,6 +67,10 @@ BYT5_TOKENS = 256
 # SigLIP so400m-patch14-384: 27 x 27 patches (the image-to-video checkpoints' image tokens).
 SIGLIP_TOKENS = 729
 I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
+# The step-distilled (MeanFlow) checkpoint's steps: the official default for it
+# (Tencent-Hunyuan/HunyuanVideo-1.5 @ 60783e7, hyvideo/commons/__init__.py PIPELINE_CONFIGS;
+# its README recommends 8 or 12). Its shift (7) and guidance (1): its scheduler, guider.
+MEANFLOW_STEPS = 12
 
 DEFAULTS = dict(
     prompt="A cat walks on the grass, realistic style.",
@@ -114,7 +118,14 @@ def checkpoint_defaults(model_id: str) -> dict:
                                       filename="scheduler_config.json") or {}
     if "shift" in scheduler:
         out["flow_shift"] = float(scheduler["shift"])
+    if is_meanflow(model_id):  # no file records the step count: the official default
+        out["num_inference_steps"] = MEANFLOW_STEPS
     return out
+
+
+def is_meanflow(model_id: str) -> bool:
+    """The transformer config sets ``use_meanflow`` (the step-distilled 480p I2V model)."""
+    return bool((read_component_config(model_id, "transformer") or {}).get("use_meanflow"))
 
 
 def check_flags(values: dict) -> tuple[str, str] | None:
@@ -199,14 +210,13 @@ def empty_transformer(cfg: dict, dtype):
     ``dtype`` (see ``families.base.empty_model``), with ``install_attention_processors`` applied.
 
     Raises:
-        UsageError: the checkpoint is an image-to-video or MeanFlow (distilled SR) model.
+        UsageError: the transformer's task_type is neither "t2v" nor "i2v".
     """
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    if cfg.get("task_type", "t2v") not in ("t2v", "i2v") or cfg.get("use_meanflow"):
-        raise UsageError(f"transformer task_type={cfg.get('task_type')!r}, use_meanflow="
-                         f"{cfg.get('use_meanflow')!r}: only text- and image-to-video without "
-                         "MeanFlow (t2v, i2v) are supported")
+    if cfg.get("task_type", "t2v") not in ("t2v", "i2v"):
+        raise UsageError(f"transformer task_type={cfg.get('task_type')!r}: only text- and "
+                         "image-to-video (t2v, i2v) are supported")
     transformer = empty_model(HunyuanVideo15Transformer3DModel, cfg, dtype)
     install_attention_processors(transformer)
     return transformer
@@ -358,7 +368,26 @@ def model_inputs(embeds: dict, config) -> dict:
         if name in embeds:
             x = embeds[name].to(dtype)
             out[name] = x.repeat(len(sides), *(1,) * (x.ndim - 1))
+    if is_meanflow(config.model.model_id):
+        out[MEANFLOW_TABLE] = meanflow_table(config).expand(len(sides), -1, -1)
     return out
+
+
+# MeanFlow's (timestep, timestep_r) pairs, an input of the step: (B, 2, steps) float32.
+MEANFLOW_TABLE = "meanflow_timesteps"
+
+
+def meanflow_table(config) -> torch.Tensor:
+    """(1, 2, steps) float32: row 0 the run's timesteps, row 1 each one's ``timestep_r``, the
+    next timestep and 0 after the last, as ``HunyuanVideo15ImageToVideoPipeline.__call__``
+    gives a ``use_meanflow`` transformer (diffusers 0.42.1). The step looks its timestep up
+    in row 0: the engine passes it only the current timestep, the same float32 values."""
+    scheduler = make_scheduler(read_component_config(
+        config.model.model_id, "scheduler", filename="scheduler_config.json"), "euler",
+        config.video.flow_shift)
+    scheduler.set_timesteps(sigmas=scheduler_sigmas(config.video.num_inference_steps))
+    t = scheduler.timesteps.float()
+    return torch.stack([t, torch.cat([t[1:], t.new_zeros(1)])])[None]
 
 
 IMAGE_NAMES = ("image_embeds", "condition")
@@ -439,7 +468,9 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
         "condition": jax.ShapeDtypeStruct(
             (b, cfg["out_channels"] + 1, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
              config.video.height // VAE_SPATIAL_SCALE,
-             config.video.width // VAE_SPATIAL_SCALE), dtype)})
+             config.video.width // VAE_SPATIAL_SCALE), dtype)}) | ({} if not cfg.get(
+                 "use_meanflow") else {MEANFLOW_TABLE: jax.ShapeDtypeStruct(
+                     (b, 2, config.video.num_inference_steps), jnp.float32)})
 
 
 class KeyPaddingAttnProcessor:
@@ -520,7 +551,8 @@ def refine_text(refiner, text, timestep, mask):
 
 
 def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
-                encoder_hidden_states_2, encoder_attention_mask_2, image_embeds=None):
+                encoder_hidden_states_2, encoder_attention_mask_2, image_embeds=None,
+                timestep_r=None):
     """``HunyuanVideo15Transformer3DModel.forward`` for text-to-video, traceable by ``jit``.
 
     Same modules and math as diffusers' forward; what differs is listed in the module
@@ -530,6 +562,8 @@ def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_a
     Args:
         hidden_states: (B, 65, F, h, w) noisy latents + condition latents + mask.
         timestep: (B,) in the model dtype.
+        timestep_r: (B,) in the model dtype, MeanFlow's second timestep (``use_meanflow``
+            checkpoints), or None.
         encoder_hidden_states: (B, 1000, 3584) Qwen; encoder_attention_mask (B, 1000) bool.
         encoder_hidden_states_2: (B, 256, 1472) ByT5; encoder_attention_mask_2 (B, 256) bool.
 
@@ -540,7 +574,7 @@ def forward_t2v(model, hidden_states, timestep, encoder_hidden_states, encoder_a
     cfg = model.config
     pt, p = cfg.patch_size_t, cfg.patch_size
     rotary = model.rope(hidden_states)
-    temb = model.time_embed(timestep)
+    temb = model.time_embed(timestep, timestep_r=timestep_r)
     video = model.x_embedder(hidden_states)  # (B, N, D)
 
     def typed(x, kind):  # + cond_type_embed: 0 = Qwen text, 1 = ByT5
@@ -583,6 +617,7 @@ def step_fn(jm, config):
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
         condition = inputs.pop("condition", None)  # image-to-video: (B, 33, F, h, w)
+        table = inputs.pop(MEANFLOW_TABLE, None)  # MeanFlow: (B, 2, steps)
         x = latents.to(dtype)
         if cfg:
             x = torch.cat([x, x])  # [cond, uncond]
@@ -590,6 +625,9 @@ def step_fn(jm, config):
             condition = x.new_zeros((x.shape[0], x.shape[1] + 1, *x.shape[2:]))
         x = torch.cat([x, condition], dim=1)  # (B, 65, F, h, w)
         t = timestep.expand(x.shape[0]).to(dtype)
+        if table is not None:  # timestep_r: the entry beside this timestep in row 0
+            at = torch.argmin((table[0, 0] - timestep.float()).abs())
+            inputs["timestep_r"] = table[:, 1, at].to(dtype)
         out = jm.functional_call(forward_t2v, params, buffers, x, t, **inputs)
         if cfg:
             cond, uncond = out.chunk(2)

@@ -27,6 +27,10 @@ HunyuanVideo-1.5 port run on this checkpoint. Every component is the real class 
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=9.0)``, ``guider``:
   ``ClassifierFreeGuidance(guidance_scale=6.0)``: the public 720p T2V values.
 
+Variants: ``--i2v`` (image-to-video), ``--meanflow`` (``use_meanflow``, as the step-distilled
+480p I2V checkpoint; give it ``--shift 7 --guidance_scale 1``, that checkpoint's values) and
+``--guidance_scale 1`` alone (a CFG-distilled checkpoint).
+
 Text lengths: the pipeline pads Qwen input to 1000 + 108 tokens and ByT5 input to 256 tokens,
 and it hard-codes these in ``__init__`` (not in any config), so a checkpoint cannot change them.
 They are kept: with these tiny encoders a 1108-token pass takes milliseconds, and a port meets
@@ -113,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--i2v", action="store_true",
                    help="image-to-video layout (HunyuanVideo15ImageToVideoPipeline): "
                         "task_type i2v and a tiny SigLIP vision encoder with its processor")
+    p.add_argument("--meanflow", action="store_true",
+                   help="use_meanflow=True, the step-distilled 480p I2V transformer's second "
+                        "timestep embedder (time_embed.timestep_embedder_r)")
     p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
     args = p.parse_args(argv)
     if args.rope_axes is None:
@@ -260,6 +267,7 @@ def build_pipeline(args: argparse.Namespace):
         rope_axes_dim=tuple(args.rope_axes),
         target_size=args.target_size,
         task_type="i2v" if args.i2v else "t2v",
+        use_meanflow=args.meanflow,
     ).eval()
     vae = AutoencoderKLHunyuanVideo15(
         in_channels=3,
