@@ -335,3 +335,14 @@ def test_tpu_compiles_8_bit_matmuls_and_the_estimate_charges_the_8_bit_rate(
     chip = topology.split(":")[0]
     assert out["linear_s"] >= out["flops"] / (2 * estimate.MXU_FLOPS_PER_CYCLE[chip] * out["hz"])
     assert out["linear_s"] < out["flops"] / (estimate.MXU_FLOPS_PER_CYCLE[chip] * out["hz"])
+
+
+def test_reader_counts_the_8_bit_bytes_it_delivers(tmp_path):
+    """``bytes_read`` (the report's bytes read by this host) counts the int8 slices served,
+    not the float32 copy the channel scales are computed from."""
+    w = np.random.default_rng(4).normal(size=(12, 20)).astype(np.float32)
+    reader = quantize.QuantizingReader(
+        placement.SafetensorsReader(_safetensors(tmp_path, {"a.weight": w})), "int8")
+    reader.read("a.weight", (slice(0, 6), slice(0, 20)), torch.int8)
+    reader.read("a.weight", (slice(6, 12), slice(0, 20)), torch.int8)
+    assert reader.bytes_read == 12 * 20

@@ -360,6 +360,9 @@ class QuantizingReader:
     def _scale(self, weight: str, fuse) -> np.ndarray:
         if weight not in self._scales:
             whole = self.reader.read(weight, (slice(None), slice(None)), torch.float32, fuse)
+            # bytes_read counts what reaches the devices (as for unquantized weights), not
+            # this float32 working copy: the slices served below count their 8-bit bytes.
+            self.reader.bytes_read -= whole.nbytes
             self._scales[weight] = channel_scale(whole, self.scheme)
             # The whole weight's codes, for the slices read next (placement reads a weight's
             # slices one after another): one read and one quantization per weight.
@@ -374,6 +377,8 @@ class QuantizingReader:
             return self.reader.read(name, index, dtype, fuse)
         rows = self._scale(name, fuse)[index[0]]
         if self._last[0] == name:
-            return np.ascontiguousarray(self._last[1][index])
+            out = np.ascontiguousarray(self._last[1][index])
+            self.reader.bytes_read += out.nbytes
+            return out
         return quantize_rows(self.reader.read(name, index, torch.float32, fuse), rows,
                              self.scheme)
