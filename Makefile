@@ -13,7 +13,7 @@ TEST_ENV := $(CPU_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=8
 LIBTPU_PROFILE := 0.0.51
 PROFILE_STAMP := $(VENV)/libtpu-next/.installed-$(LIBTPU_PROFILE)
 
-.PHONY: demo demo-hunyuan demo-i2v serve-demo browser postgres test lint venv checkpoint clean
+.PHONY: demo demo-hunyuan demo-i2v serve-demo browser postgres test test-all lint venv checkpoint clean
 
 venv: $(STAMP) $(PROFILE_STAMP)
 
@@ -80,7 +80,12 @@ postgres:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# CI's tier: everything but the heavy tests (tests/conftest.py SLOW), about 20 min on 2 cores.
 test: lint $(PROFILE_STAMP)
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not slow"
+
+# Every test, the heavy tier included (about 50 min on the 2-core host).
+test-all: lint $(PROFILE_STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:

@@ -220,9 +220,11 @@ def _add_run_flags(g) -> None:
                         "the VAE decodes, and a two-expert model's idle expert until its "
                         "boundary step (auto: each where it would not fit otherwise)")
     g.add_argument("--park_memory", choices=layout.PARK_MEMORY, default=d["park_memory"],
-                   help="where a two-expert model's parked idle expert lives: device (HBM) "
-                        "or pinned_host (host memory: no HBM, the swap also crosses the host "
-                        "link); auto: pinned_host only where that lets the layout be Ulysses")
+                   help="where parked weights live: device (HBM) or pinned_host (host "
+                        "memory: no HBM; moving them crosses the host link). auto: a "
+                        "two-expert model's idle expert goes to pinned_host only where that "
+                        "lets the layout be Ulysses; the decode's parking, where sharding over "
+                        "the devices would not make it fit (one chip)")
     g.add_argument("--verbose", action="store_true", help="debug logging (e.g. unsharded weights)")
 
 

@@ -7,13 +7,17 @@ import sys
 import tempfile
 
 import pytest
-from serve_util import create_database, drop_database
+from serve_util import FAST_CPU_COMPILE, create_database, drop_database
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # Tests run on CPU; the Makefile also gives JAX 8 host devices for the sharding tests.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# In-process CPU compiles too (serve_util.FAST_CPU_COMPILE says why); read when JAX's CPU
+# backend starts, after this import.
+if FAST_CPU_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_COMPILE}".strip()
 # The default --compilation_cache_dir lives under XDG_CACHE_HOME: keep the tests' compiled
 # programs out of the user's cache (subprocesses inherit this).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="wan-flax-test-cache-")
@@ -107,3 +111,76 @@ def postgres_url():
 def postgres_url_module():
     """The URL of a new, empty database shared by a module's tests (``new_database``)."""
     yield from new_database()
+
+
+# The heavy tier: `make test` (CI) deselects these with -m "not slow"; `make test-all` runs
+# them too. Each is a whole run, a real-size compile or a fault drill that takes 30-240 s on
+# the 2-core CI host; the feature each checks keeps a smaller test in the CI tier (named after
+# the "|"). Node ids, or a test's name for all of its parameters. docs/testing.md lists why.
+SLOW = {
+    # Deviceless TPU compiles of the VAE and real-size steps (CI: the per-chip table's dry run).
+    "test_dry_run.py::test_i2v_dry_run_compiles_the_vae_encode": "dry run | per-chip table",
+    "test_dry_run.py::test_hunyuan_i2v_dry_run_has_no_device_encode": "dry run | per-chip",
+    "test_dry_run.py::test_dry_run_compiles_the_chunked_vae_decode": "dry run | per-chip",
+    "test_dry_run.py::test_dry_run_estimate_adds_a_labelled_step_time": "| test_quantize's",
+    "test_hunyuan.py::test_dry_run_compiles_the_480p_step": "| test_dry_run's table",
+    "test_estimate.py::test_large_bf16_matmul_estimate_is_near_its_roofline": "| rest of file",
+    "test_estimate_reduced_q.py::test_reduced_q_profile_agrees_with_the_full_profile": "",
+    "test_tpu_compile.py::test_sharded_kernel_compiles_at_wan_shapes[v6e-14B-self-dp2tp4]": "",
+    "test_tpu_compile.py::test_sharded_kernel_compiles_at_wan_shapes[v5e-14B-self-dp2tp4]": "",
+    "test_tpu_compile.py::test_sharded_kernel_compiles_at_wan_shapes[tpu7x-14B-self-dp2tp4]": "",
+    "test_tpu_compile.py::test_sharded_kernel_compiles_at_wan_shapes[v6e-1.3B-self-tp4sp2-seq]":
+        "| [v6e-14B-self-tp4sp2-heads]",
+    "test_tpu_compile.py::test_kernel_variants_lower_through_mosaic[segments]":
+        "| [segments_real_prefix]",
+    "test_tpu_compile.py::test_kernel_variants_lower_through_mosaic[head_dim64]": "| [f32]",
+    # Several processes (CI: two processes equal one at dp2 x tp2 x sp2).
+    "test_multihost.py::test_two_processes_equal_one_process[dp2-tp4-sp1]": "",
+    "test_multihost.py::test_two_processes_equal_one_process[dp2-tp2-sp2-parked]": "",
+    "test_multihost.py::test_prompts_file_on_two_processes_equals_one_process": "",
+    "test_multihost.py::test_a_killed_process_ends_the_other": "| test_serve_faults' flags",
+    "test_serve_faults.py::test_kill_9_then_restart": "",
+    "test_serve_faults.py::test_a_dead_process_ends_the_server_in_one_line": "",
+    "test_serve_faults.py::test_two_processes_serve_as_one": "",
+    "test_serve_i2v.py": "| test_serve.py's OpenAI client",
+    "test_time_to_ready.py::test_a_restarted_server_compiles_nothing": "| warm run",
+    "test_time_to_ready.py::test_the_dry_run_exports_the_keys_a_run_computes": "",
+    "test_time_to_ready.py::test_step_cache_programs_load_warm_with_the_same_frames": "",
+    "test_cli.py::test_second_process_hits_the_persistent_compilation_cache": "| ttr warm run",
+    "test_overlap_compile.py": "",
+    # More meshes, checkpoints and variants of a parity already in the CI tier.
+    "test_sharding.py::test_sharded_frames_equal_unsharded[dp2-tp4-sp1]": "| [dp2-tp2-sp2]",
+    "test_sharding.py::test_sharded_frames_equal_unsharded[dp1-tp8-sp1]": "",
+    "test_sharding.py::test_sharded_frames_equal_unsharded[dp1-tp2-sp4]": "",
+    "test_sharding.py::test_sequence_parallel_pads_a_token_count_sp_does_not_divide"
+    "[sp8-stock_splash]": "",
+    "test_sharding.py::test_sequence_parallel_pads_a_token_count_sp_does_not_divide"
+    "[dp2-tp2-sp2-xla-unrolled]": "",
+    "test_step_cache_experts.py::test_i2v_magcache_matches_diffusers_hook[wan21_i2v]": "[ti2v]",
+    "test_step_cache_experts.py::test_magcache_two_experts_match_diffusers_hooks": "",
+    "test_step_cache_experts.py::test_hunyuan_i2v_deepcache_matches_eager_reference":
+        "| test_step_cache's HunyuanVideo DeepCache",
+    "test_step_cache.py::test_sharded_cached_runs_equal_the_reference": "",
+    "test_pipeline_parity.py::test_window_size_and_k_smoothing_flags": "",
+    "test_pipeline_parity.py::test_lora_frames_match_diffusers_fuse_lora[original]": "[peft]",
+    "test_wan_i2v.py::test_ti2v_i2v_matches_diffusers": "| test_wan21_i2v_matches_diffusers",
+    "test_wan22.py::test_ti2v_matches_diffusers": "| test_two_experts_match_diffusers",
+    "test_hunyuan_i2v.py": "| test_step_cache's HunyuanVideo I2V",
+    "test_hunyuan_variants.py::test_cfg_distilled_is_one_pass_and_matches_diffusers":
+        "| test_meanflow_matches_diffusers",
+    "test_quantize.py::test_quantized_run_stays_near_bf16[hunyuan-int8]": "| [wan-fp8-sharded]",
+    "test_quantize.py::test_quantized_run_stays_near_bf16[wan22-int8]": "",
+    "test_realsize.py::test_cpu_scale_run_matches_diffusers_in_float32": "a benchmark's check",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: the heavy tier (make test-all), not in CI's "
+                                       "make test; tests/conftest.py SLOW says why")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = item.nodeid.split("tests/", 1)[-1]
+        if rel in SLOW or rel.split("[")[0] in SLOW or rel.split("::")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)

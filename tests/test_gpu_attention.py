@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from serve_util import cpu_xla_flags
 
 import custom_splash_attention as csa
 import splash.reference
@@ -286,7 +287,7 @@ def test_resolve_attention_backend():
 def test_cli_attention_cudnn_on_cpu_is_one_line(tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=cpu_xla_flags(8))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate_flax.py"),
                            "--model_id", tiny_checkpoint, "--output_dir", str(out),
                            "--attention", "cudnn"], capture_output=True, text=True,

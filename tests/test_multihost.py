@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from serve_util import cpu_xla_flags
 
 import generate_flax as gf
 from engine.pipeline import generate
@@ -37,14 +38,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(argv, num_processes=2, devices_per_process=4):
+def _launch(argv, num_processes=2, devices_per_process=4, logs=None):
+    """Start the processes; their stdout/stderr are pipes, or files ``logs/<i>.out|err``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+               XLA_FLAGS=cpu_xla_flags(devices_per_process))
     address = f"127.0.0.1:{_free_port()}"
+
+    def stream(i, kind):
+        return subprocess.PIPE if logs is None else open(os.path.join(logs, f"{i}.{kind}"), "w")
+
     return [subprocess.Popen(
         [sys.executable, SCRIPT, *argv, "--coordinator_address", address, "--num_processes",
          str(num_processes), "--process_id", str(i)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        stdout=stream(i, "out"), stderr=stream(i, "err"), text=True, env=env, cwd=ROOT)
         for i in range(num_processes)]
 
 
@@ -92,21 +98,31 @@ def test_two_processes_equal_one_process(tiny_checkpoint_8h, tmp_path, mesh, ext
 
 
 def test_a_killed_process_ends_the_other(tiny_checkpoint_8h, tmp_path):
-    out = tmp_path / "out"
-    # Enough steps that the run is still going when process 1 dies; whatever stage it is
-    # in (joining, loading, compiling, denoising), process 0 must stop, not hang.
+    """Process 1 is killed while both denoise (its progress bar has started: both joined and
+    compiled); process 0 must stop within 4 heartbeat timeouts, not hang in a collective.
+    Killing at a fixed time instead raced the start-up under load (a kill while joining
+    waits out JAX's 300 s initialization timeout, a different rule)."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    logs.mkdir()
     procs = _launch(["--model_id", tiny_checkpoint_8h, *FLAGS, "--num_inference_steps", "500",
-                     "--output_dir", str(out)])
-    time.sleep(25)
-    assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
-    procs[1].send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    limit = 4 * runtime.DISTRIBUTED_HEARTBEAT_TIMEOUT_S
+                     "--output_dir", str(out)], logs=str(logs))
     try:
-        _, err = procs[0].communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        procs[0].kill()
-        pytest.fail(f"process 0 still running {limit} s after process 1 died")
+        deadline = time.monotonic() + 300
+        while "/500 [" not in (logs / "1.err").read_text():  # tqdm's bar: 0/500 [00:00<?
+            assert procs[0].poll() is None and procs[1].poll() is None, \
+                (logs / "0.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "process 1 did not start denoising in 300 s"
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        limit = 4 * runtime.DISTRIBUTED_HEARTBEAT_TIMEOUT_S
+        try:
+            procs[0].wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 still running {limit} s after process 1 died")
+    finally:
+        for p in procs:
+            p.kill()
     assert procs[0].returncode != 0
     assert time.monotonic() - t0 < limit
     assert not out.exists() or not os.listdir(out)

@@ -42,6 +42,58 @@ def test_should_park_rule():
     assert not parking.should_park("auto", 11, 0, 10)  # nothing to save (all sharded)
 
 
+def test_decode_memory_rule():
+    # (mode, memory, need, weights, parked, capacity) -> where the weights go while decoding.
+    cases = [
+        (("off", "auto", 50, 20, 5, 10), None),
+        (("auto", "auto", 10, 20, 5, 10), None),  # fits as it is
+        (("auto", "auto", 12, 20, 5, 10), "device"),  # sharding saves 15: 12 - 15 fits
+        (("auto", "auto", 30, 20, 5, 10), "pinned_host"),  # 30 - 15 does not; 30 - 20 does
+        (("auto", "auto", 30, 20, 20, 10), "pinned_host"),  # one chip: sharding saves 0
+        (("auto", "device", 30, 20, 20, 10), None),  # HBM asked for, nothing to save there
+        (("auto", "device", 30, 20, 5, 10), "device"),  # asked for: parks though it won't fit
+        (("auto", "pinned_host", 12, 20, 5, 10), "pinned_host"),
+        (("on", "auto", 0, 20, 5, None), "device"),  # CPU, several devices
+        (("on", "auto", 0, 20, 20, None), "pinned_host"),  # CPU, one device
+        (("auto", "auto", 30, 20, 5, None), None),  # CPU: auto never parks
+        (("auto", "auto", 30, 0, 0, 10), None),  # nothing in HBM to move
+    ]
+    for args, want in cases:
+        assert parking.decode_memory(*args) == want, args
+
+
+def test_one_device_decode_parks_the_weights_in_host_memory():
+    """One device: sharding saves nothing, so --park_memory auto moves the weights to host
+    memory while the VAE decodes (no HBM left) and back, equal, afterwards."""
+    mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
+    home = NamedSharding(mesh, P())
+    host_a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    weights = {"params": {"a": jax.device_put(host_a, home)}, "buffers": {}}
+    seen = {}
+
+    class Decoder:
+        def memory(self):
+            return dict(peak_bytes=0)
+
+        def __call__(self, z):
+            seen["kind"] = weights["params"]["a"].sharding.memory_kind
+            seen["hbm"] = parking.weights_bytes([weights])[0]
+            return z + 1
+
+    decoder = parking.ParkingDecoder(Decoder(), [weights], "on", None, "auto")
+    z = jax.device_put(np.zeros(3, np.float32), jax.devices()[0])
+    np.testing.assert_array_equal(np.asarray(decoder(z)), np.ones(3))
+    assert seen == {"kind": "pinned_host", "hbm": 0}
+    assert decoder.decision["memory"] == "pinned_host"
+    assert decoder.decision["parked_bytes_per_device"] == 0
+    assert decoder.decision["weights_bytes_per_device"] == host_a.nbytes
+    restored = weights["params"]["a"]
+    assert restored.sharding.is_equivalent_to(home, 2) and not placement.on_host(restored)
+    np.testing.assert_array_equal(np.asarray(restored), host_a)
+    with pytest.raises(ValueError, match="park_memory: expected one of"):
+        parking.ParkingDecoder(Decoder(), [weights], "on", None, "disk")
+
+
 def test_decode_sees_one_eighth_of_the_weights_and_they_come_back_equal():
     mesh = make_mesh(MeshShape(2, 1, 4))
     replicated = NamedSharding(mesh, P())
@@ -102,6 +154,26 @@ def test_dry_run_parks_only_where_the_decode_would_not_fit():
         assert decision["parked"] is parked
         assert rows[0]["total_bytes"] == 1000 + (1024 if parked else 8192)
         assert rows[0]["fits"]
+
+
+
+def test_dry_run_parks_one_chip_in_host_memory():
+    """One chip (Wan 14B int8 on v6e:1x1): the decode beside the weights does not fit and
+    sharding saves nothing, so the dry run counts the weights in host memory: no HBM."""
+    mesh = make_mesh(MeshShape(1, 1, 1), jax.devices()[:1])
+    placed = dict(params={"w": jax.ShapeDtypeStruct((64, 32), np.float32,
+                                                      sharding=NamedSharding(mesh, P()))},
+                  buffers={})  # 8 KiB
+    vae = dict(params={}, buffers={})
+    for memory, parked in (("auto", True), ("pinned_host", True), ("device", False)):
+        rows = [dict(program="VAE decode (3 programs, peak)", total_bytes=1000, fits=True,
+                     capacity_bytes=4096)]
+        decision = dry_run._add_resident(rows, placed, vae, {}, 0, 1, "auto", None, memory)
+        assert decision["parked"] is parked, memory
+        assert rows[0]["total_bytes"] == 1000 + (0 if parked else 8192)
+        assert rows[0]["fits"] is parked
+        assert decision["memory"] == ("pinned_host" if parked else None)
+        assert decision["parked_bytes_per_device"] == (0 if parked else 8192)
 
 
 def test_parked_decode_frames_equal_the_unparked_run(tiny_checkpoint_8h):

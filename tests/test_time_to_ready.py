@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
-from serve_util import PROMPT, SETTINGS, Server, server_frames, wait_done
+from serve_util import PROMPT, SETTINGS, Server, cpu_xla_flags, server_frames, wait_done
 from transformers import UMT5EncoderModel
 
 import generate_flax
@@ -352,7 +352,7 @@ def test_the_dry_run_exports_the_keys_a_run_computes(tiny_checkpoint, tmp_path):
                     "--embeddings_cache", "none", "--output_dir", str(tmp_path / "run")],
                    check=True, capture_output=True, cwd=ROOT,
                    env={**os.environ, "JAX_PLATFORMS": "cpu",
-                        "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                        "XLA_FLAGS": cpu_xla_flags(8)})
     tpu, cpu = _entries(exported)["transformer_step"], _entries(ran)["transformer_step"]
     assert tpu["key"]["signature"] == cpu["key"]["signature"]
     assert sorted(tpu["key"]["devices"]) == cpu["key"]["devices"] == list(range(8))

@@ -262,7 +262,7 @@ def _expert_parking(placed, inputs, vae_placed, latents, mode: str, chip,
 
 def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
                   experts: int = 1, park_weights: str = "off",
-                  expert_parking: dict | None = None) -> dict:
+                  expert_parking: dict | None = None, park_memory: str = "auto") -> dict:
     """In one process the transformer weights stay in HBM while the VAE decodes, and the VAE
     weights while the transformer runs; the decoded chunks and their concatenation are held
     too. With two experts (Wan 2.2 A14B) both stay resident: the step program's arguments
@@ -270,9 +270,10 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
     ``expert_parking`` (``_expert_parking``) says so; then a row for the expert swap's
     transient is added. The compiler sees one program at a time, so add what the others
     keep. With ``park_weights`` (``engine.programs.parking``, the same rule a run applies)
-    the decode keeps the transformer weights parked: sharded over every device. Returns the
-    parking decision, dict(parked, mode, weights_bytes_per_device,
-    parked_bytes_per_device)."""
+    the decode keeps the transformer weights parked: sharded over every device, or in host
+    memory where ``park_memory`` (``parking.decode_memory``) puts them there. Returns the
+    parking decision, dict(parked, memory, mode, weights_bytes_per_device,
+    parked_bytes_per_device: what stays in HBM)."""
     step_weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
     now, parked = parking.weights_bytes([placed] * experts)
     other = step_weights
@@ -291,17 +292,20 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
                 + 2 * video_bytes,
                 "VAE encode": 0,  # image-to-video: before anything else is placed
                 "expert swap": expert_parking and expert_parking["swap_peak_bytes"]}
-    decision = dict(parked=False, mode=park_weights, weights_bytes_per_device=now,
-                    parked_bytes_per_device=parked)
+    decision = dict(parked=False, memory=None, mode=park_weights,
+                    weights_bytes_per_device=now, parked_bytes_per_device=parked)
     for r in rows:
         r["resident_bytes"] = next(v for k, v in resident.items() if r["program"].startswith(k))
         if r["total_bytes"] == r["total_bytes"]:  # not NaN (an OOM without a figure)
             r["total_bytes"] += r["resident_bytes"]
-            if r["program"].startswith("VAE decode") and parking.should_park(
-                    park_weights, r["total_bytes"], now - parked, r["capacity_bytes"]):
-                r["resident_bytes"] -= now - parked
-                r["total_bytes"] -= now - parked
+            where = r["program"].startswith("VAE decode") and parking.decode_memory(
+                park_weights, park_memory, r["total_bytes"], now, parked, r["capacity_bytes"])
+            if where:
+                freed = now if where == "pinned_host" else now - parked
+                r["resident_bytes"] -= freed
+                r["total_bytes"] -= freed
                 r["weights_parked"] = decision["parked"] = True
+                decision.update(memory=where, parked_bytes_per_device=now - freed)
             r["fits"] = r["fits"] and r["total_bytes"] <= r["capacity_bytes"]
     return decision
 
@@ -390,7 +394,7 @@ def dry_run(config, family) -> tuple[int, dict]:
                                              config.run.park_weights, chip,
                                              config.run.park_memory) or None
     parked = _add_resident(rows, placed, vae_placed, inputs, video, n_experts,
-                           config.run.park_weights, swap)
+                           config.run.park_weights, swap, config.run.park_memory)
     fits = all(r["fits"] for r in rows)
     report = dict(
         dry_run=True, topology=config.dry.topology, devices=len(devices),
@@ -482,7 +486,9 @@ def print_dry_run(report: dict) -> None:
     park = report.get("park_weights") or {}
     if park.get("parked"):
         print(f"--park_weights {park['mode']}: while the VAE decodes, the transformer weights "
-              f"are sharded over every device ({park['weights_bytes_per_device'] / 2**30:.2f} "
+              + ("are in host memory (--park_memory pinned_host) "
+                 if park.get("memory") == "pinned_host" else "are sharded over every device ")
+              + f"({park['weights_bytes_per_device'] / 2**30:.2f} "
               f"-> {park['parked_bytes_per_device'] / 2**30:.2f} GiB per device)")
     swap = report.get("expert_parking") or {}
     if swap.get("parked"):

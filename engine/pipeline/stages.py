@@ -151,7 +151,7 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
             chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
             parts["vae_decode"] = parking.ParkingDecoder(
                 parts["vae_decode"], [placed, *([second] if second else [])],
-                config.run.park_weights, chip and chip.usable_hbm_bytes)
+                config.run.park_weights, chip and chip.usable_hbm_bytes, config.run.park_memory)
     return Programs(**parts), latents0, placed
 
 

@@ -25,7 +25,7 @@ import time
 
 import jax
 
-from engine.weights import placement
+from engine.weights import layout, placement
 
 MODES = ("auto", "on", "off")
 
@@ -60,6 +60,33 @@ def should_park(mode: str, need_bytes: int, saved_bytes: int, capacity: int | No
     return need_bytes > capacity
 
 
+def decode_memory(mode: str, memory: str, need_bytes: int, weights_bytes: int,
+                  parked_bytes: int, capacity: int | None) -> str | None:
+    """Where the transformer's weights go while the VAE decodes: None (they stay), "device"
+    (sharded over every device, ``parked_bytes`` per device left in HBM) or "pinned_host"
+    (host memory: none left in HBM).
+
+    Args:
+        mode: ``--park_weights`` ("auto", "on", "off"): whether to park (``should_park``).
+        memory: ``--park_memory`` ("auto", "device", "pinned_host"). "auto" takes HBM where
+            sharding over the devices brings the decode under ``capacity``, host memory where
+            it does not (one chip: sharding saves nothing). An explicit choice is kept.
+        need_bytes: the decode's peak per device beside the resident weights.
+        weights_bytes / parked_bytes: the weights' HBM bytes per device, whole and parked.
+        capacity: usable HBM bytes per device, or None (CPU: "auto" never parks).
+    """
+    saved = weights_bytes - parked_bytes
+    if memory == "device":
+        return "device" if should_park(mode, need_bytes, saved, capacity) else None
+    if not should_park(mode, need_bytes, weights_bytes, capacity):  # host saves it all
+        return None
+    if memory == "pinned_host":
+        return "pinned_host"
+    # "auto": HBM where the sharded copy is enough (no host-link traffic), else host memory.
+    fits_sharded = saved > 0 and (capacity is None or need_bytes - saved <= capacity)
+    return "device" if fits_sharded else "pinned_host"
+
+
 class ParkingDecoder:
     """A VAE decoder (``ChunkedDecoder`` or a family's) that parks ``weights`` while it runs.
 
@@ -68,16 +95,25 @@ class ParkingDecoder:
         weights: the placed transformer dicts (one, or both experts'), changed in place.
         mode: ``auto`` / ``on`` / ``off`` (``--park_weights``).
         capacity: usable HBM bytes per device (``chips.Chip.usable_hbm_bytes``), or None.
+        memory: ``--park_memory`` ("auto", "device", "pinned_host"): where parked weights
+            go (``decode_memory``). On one chip sharding saves nothing, so "auto" parks the
+            transformer in host memory there when the decode would not fit beside it.
 
-    ``decision`` (after the first call): dict(parked, mode, weights_bytes_per_device,
-    parked_bytes_per_device, decode_peak_bytes, capacity_bytes). ``last``: the last call's
+    ``decision`` (after the first call): dict(parked, memory, mode, weights_bytes_per_device,
+    parked_bytes_per_device, decode_peak_bytes, capacity_bytes); ``parked_bytes_per_device``
+    is what stays in HBM (0 in host memory). ``last``: the last call's
     dict(park_s, restore_s) when it parked, else {}.
     """
 
-    def __init__(self, decoder, weights: list, mode: str, capacity: int | None):
+    def __init__(self, decoder, weights: list, mode: str, capacity: int | None,
+                 memory: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"park_weights: expected one of {MODES}, got {mode!r}")
+        if memory not in layout.PARK_MEMORY:
+            raise ValueError(f"park_memory: expected one of {layout.PARK_MEMORY}, "
+                             f"got {memory!r}")
         self.decoder, self.weights, self.mode, self.capacity = decoder, weights, mode, capacity
+        self.memory = memory
         self.decision: dict | None = None
         self.last: dict = {}
 
@@ -88,7 +124,7 @@ class ParkingDecoder:
 
     def with_decoder(self, decoder) -> ParkingDecoder:
         """The same parking around another decoder (another shape's programs)."""
-        return ParkingDecoder(decoder, self.weights, self.mode, self.capacity)
+        return ParkingDecoder(decoder, self.weights, self.mode, self.capacity, self.memory)
 
     def decide(self) -> dict:
         """Decide once, from the decode's compiled peak and the weights' bytes per device:
@@ -96,14 +132,17 @@ class ParkingDecoder:
         if self.decision is None:
             now, parked = weights_bytes(self.weights)
             peak = self.decoder.memory()["peak_bytes"]
-            park = should_park(self.mode, now + peak, now - parked, self.capacity)
-            self.decision = dict(parked=park, mode=self.mode, weights_bytes_per_device=now,
-                                 parked_bytes_per_device=parked, decode_peak_bytes=peak,
-                                 capacity_bytes=self.capacity)
-            if park:
+            where = decode_memory(self.mode, self.memory, now + peak, now, parked,
+                                  self.capacity)
+            parked = 0 if where == "pinned_host" else parked
+            self.decision = dict(parked=where is not None, memory=where, mode=self.mode,
+                                 weights_bytes_per_device=now, parked_bytes_per_device=parked,
+                                 decode_peak_bytes=peak, capacity_bytes=self.capacity)
+            if where:
                 print(f"--park_weights {self.mode}: the transformer weights go from "
-                      f"{now / 2**30:.2f} to {parked / 2**30:.2f} GiB per device while the "
-                      f"VAE decodes (its peak {peak / 2**30:.2f} GiB)", flush=True)
+                      f"{now / 2**30:.2f} to {parked / 2**30:.2f} GiB per device "
+                      f"{'(host memory) ' if where == 'pinned_host' else ''}while the VAE "
+                      f"decodes (its peak {peak / 2**30:.2f} GiB)", flush=True)
         return self.decision
 
     def __call__(self, latents):
@@ -111,7 +150,7 @@ class ParkingDecoder:
             self.last = {}
             return self.decoder(latents)
         t0 = time.perf_counter()
-        homes = _move(self.weights, None)
+        homes = _move(self.weights, None, self.decision["memory"])
         t1 = time.perf_counter()
         # A two-expert model whose idle expert is parked (``experts.ExpertParking``) keeps
         # everything parked after the decode: the next step gathers the expert it runs,
@@ -130,9 +169,10 @@ class ParkingDecoder:
         return video
 
 
-def _move(weights: list, homes: dict | None) -> dict:
-    """Park every weight (``homes`` None; returns each moved weight's original sharding), or
-    put each back at its ``homes`` sharding. One weight at a time, its old buffer donated."""
+def _move(weights: list, homes: dict | None, memory: str = "device") -> dict:
+    """Park every weight (``homes`` None; returns each moved weight's original sharding) in
+    ``memory`` ("device" or "pinned_host"), or put each back at its ``homes`` sharding. One
+    weight at a time, its old buffer donated (deleted across memory kinds)."""
     moved = {}
     for i, placed in enumerate(weights):
         for group in ("params", "buffers"):
@@ -140,7 +180,7 @@ def _move(weights: list, homes: dict | None) -> dict:
             for name, arr in list(arrays.items()):
                 key = (i, group, name)
                 if homes is None:
-                    target = parked_sharding(arr)
+                    target = parked_sharding(arr, None if memory == "device" else memory)
                     # Already parked: sharded in HBM, or (``--park_memory pinned_host``) a
                     # two-expert model's idle expert in host memory, which holds no HBM.
                     if placement.on_host(arr) or target.is_equivalent_to(arr.sharding,
