@@ -37,7 +37,8 @@ def free_port() -> int:
 # XLA's CPU backend at LLVM -O0 and without its expensive passes: the tests' tiny programs
 # compile about a quarter faster (tests/test_sharding.py's frame tests: 82 s against 107 s on
 # the 2-core host), and every comparison is between runs compiled alike or against an eager
-# reference at a stated tolerance. TPU (deviceless) compiles do not read these flags.
+# reference at a stated tolerance. libtpu's deviceless compiles ignore them (the same static
+# profile with and without: benchmarks/elementwise_cycles.py).
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
