@@ -183,6 +183,13 @@ SLOW = {
     "test_vae_encode.py::test_chunked_encode_equals_diffusers[wan21-8]": "| [wan21-1]",
     "test_wan_i2v.py::test_wan21_i2v_matches_diffusers":
         "| test_wan22_i2v_two_experts_match_diffusers",
+    # Third cut (the second measured 20 min 1 s of pytest): margin under 25 min with install.
+    "test_stages.py::test_denoise_without_embeddings_says_which_stage_to_run":
+        "| test_shape_mismatched_latents_fail_with_one_line",
+    "test_stages.py::test_latents_from_another_vae_are_refused": "",
+    "test_tpu_compile.py::test_kernel_variants_lower_through_mosaic[window]":
+        "| interpret-mode window tests",
+    "test_serve.py::test_load_24_requests_from_6_clients": "| test_openai_client",
 }
 
 
