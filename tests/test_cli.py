@@ -146,7 +146,7 @@ def test_bad_input_is_one_line_before_loading(tiny_checkpoint, tmp_path, capsys,
     out = tmp_path / "out"
     argv = ["--model_id", tiny_checkpoint, "--output_dir", str(out), *flags]
     t0 = time.monotonic()
-    if flags is BAD[0][0] or flags == ["--dp", "3"]:
+    if flags in (BAD[0][0], ["--dp", "3"]):
         proc = run(argv, timeout=60)
         code, stderr = proc.returncode, proc.stderr
     else:

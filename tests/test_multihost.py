@@ -44,14 +44,18 @@ def _launch(argv, num_processes=2, devices_per_process=4, logs=None):
                XLA_FLAGS=cpu_xla_flags(devices_per_process))
     address = f"127.0.0.1:{_free_port()}"
 
-    def stream(i, kind):
-        return subprocess.PIPE if logs is None else open(os.path.join(logs, f"{i}.{kind}"), "w")
-
-    return [subprocess.Popen(
-        [sys.executable, SCRIPT, *argv, "--coordinator_address", address, "--num_processes",
-         str(num_processes), "--process_id", str(i)],
-        stdout=stream(i, "out"), stderr=stream(i, "err"), text=True, env=env, cwd=ROOT)
-        for i in range(num_processes)]
+    procs = []
+    for i in range(num_processes):
+        files = [] if logs is None else [open(os.path.join(logs, f"{i}.{kind}"), "w")
+                                         for kind in ("out", "err")]
+        out, err = files or (subprocess.PIPE, subprocess.PIPE)
+        procs.append(subprocess.Popen(
+            [sys.executable, SCRIPT, *argv, "--coordinator_address", address,
+             "--num_processes", str(num_processes), "--process_id", str(i)],
+            stdout=out, stderr=err, text=True, env=env, cwd=ROOT))
+        for f in files:  # the child holds its own copies
+            f.close()
+    return procs
 
 
 def _single_process_frames(checkpoint, mesh):

@@ -210,7 +210,7 @@ class ExpertParking:
             arrays = self.experts[k][group]
             for name, arr in list(arrays.items()):
                 target = self.homes[(group, name)] if home else placement.parked_sharding(
-                    arr, None if self.memory == "device" else self.memory)
+                    arr, self.memory)
                 if target.is_equivalent_to(arr.sharding, arr.ndim):
                     continue
                 before = _hbm_bytes(arr)

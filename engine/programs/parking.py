@@ -180,7 +180,7 @@ def _move(weights: list, homes: dict | None, memory: str = "device") -> dict:
             for name, arr in list(arrays.items()):
                 key = (i, group, name)
                 if homes is None:
-                    target = parked_sharding(arr, None if memory == "device" else memory)
+                    target = parked_sharding(arr, memory)
                     # Already parked: sharded in HBM, or (``--park_memory pinned_host``) a
                     # two-expert model's idle expert in host memory, which holds no HBM.
                     if placement.on_host(arr) or target.is_equivalent_to(arr.sharding,

@@ -159,11 +159,11 @@ def parked_spec(spec, shape: tuple, mesh):
 
 def parked_sharding(arr, memory_kind: str | None = None):
     """The ``NamedSharding`` ``arr`` (a ``jax.Array`` or sharded ``ShapeDtypeStruct``) takes
-    while parked (``parked_spec`` of its own), in ``memory_kind`` (None: the devices' own
-    memory; "pinned_host": their host's, which costs no HBM: ``--park_memory``)."""
+    while parked (``parked_spec`` of its own), in ``memory_kind`` (None or "device": the
+    devices' own memory; "pinned_host": their host's, which costs no HBM: ``--park_memory``)."""
     sh = arr.sharding
     return NamedSharding(sh.mesh, parked_spec(sh.spec, tuple(arr.shape), sh.mesh),
-                         memory_kind=memory_kind)
+                         memory_kind=None if memory_kind == "device" else memory_kind)
 
 
 def on_host(arr) -> bool:

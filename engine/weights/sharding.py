@@ -202,8 +202,7 @@ def _maybe_parked(params: dict, shardings: dict, park) -> tuple[dict, str | bool
     memory = None if park is None else park(list(homes.values()))
     if not memory:
         return shardings, False
-    kind = None if memory == "device" else memory  # None: the devices' default memory
-    return {k: placement.parked_sharding(h, kind) for k, h in homes.items()}, memory
+    return {k: placement.parked_sharding(h, memory) for k, h in homes.items()}, memory
 
 
 def _stack(module):
