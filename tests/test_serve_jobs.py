@@ -16,10 +16,12 @@ import pytest
 
 from engine.serve import jobs as store_rows
 from engine.serve import requests as checks
+from engine.serve.app import State, create_app
 from engine.serve.fleet import Fleet
 from engine.serve.jobs import CANCEL, CANCEL_AND_DELETE, DB_NAME, LOST, Job, JobStore, job_bucket
 from engine.serve.model import Served
 from engine.serve.requests import ApiError, InputReference, VideoJob
+from engine.serve.storage import SharedFolder
 
 SERVED = Served(model="tiny-wan", model_id="checkpoints/tiny-wan", sizes=((96, 64), (64, 64)),
                 frames=(17, 9), frame_step=4, fps=16, num_inference_steps=8,
@@ -262,3 +264,25 @@ def test_a_dead_servers_pending_cancel_ends_its_job(tmp_path, jobs_db):
     time.sleep(1.3)
     assert store.claim("srv_live", BUCKETS) is None  # reaped, not run again
     assert store.get(kept.id).status == "cancelled" and store.get(dropped.id) is None
+
+
+def test_health_body_and_status_code_agree_when_ready_lands_mid_request(tmp_path):
+    """The loading thread sets ``served`` while ``/health`` counts the queue (seen in CI: a
+    200 whose body said "loading"). The store here flips ``served`` inside its first count,
+    the interleaving that failed; body and code must come from one read."""
+    class FlippingStore(JobStore):
+        def count(self, *args, **kwargs):
+            state.served = SERVED
+            return super().count(*args, **kwargs)
+
+    store = FlippingStore(str(tmp_path))
+    state = State(store=store, storage=SharedFolder(str(tmp_path)),
+                  fleet=Fleet(store, "localhost:0"), api_key=None,
+                  wake=threading.Event())
+    health = next(r.endpoint for r in create_app(state).routes if r.path == "/health")
+    response = health()
+    body = json.loads(response.body)
+    assert (body["status"], response.status_code) == ("loading", 503)
+    response = health()  # now ready from the start of the request
+    assert (json.loads(response.body)["status"], response.status_code) == ("ready", 200)
+    store.close()

@@ -172,13 +172,16 @@ def _status_routes(app: FastAPI, state: State, key) -> None:
 
     @app.get("/health")
     def health():
-        body = dict(status="ready" if state.served else "loading",
+        # One read: the loading thread may set ``served`` while the counts below query the
+        # store, and the body and status code must agree (a 200 "loading" was seen in CI).
+        ready = state.served is not None
+        body = dict(status="ready" if ready else "loading",
                     queued=state.store.count("queued"),
                     in_progress=state.store.count("in_progress"),
                     server_id=state.fleet.id, jobs_db=state.store.url,
                     time_to_ready=state.ready,
                     seconds_up=time.perf_counter() - state.started)
-        return JSONResponse(body, status_code=200 if state.served else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     def metrics():  # no key, as /health: scrapers read it; counts only, no prompts
@@ -186,8 +189,8 @@ def _status_routes(app: FastAPI, state: State, key) -> None:
 
     @app.get("/v1/models", dependencies=[key])
     def models():
-        return dict(object="list", data=[state.fleet.describe(state.served)]
-                    if state.served else [])
+        served = state.served  # one read, as /health
+        return dict(object="list", data=[state.fleet.describe(served)] if served else [])
 
 
 def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
