@@ -324,3 +324,31 @@ def test_sr_size_is_the_official_bucket_map():
             assert sr.sr_size(lr_h, lr_w, version) == (hr_h, hr_w), (lr_w, lr_h)
     with pytest.raises(UsageError, match="not a 480p bucket"):
         sr.sr_size(480, 850, "720p_sr_distilled")
+
+
+def test_diffusers_transformer_hosts_the_sr_input_width():
+    """diffusers' HunyuanVideo15Transformer3DModel takes its patch-embedding input width from
+    ``in_channels`` alone (65 for the base models: 32 + 33), so the SR DiT's 98 channels
+    (latents 32 + I2V/T2V condition 33 + low-res condition 33) are a config value, with
+    ``out_channels`` 32; nothing else in its forward reads the width."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(10)
+    model = HunyuanVideo15Transformer3DModel(
+        in_channels=98, out_channels=32, num_attention_heads=2, attention_head_dim=16,
+        num_layers=1, num_refiner_layers=1, text_embed_dim=8, text_embed_2_dim=8,
+        image_embed_dim=8, rope_axes_dim=(4, 6, 6), task_type="t2v").eval()
+    assert model.x_embedder.proj.weight.shape[1] == 98
+    f, h, w = 2, 2, 4
+    latents = torch.randn(1, 32, f, h, w)
+    condition = sr.sr_condition(torch.zeros(1, 33, f, h, w), torch.randn(1, 32, f, h, w))
+    kwargs = dict(timestep=torch.tensor([900.0]), encoder_hidden_states=torch.randn(1, 3, 8),
+                  encoder_attention_mask=torch.ones(1, 3),
+                  encoder_hidden_states_2=torch.randn(1, 2, 8),
+                  encoder_attention_mask_2=torch.ones(1, 2),
+                  image_embeds=torch.zeros(1, 4, 8), return_dict=False)
+    with torch.no_grad():
+        out = model(torch.concat([latents, condition], 1), **kwargs)[0]
+        dropped = model(torch.concat([latents, sr.without_lq(condition, 32)], 1), **kwargs)[0]
+    assert out.shape == (1, 32, f, h, w) and torch.isfinite(out).all()
+    assert (out - dropped).abs().amax() > 1e-4  # the low-res channels reach the output
