@@ -199,7 +199,19 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    used = set()
     for item in items:
         rel = item.nodeid.split("tests/", 1)[-1]
-        if rel in SLOW or rel.split("[")[0] in SLOW or rel.split("::")[0] in SLOW:
+        keys = {rel, rel.split("[")[0], rel.split("::")[0]} & SLOW.keys()
+        if keys:
             item.add_marker(pytest.mark.slow)
+            used |= keys
+    # A renamed or removed test would leave its key behind, naming nothing: when every test
+    # file was collected, each key must still name a test.
+    here = os.path.dirname(__file__)
+    files = {f for f in os.listdir(here) if f.startswith("test_") and f.endswith(".py")}
+    if files <= {item.nodeid.split("tests/", 1)[-1].split("::")[0] for item in items}:
+        stale = sorted(SLOW.keys() - used)
+        if stale:
+            raise pytest.UsageError(f"tests/conftest.py SLOW: {len(stale)} key(s) name no test "
+                                    f"({', '.join(stale[:3])})")
