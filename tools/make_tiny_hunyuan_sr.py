@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_checkpoint import write_atomically  # noqa: E402  (tools/, beside this script)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,23 +69,16 @@ def build(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = os.path.abspath(args.output)
-    if os.path.isdir(os.path.join(out, "upsampler")) and not args.force:
+
+    def save(folder):
+        for version, model in build(args).items():
+            model.save_pretrained(os.path.join(folder, "upsampler", version),
+                                  safe_serialization=True)
+
+    if not write_atomically(save, out, force=args.force, prefix=".tiny-hunyuan15-sr-",
+                            marker="upsampler"):
         print(f"tiny SR upsamplers already at {out}")
         return 0
-    models = build(args)
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-hunyuan15-sr-", dir=parent)
-    try:  # written beside the target and renamed: no half-written tree on failure
-        for version, model in models.items():
-            model.save_pretrained(os.path.join(tmp, "upsampler", version),
-                                  safe_serialization=True)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"tiny SR upsamplers written to {out}")
     return 0
 

@@ -8,26 +8,41 @@ import shutil
 import tempfile
 
 
-def write_pipeline(build, output: str, *, force: bool, prefix: str):
-    """Build with ``build()`` and save it to ``output``; returns (pipeline or None, path).
-
-    None means a checkpoint already was at ``output`` and ``force`` is off. The pipeline is
-    written beside the target and renamed, so an interrupted build leaves no half checkpoint.
-    """
+def write_atomically(save, output: str, *, force: bool, prefix: str, marker: str) -> bool:
+    """Call ``save(folder)`` on a fresh folder beside ``output`` and rename it to ``output``,
+    so an interrupted build leaves no half-written tree. Returns False (nothing written) when
+    ``output/marker`` exists and ``force`` is off."""
     out = os.path.abspath(output)
-    if os.path.exists(os.path.join(out, "model_index.json")) and not force:
-        print(f"tiny checkpoint already at {out}")
-        return None, out
-    pipe = build()
+    if os.path.exists(os.path.join(out, marker)) and not force:
+        return False
     parent = os.path.dirname(out) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
+        save(tmp)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return pipe, out
+    return True
+
+
+def write_pipeline(build, output: str, *, force: bool, prefix: str):
+    """Build with ``build()`` and save it to ``output``; returns (pipeline or None, path).
+
+    None means a checkpoint already was at ``output`` and ``force`` is off. Written with
+    ``write_atomically``.
+    """
+    out = os.path.abspath(output)
+    built = []
+
+    def save(folder):
+        built.append(build())
+        built[0].save_pretrained(folder, safe_serialization=True)
+
+    if not write_atomically(save, out, force=force, prefix=prefix, marker="model_index.json"):
+        print(f"tiny checkpoint already at {out}")
+        return None, out
+    return built[0], out
