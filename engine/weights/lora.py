@@ -161,7 +161,7 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
     try:
         converted = convert(dict(tensors))
     except (ValueError, KeyError, IndexError, RuntimeError) as e:
-        fail(flag, path, "diffusers' LoRA conversion rejects its keys "
+        fail(flag, path, "the LoRA key conversion rejects its keys "
              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
     parts: dict = {}
     unmatched = []
