@@ -97,6 +97,11 @@ def _peft_scaling(metadata: dict, module: str, rank: int) -> float:
     if not raw:
         return 1.0
     cfg = json.loads(raw)
+    if "r" not in cfg:
+        # diffusers' pipeline-level save_lora_weights packs each component's LoraConfig under
+        # its prefix ("transformer.r", ...); the model-level save_lora_adapter does not.
+        cfg = {k.removeprefix("transformer."): v for k, v in cfg.items()
+               if k.startswith("transformer.")}
 
     def pattern(table, default):
         for key, value in (table or {}).items():
