@@ -14,8 +14,6 @@ trains ``LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")`` and saves
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -29,7 +27,6 @@ from engine.run.errors import UsageError
 from engine.weights import lora
 from families import FAMILIES, hunyuan, hunyuan_lora
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = 'A sign that says "hello"'  # quoted: the ByT5 projection (context_embedder_2) runs
 SHAPE = dict(height=48, width=80, frames=9)
 STEPS, SEED, SCALE, RANK = 2, 3, 0.7, 4
@@ -240,6 +237,8 @@ def test_converter_covers_every_linear_and_each_format(hunyuan_checkpoint, files
         torch.testing.assert_close(ob @ oa, b @ a, rtol=0, atol=0)
         torch.testing.assert_close(official.biases[f"{name}.bias"][0], bias, rtol=0, atol=0)
         assert factor == 2.0  # lora_alpha / r from the unprefixed (model-level) metadata
+    peft = lora.load(files["peft"], 1.0, shapes, hunyuan_lora.lora_state_dict)
+    assert {f for _, _, f in peft.weights.values()} == {2.0}  # metadata under "transformer."
     for kind, write, prefix in (("official", _write_official, "base_model.model."),
                                 ("peft", _write_peft, "")):
         path = str(tmp_path / f"{kind}.safetensors")
@@ -260,23 +259,22 @@ def test_converter_covers_every_linear_and_each_format(hunyuan_checkpoint, files
                                     for j in (1, 2)} <= names
 
 
-def test_key_outside_the_table_is_one_line_before_loading(hunyuan_checkpoint, tmp_path):
-    """HunyuanVideo 1.0's fused img_attn_qkv is no 1.5 module: exit 2, one line naming
-    --lora, the file and the key; no output written."""
+def test_key_outside_the_table_is_one_line_before_loading(hunyuan_checkpoint, tmp_path,
+                                                         capsys):
+    """HunyuanVideo 1.0's fused img_attn_qkv is no 1.5 module: the CLI's exit 2, one line
+    naming --lora, the file and the key; no output written."""
     pairs = _random_lora(_config(hunyuan_checkpoint))
     path = str(tmp_path / "bad.safetensors")
     tensors = _write_official(path, pairs)
     tensors["double_blocks.0.img_attn_qkv.lora_A.weight"] = torch.zeros(RANK, 32)
     save_file(tensors, path)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "generate_flax.py"), "--model_id",
-         hunyuan_checkpoint, "--output_dir", str(out), "--lora", path],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    code = generate_flax.cli(["--model_id", hunyuan_checkpoint, "--output_dir", str(out),
+                              "--lora", path])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith(f"generate_flax.py: error: --lora={path!r}: "), lines[0]
     assert "1 key(s) match no transformer weight (double_blocks.0.img_attn_qkv.lora_A." \
         "weight)" in lines[0], lines[0]
