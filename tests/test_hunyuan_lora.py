@@ -213,7 +213,7 @@ def test_official_and_peft_loras_match_diffusers_fuse_lora(hunyuan_checkpoint, f
     np.testing.assert_allclose(official, ref, atol=1e-3, rtol=0)
     (entry,) = report["loras"]
     n_linear = len(files["pairs"])
-    # One weight and one bias per diffusers linear; the file has two keys fewer per refiner
+    # One weight and one bias per diffusers linear; the file has six keys fewer per refiner
     # block (one fused qkv for three modules: 3 keys instead of 9).
     assert entry["matched_weights"] == 2 * n_linear
     assert entry["keys"] == 3 * n_linear - 6 * 2 and entry["converted_keys"] == 3 * n_linear
