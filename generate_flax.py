@@ -159,9 +159,10 @@ def _add_generation_flags(g) -> None:
                    help="first frame for an image-to-video checkpoint or Wan 2.2 TI2V-5B "
                         "(PNG, JPEG or WebP; default: none, text-to-video); see docs/models.md")
     g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
-                   help="a LoRA .safetensors (diffusers/PEFT or original/lightx2v keys), "
+                   help="a LoRA .safetensors (Wan: diffusers/PEFT or original/lightx2v "
+                        "keys; HunyuanVideo-1.5: official Tencent or diffusers/PEFT keys), "
                         "fused into the weights as they are placed; repeatable; SCALE 1.0 "
-                        "when omitted (default: none; Wan; see docs/models.md 'LoRA')")
+                        "when omitted (default: none; see docs/models.md 'LoRA')")
     g.add_argument("--lora_2", action="append", default=None, metavar="PATH[:SCALE]",
                    help="as --lora, fused into a two-expert checkpoint's transformer_2 "
                         "(Wan 2.2 A14B's low-noise expert; default: none)")

@@ -121,9 +121,10 @@ class Transformer:
     masks: the attention mask classes (``custom_splash_attention``) its self-attention
         accepts; ``LocalMask`` among them makes ``--window_size`` apply (self-attention over
         video tokens only, in the flattened frames x height x width order).
-    lora_state_dict(tensors) -> converted state dict: diffusers' LoRA key converter for the
-        transformer (a ``*LoraLoaderMixin.lora_state_dict``); None: ``--lora`` / ``--lora_2``
-        are not supported.
+    lora_state_dict(tensors) -> converted state dict: the transformer's LoRA key converter to
+        diffusers/PEFT keys (``transformer.<module>.lora_A.weight``, ...): diffusers' own
+        (a ``*LoraLoaderMixin.lora_state_dict``) where diffusers has one, else the family's
+        table; None: ``--lora`` / ``--lora_2`` are not supported.
     quantized_linears: regex (``re.search``) over the transformer's module names (before
         ``--scan_layers`` stacks the blocks) of the ``torch.nn.Linear`` layers ``--quantize``
         runs in 8 bits (``engine.weights.quantize``); None: ``--quantize`` is refused.

@@ -44,7 +44,7 @@ from engine.files.checkpoint import read_component_config, read_model_index
 from engine.files.image import read_image
 from engine.run.errors import GenerationError, UsageError, first_line
 from engine.weights.scan_layers import BlockStack
-from families import hunyuan_vae
+from families import hunyuan_lora, hunyuan_vae
 from families.base import (
     Checkpoint,
     Flags,
@@ -716,7 +716,8 @@ FAMILY = ModelFamily(
         check_embeddings=check_embeddings,
         prepare_latents=prepare_latents,
     ),
-    # No masks: its self-attention mixes text tokens into the video tokens. No LoRA loader.
+    # No masks: its self-attention mixes text tokens into the video tokens. LoRA keys: official
+    # (Tencent) or diffusers/PEFT, converted by families.hunyuan_lora.
     transformer=Transformer(
         empty=empty_transformer,
         num_heads=num_heads,
@@ -729,6 +730,7 @@ FAMILY = ModelFamily(
         sharding_rules=sharding_rules,
         block_stack=BLOCKS,
         quantized_linears=QUANTIZED_LINEARS,
+        lora_state_dict=hunyuan_lora.lora_state_dict,
     ),
     # The image condition is VAE-encoded on the host (no device encoder).
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,

@@ -50,7 +50,7 @@ def test_family_options_are_fields():
     wan, hunyuan = families.FAMILIES["wan"], families.FAMILIES["hunyuanvideo"]
     assert wan.transformer.masks == (LocalMask,) and hunyuan.transformer.masks == ()
     assert wan.transformer.lora_state_dict is not None
-    assert hunyuan.transformer.lora_state_dict is None
+    assert hunyuan.transformer.lora_state_dict is not None  # families.hunyuan_lora
     assert wan.vae.encoder is not None and wan.vae.is_encode_weight is not None
     assert hunyuan.vae.encoder is None
 

@@ -1,12 +1,14 @@
 """LoRA fused at placement: each device's weight slice gets its own slice of the delta.
 
-``--lora PATH[:SCALE]`` loads a Wan LoRA in any key format diffusers 0.42.1's
-``WanLoraLoaderMixin.lora_state_dict`` understands (diffusers/PEFT keys
-``transformer.<module>.lora_A/lora_B.weight``, ``lora_B.bias``; the original/ComfyUI/lightx2v
-keys ``diffusion_model.blocks.N...lora_down/lora_up``, ``alpha``, ``diff_b``). diffusers
-converts the keys (and folds ``alpha / rank`` into A and B); we do not convert keys ourselves.
-What diffusers' converter drops, we drop too: it keeps no ``.diff`` full weight delta except
-``head.head.diff``, and no norm ``diff``/``diff_b`` (logged by diffusers at debug/info level).
+``--lora PATH[:SCALE]`` loads a LoRA whose keys the family's converter
+(``ModelFamily.transformer.lora_state_dict``) turns into diffusers/PEFT keys
+``transformer.<module>.lora_A/lora_B.weight``, ``lora_B.bias``. Wan's is diffusers 0.42.1's
+``WanLoraLoaderMixin.lora_state_dict`` (diffusers/PEFT keys; the original/ComfyUI/lightx2v
+keys ``diffusion_model.blocks.N...lora_down/lora_up``, ``alpha``, ``diff_b``; it folds
+``alpha / rank`` into A and B, and keeps no ``.diff`` full weight delta except
+``head.head.diff``, and no norm ``diff``/``diff_b``: what it drops, we drop too).
+HunyuanVideo-1.5's is ``families.hunyuan_lora`` (official Tencent or diffusers/PEFT keys;
+diffusers has no converter for it).
 
 The fusing is ours. ``engine.weights.placement.place_from_safetensors`` reads every device's slice
 ``W[rows, cols]`` of a weight and, for a weight a LoRA touches, returns
@@ -97,6 +99,11 @@ def _peft_scaling(metadata: dict, module: str, rank: int) -> float:
     if not raw:
         return 1.0
     cfg = json.loads(raw)
+    if "r" not in cfg:
+        # diffusers' pipeline-level save_lora_weights packs each component's LoraConfig under
+        # its prefix ("transformer.r", ...); the model-level save_lora_adapter does not.
+        cfg = {k.removeprefix("transformer."): v for k, v in cfg.items()
+               if k.startswith("transformer.")}
 
     def pattern(table, default):
         for key, value in (table or {}).items():
@@ -111,10 +118,10 @@ def _peft_scaling(metadata: dict, module: str, rank: int) -> float:
 
 @dataclasses.dataclass
 class Lora:
-    """One ``--lora`` file, converted by diffusers and matched to the transformer.
+    """One ``--lora`` file, its keys converted and matched to the transformer.
 
     weights: {weight name (``blocks.N.attn1.to_q.weight``): (A (r, in), B (out, r), factor)},
-        A and B as diffusers converted them (file dtype), factor = scale * alpha / r.
+        A and B as the family's converter gave them (file dtype), factor = scale * alpha / r.
     biases: {bias name: (lora_B.bias (out,), factor)}.
     """
 
@@ -142,18 +149,18 @@ def _sha256(path: str) -> str:
 
 
 def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -> Lora:
-    """Read, convert (the family's diffusers ``lora_state_dict``) and match one LoRA.
+    """Read, convert (the family's ``lora_state_dict``) and match one LoRA.
 
     Args:
         path: a .safetensors LoRA file.
         scale: the user's scale (``fuse_lora(lora_scale=...)``).
         shapes: {name: shape} of the transformer's unscanned state dict (``blocks.N.*``).
-        convert: the family's diffusers key converter (``ModelFamily.transformer.lora_state_dict``).
+        convert: the family's key converter (``ModelFamily.transformer.lora_state_dict``).
         flag: the flag errors name (``--lora``, or ``--lora_2`` for the second expert).
 
     Raises:
         UsageError (one line, naming ``flag`` and the file): unreadable or pickle file, keys
-        diffusers cannot convert, keys that match no transformer weight (the first three
+        the converter rejects, keys that match no transformer weight (the first three
         named), shapes that do not fit their weight.
     """
     tensors, metadata = read_file(path, flag)
@@ -161,7 +168,7 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
     try:
         converted = convert(dict(tensors))
     except (ValueError, KeyError, IndexError, RuntimeError) as e:
-        fail(flag, path, "diffusers' LoRA conversion rejects its keys "
+        fail(flag, path, "the LoRA key conversion rejects its keys "
              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
     parts: dict = {}
     unmatched = []
@@ -248,7 +255,7 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
     expert), as diffusers' ``load_lora_weights(..., load_into_transformer_2=True)``; its names
     and shapes are checked against ``transformer_2``'s config. The transformer's names and
     shapes come from a meta model of its config (``family.transformer.empty``: no weights
-    load); the keys are converted by the family's diffusers loader
+    load); the keys are converted by the family's converter
     (``family.transformer.lora_state_dict``).
 
     Returns:
