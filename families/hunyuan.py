@@ -95,15 +95,18 @@ BLOCKS = BlockStack(attr="transformer_blocks", carry=2,
 
 def checkpoint_defaults(model_id: str) -> dict:
     """Flag defaults the checkpoint sets: its guider's CFG scale, its scheduler's shift, and
-    for text-to-video the size ``HunyuanVideo15Pipeline`` gives a call without height and
-    width (``default_size``: 480 x 848 for the 480p checkpoint, 720 x 1280 for 720p).
+    the size ``HunyuanVideo15Pipeline`` gives a call without height and width
+    (``default_size``: 480 x 848 for the 480p checkpoints, 720 x 1280 for 720p). An
+    image-to-video run takes its image's bucket instead (``image_size``, unless --height /
+    --width are given); the 16:9 size stands where no image is given: the dry run, and the
+    server's sizes (a 480p image-to-video dry run compiled 720 x 1280 before).
 
     Raises:
         UsageError: the guider uses an option this port does not implement.
     """
     out = {}
     target = (read_component_config(model_id, "transformer") or {}).get("target_size")
-    if target and not is_image_to_video(model_id):  # image-to-video sizes from the image
+    if target:
         out["height"], out["width"] = default_size(target)
     guider = read_component_config(model_id, "guider", filename="guider_config.json") or {}
     unsupported = {k: guider[k] for k, default in (

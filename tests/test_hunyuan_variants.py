@@ -130,6 +130,10 @@ def test_shipped_configs_give_their_defaults(suffix, want):
     """(steps, shift, guidance) of each public diffusers-format checkpoint, from its files
     (configs/README.md gives their source); the sizes: 480p I2V buckets at target_size 640."""
     argv = ["--model_id", COMMUNITY + suffix, "--dry_run", "--topology", "v6e:2x4"]
+    # Without an image (the dry run's case) the 16:9 bucket at target_size, as for T2V.
+    imageless = generate_flax.validate_args(generate_flax.parse_args(argv)).video
+    assert (imageless.height, imageless.width) == (
+        (480, 848) if "480p" in suffix else (720, 1280))
     if "i2v" in suffix:
         argv += ["--image", FIRST_FRAME]
     video = generate_flax.validate_args(generate_flax.parse_args(argv)).video
