@@ -83,15 +83,15 @@ FIXED = {
     "qkv_bias": (True, "diffusers' attention projections have biases"),
     "qk_norm": (True, "diffusers' blocks always RMS-normalise q and k"),
     "qk_norm_type": ("rms", "diffusers' blocks always RMS-normalise q and k"),
+    "use_attention_mask": (True, "diffusers' token refiner always masks the text padding"),
 }
 # Fields with no weights and no effect on diffusers' forward: read, not converted.
-# use_attention_mask is stored but never read by the official forward; text_states_dim_2
-# sizes only vector_in (absent: text_pool_type is None); attn_mode/attn_param pick the official
-# attention kernel (dense ones only, see _check_fields); concat_condition and
-# is_reshape_temporal_channels only size the patch embedding, whose width is read from the
-# weight and checked against them.
-IGNORED = frozenset({"use_attention_mask", "text_states_dim_2", "attn_mode", "attn_param",
-                     "concat_condition", "is_reshape_temporal_channels"})
+# text_states_dim_2 sizes only vector_in (absent: text_pool_type is None); attn_mode and
+# attn_param pick the official attention kernel (dense ones only, see _check_fields);
+# concat_condition and is_reshape_temporal_channels only size the patch embedding, whose width
+# is read from the weight and checked against them.
+IGNORED = frozenset({"text_states_dim_2", "attn_mode", "attn_param", "concat_condition",
+                     "is_reshape_temporal_channels"})
 # The SR pipeline's SizeMap (hunyuan_video_sr_pipeline.py:74-78); diffusers' script uses the
 # same 480p -> 640 and 720p -> 960 for its target_size (TRANSFORMER_CONFIGS).
 TARGET_SIZE = {"480p": 640, "720p": 960, "1080p": 1440}
