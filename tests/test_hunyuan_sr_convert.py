@@ -159,6 +159,8 @@ REFUSALS = [
      "sr_extra_channels=33: not a field of HunyuanVideo_1_5_DiffusionTransformer"),
     ("sparse attention", lambda d: _edit_config(d, attn_mode="flex-block-attn"),
      "attn_mode='flex-block-attn': sparse (SSTA) attention"),
+    ("unmasked refiner", lambda d: _edit_config(d, use_attention_mask=False),
+     "use_attention_mask=False: expected True"),
     ("channels disagree", lambda d: _edit_config(d, in_channels=97),
      "img_in.proj.weight has 98 input channels; config.json in_channels=97"),
     ("leftover official key", lambda d: _edit_weights(d, guidance_in__mlp__0__weight=torch.ones(
@@ -195,6 +197,40 @@ def test_refusals_are_one_line_and_write_nothing(tools, official, tmp_path, caps
     assert says in lines[0], lines[0]
     assert not os.path.exists(out)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".convert-hunyuan-sr-")]
+
+
+def _shard(src, dst):
+    """The official file split in two shards with diffusers' index, as large checkpoints are."""
+    os.makedirs(dst)
+    shutil.copy(os.path.join(src, "config.json"), dst)
+    state = load_file(os.path.join(src, WEIGHTS))
+    keys = sorted(state)
+    names = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    weight_map = {}
+    for name, part in zip(names, (keys[::2], keys[1::2]), strict=True):
+        save_file({k: state[k] for k in part}, os.path.join(dst, name))
+        weight_map.update(dict.fromkeys(part, name))
+    with open(os.path.join(dst, f"{WEIGHTS}.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return names
+
+
+def test_sharded_input_converts_to_the_same_file(tools, official, tmp_path, capsys):
+    """Shards + index give the single file's result; a shard missing from the folder is
+    refused in one line."""
+    _, convert = tools
+    sharded = str(tmp_path / "sharded")
+    names = _shard(official[0], sharded)
+    single, out = str(tmp_path / "single"), str(tmp_path / "out")
+    assert convert.main(["--input", official[0], "--output", single]) == 0
+    assert convert.main(["--input", sharded, "--output", out]) == 0
+    a, b = load_file(os.path.join(single, WEIGHTS)), load_file(os.path.join(out, WEIGHTS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    os.remove(os.path.join(sharded, names[1]))
+    capsys.readouterr()
+    assert convert.main(["--input", sharded, "--output", str(tmp_path / "none")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(PREFIX) and f"{WEIGHTS}.index.json lists" in line, line
 
 
 def test_output_that_is_not_empty_is_refused(tools, official, tmp_path, capsys):
