@@ -21,10 +21,11 @@ Two entries are not renames:
 
 The script pops names in a fixed order and never checks what is left: an official tensor
 outside its list (``guidance_in``, ``vector_in``, ``single_blocks``) would be dropped silently.
-``diffusers_name`` returns None for such a name so the callers refuse it
-(``tools/convert_hunyuan_sr.py``, ``families.hunyuan_lora``). The script's ``time_r_in``
-entries (only ``if config.use_meanflow``) are unconditional here: the caller's strict check
-against the model's own parameters refuses them where the config has no MeanFlow embedder.
+``diffusers_name`` and ``diffusers_modules`` return None for such a name, and the callers
+refuse it (``tools/convert_hunyuan_sr.py``; ``families.hunyuan_lora`` via the engine). The
+script's ``time_r_in`` entries (only ``if config.use_meanflow``) are unconditional here: the
+caller's strict check against the model's own parameters refuses them where the config has no
+MeanFlow embedder.
 
 Used by ``families.hunyuan_lora`` (the ``nn.Linear`` rows: the only modules PEFT's
 ``all-linear`` adapts) and ``tools/convert_hunyuan_sr.py`` (every row).
