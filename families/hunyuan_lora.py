@@ -23,10 +23,11 @@ Two input formats, told apart key by key:
   ``<diffusers module>.lora_A.weight`` (``load_lora_adapter(..., prefix=None)``); passed
   through with a ``transformer.`` prefix.
 
-The module table is ported from huggingface/diffusers @ 9cc3601a3acdfdd0911ead713cb9e1eafc3a17de,
-``scripts/convert_hunyuan_video1_5_to_diffusers.py``, ``convert_hyvideo15_transformer_to_diffusers``
-(the script that wrote the public diffusers checkpoints), restricted to its ``nn.Linear``
-modules (the only ones ``all-linear`` adapts). Two entries are not renames, and the LoRA
+The module table is ``families.hunyuan_keys`` (ported from huggingface/diffusers @
+9cc3601a3acdfdd0911ead713cb9e1eafc3a17de, ``scripts/convert_hunyuan_video1_5_to_diffusers.py``,
+``convert_hyvideo15_transformer_to_diffusers``, the script that wrote the public diffusers
+checkpoints; shared with ``tools/convert_hunyuan_sr.py``), restricted to its ``nn.Linear``
+rows (the only modules ``all-linear`` adapts). Two entries are not renames, and the LoRA
 follows the script's operation on the full weight ``W = W0 + s * B @ A``:
 
 * ``txt_in.individual_token_refiner.blocks.N.self_attn_qkv`` is one fused linear that the
@@ -37,7 +38,7 @@ follows the script's operation on the full weight ``W = W0 + s * B @ A``:
   (the two row halves exchanged: the original computes (shift, scale), diffusers' norm
   (scale, shift)): ``B``'s row halves (and ``lora_B.bias``'s) are exchanged, ``A`` kept.
 
-A key in an official module outside the table (``img_in``, a Conv3d; ``vector_in`` and
+A key in an official module outside the linear rows (``img_in``, a Conv3d; ``vector_in`` and
 ``guidance_in``, absent from 1.5) and any key that is not ``lora_A.weight``/``lora_B.weight``/
 ``lora_B.bias`` is returned unchanged: it then matches no transformer weight and
 ``engine.weights.lora.load`` refuses the file in one line naming it.
@@ -47,81 +48,16 @@ from __future__ import annotations
 
 import re
 
-import torch
-
-# {official module: (diffusers module(s), row operation)}; "{i}" is a block index.
-# None: a rename. "split": a fused linear chunked into equal row blocks, one per target.
-# "swap": the row halves exchanged (swap_scale_shift).
-MODULES = {
-    "time_in.mlp.0": (("time_embed.timestep_embedder.linear_1",), None),
-    "time_in.mlp.2": (("time_embed.timestep_embedder.linear_2",), None),
-    # MeanFlow (use_meanflow) checkpoints only.
-    "time_r_in.mlp.0": (("time_embed.timestep_embedder_r.linear_1",), None),
-    "time_r_in.mlp.2": (("time_embed.timestep_embedder_r.linear_2",), None),
-    "txt_in.t_embedder.mlp.0": (
-        ("context_embedder.time_text_embed.timestep_embedder.linear_1",), None),
-    "txt_in.t_embedder.mlp.2": (
-        ("context_embedder.time_text_embed.timestep_embedder.linear_2",), None),
-    "txt_in.c_embedder.linear_1": (
-        ("context_embedder.time_text_embed.text_embedder.linear_1",), None),
-    "txt_in.c_embedder.linear_2": (
-        ("context_embedder.time_text_embed.text_embedder.linear_2",), None),
-    "txt_in.input_embedder": (("context_embedder.proj_in",), None),
-    "txt_in.individual_token_refiner.blocks.{i}.self_attn_qkv": (tuple(
-        f"context_embedder.token_refiner.refiner_blocks.{{i}}.attn.{p}"
-        for p in ("to_q", "to_k", "to_v")), "split"),
-    "txt_in.individual_token_refiner.blocks.{i}.self_attn_proj": (
-        ("context_embedder.token_refiner.refiner_blocks.{i}.attn.to_out.0",), None),
-    "txt_in.individual_token_refiner.blocks.{i}.mlp.fc1": (
-        ("context_embedder.token_refiner.refiner_blocks.{i}.ff.net.0.proj",), None),
-    "txt_in.individual_token_refiner.blocks.{i}.mlp.fc2": (
-        ("context_embedder.token_refiner.refiner_blocks.{i}.ff.net.2",), None),
-    "txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1": (
-        ("context_embedder.token_refiner.refiner_blocks.{i}.norm_out.linear",), None),
-    "byt5_in.fc1": (("context_embedder_2.linear_1",), None),
-    "byt5_in.fc2": (("context_embedder_2.linear_2",), None),
-    "byt5_in.fc3": (("context_embedder_2.linear_3",), None),
-    "vision_in.proj.1": (("image_embedder.linear_1",), None),
-    "vision_in.proj.3": (("image_embedder.linear_2",), None),
-    "double_blocks.{i}.img_mod.linear": (("transformer_blocks.{i}.norm1.linear",), None),
-    "double_blocks.{i}.txt_mod.linear": (("transformer_blocks.{i}.norm1_context.linear",), None),
-    "double_blocks.{i}.img_attn_q": (("transformer_blocks.{i}.attn.to_q",), None),
-    "double_blocks.{i}.img_attn_k": (("transformer_blocks.{i}.attn.to_k",), None),
-    "double_blocks.{i}.img_attn_v": (("transformer_blocks.{i}.attn.to_v",), None),
-    "double_blocks.{i}.img_attn_proj": (("transformer_blocks.{i}.attn.to_out.0",), None),
-    "double_blocks.{i}.txt_attn_q": (("transformer_blocks.{i}.attn.add_q_proj",), None),
-    "double_blocks.{i}.txt_attn_k": (("transformer_blocks.{i}.attn.add_k_proj",), None),
-    "double_blocks.{i}.txt_attn_v": (("transformer_blocks.{i}.attn.add_v_proj",), None),
-    "double_blocks.{i}.txt_attn_proj": (("transformer_blocks.{i}.attn.to_add_out",), None),
-    "double_blocks.{i}.img_mlp.fc1": (("transformer_blocks.{i}.ff.net.0.proj",), None),
-    "double_blocks.{i}.img_mlp.fc2": (("transformer_blocks.{i}.ff.net.2",), None),
-    "double_blocks.{i}.txt_mlp.fc1": (("transformer_blocks.{i}.ff_context.net.0.proj",), None),
-    "double_blocks.{i}.txt_mlp.fc2": (("transformer_blocks.{i}.ff_context.net.2",), None),
-    "final_layer.linear": (("proj_out",), None),
-    "final_layer.adaLN_modulation.1": (("norm_out.linear",), "swap"),
-}
-
-# The original class's top-level submodules (HunyuanVideo_1_5_DiffusionTransformer.__init__):
-# a key under one of them is in the official format.
-OFFICIAL_ROOTS = frozenset({
-    "img_in", "vision_in", "txt_in", "byt5_in", "time_in", "time_r_in", "vector_in",
-    "guidance_in", "double_blocks", "single_blocks", "final_layer", "cond_type_embedding"})
+from families.hunyuan_keys import LINEAR, OFFICIAL_ROOTS, diffusers_modules, row_blocks
 
 _PREFIX = re.compile(r"^(?:(?:base_model\.model|transformer|diffusion_model)\.)+")
 _PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias)$")
-_TABLE = tuple(
-    (re.compile("^" + re.escape(official).replace(r"\{i\}", r"(?P<i>\d+)") + "$"), targets, op)
-    for official, (targets, op) in MODULES.items())
 
 
 def _official(module: str):
-    """(diffusers modules, row operation) of an official module name, or None."""
-    for pattern, targets, op in _TABLE:
-        m = pattern.match(module)
-        if m:
-            index = m.groupdict().get("i")
-            return tuple(t.format(i=index) for t in targets), op
-    return None
+    """(diffusers modules, row operation) of an official linear module's name, or None."""
+    found = diffusers_modules(module, kinds={LINEAR})
+    return None if found is None else found[:2]
 
 
 def _rows(tensor, part: str, op, count: int) -> list:
@@ -132,16 +68,7 @@ def _rows(tensor, part: str, op, count: int) -> list:
     """
     if part == "lora_A.weight":  # (r, in): the input side is shared
         return [tensor] * count
-    if op == "split":
-        if tensor.shape[0] % count:
-            raise ValueError(f"{tensor.shape[0]} rows do not split into {count} equal blocks")
-        return list(tensor.chunk(count, dim=0))
-    if op == "swap":
-        if tensor.shape[0] % 2:
-            raise ValueError(f"{tensor.shape[0]} rows do not split into two halves")
-        shift, scale = tensor.chunk(2, dim=0)
-        return [torch.cat([scale, shift], dim=0)]
-    return [tensor]
+    return row_blocks(tensor, op, count)  # lora_B (out, r) and its bias: rows as the weight's
 
 
 def lora_state_dict(tensors: dict) -> dict:
