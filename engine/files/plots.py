@@ -79,8 +79,14 @@ def _title(report: dict) -> str:
             f"{dev.get('count')} x {dev.get('kind')}")
 
 
-def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
-    """Write the timeline PNG of ``report`` to ``path``; returns the phases drawn."""
+def draw_timeline(report: dict):
+    """The timeline figure of ``report`` and its phases: (matplotlib Figure, phases).
+
+    The legend sits below the x-axis label in a band of its own height: matplotlib's
+    constrained layout places a figure legend "outside lower center" (an axes legend anchored
+    at a fixed fraction of the axes' height overlapped the label on short figures and left a
+    blank band below on tall ones). The height: 1.2 in + 0.45 in a row + 0.2 in a legend line.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +94,12 @@ def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
 
     phases = timeline_phases(report)
     rows = list(dict.fromkeys(r for r, *_ in phases))
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows)), dpi=100)
+    names = list(dict.fromkeys(
+        label.removesuffix("_s").replace("_", " ") if row == FIRST_VIDEO_ROW else label
+        for row, label, *_ in phases))
+    legend_lines = -(-len(names) // LEGEND_COLUMNS)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows) + 0.2 * legend_lines), dpi=100,
+                           layout="constrained")
     seen = set()
     for row, label, start, seconds in phases:
         colour = FIRST_VIDEO_COLOURS.get(label) if row == FIRST_VIDEO_ROW else COLOURS[label]
@@ -100,9 +111,19 @@ def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (phases end to end; untimed work between them not drawn)")
     ax.set_title(_title(report), fontsize=9)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.3 / max(len(rows), 1)),
-              ncol=6, fontsize=7, frameon=False)
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncol=LEGEND_COLUMNS, fontsize=7, frameon=False)
+    return fig, phases
+
+
+LEGEND_COLUMNS = 6
+
+
+def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
+    """Write the timeline PNG of ``report`` to ``path`` (``draw_timeline``); returns the
+    phases drawn."""
+    import matplotlib.pyplot as plt
+
+    fig, phases = draw_timeline(report)
     fig.savefig(path)
     plt.close(fig)
     return phases
