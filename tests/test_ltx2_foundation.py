@@ -19,6 +19,9 @@ Two things make the torchax forward exact (``torchax_forward``; a family can reu
 Our weights are random; the checkpoint is tiny (2 blocks, 64 x 64 pixels, 9 frames).
 """
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +35,8 @@ from torchax.ops import op_base
 from custom_splash_attention import install_sdpa_override
 from engine.run import lowering
 
+REAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                    "Lightricks", "LTX-2")
 PROMPT = "A cat walks on the grass"
 # 64 x 64 pixels, 9 frames: a 2 x 2 x 2 latent grid (32x spatial, 8x temporal compression).
 CALL = dict(prompt=PROMPT, negative_prompt="blurry", height=64, width=64, num_frames=9,
@@ -70,6 +75,27 @@ def pipe(ltx2_checkpoint):
 def default_run(pipe):
     """Two steps at the pipeline's default guidance, decoded: (video, audio), calls."""
     return _record(pipe, num_inference_steps=2, output_type="np")
+
+
+def _json(*parts):
+    with open(os.path.join(*parts)) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("component", ["transformer", "connectors", "vae", "audio_vae", "vocoder",
+                                       "scheduler", "."])
+def test_tiny_configs_change_only_sizes_of_the_real_ones(ltx2_checkpoint, component):
+    """Same keys and components as configs/Lightricks/LTX-2; only integer sizes differ."""
+    name = {"scheduler": "scheduler_config.json", ".": "model_index.json"}.get(component,
+                                                                               "config.json")
+    real, tiny = _json(REAL, component, name), _json(ltx2_checkpoint, component, name)
+    assert real.keys() == tiny.keys()
+    changed = {k for k in real if real[k] != tiny[k] and k != "_diffusers_version"}
+    sizes = {k for k in changed if not isinstance(real[k], (bool, str, float))
+             and all(isinstance(v, int) for v in np.ravel(real[k]).tolist())}
+    assert changed == sizes
+    if component == "transformer":
+        assert changed >= {"num_layers", "attention_head_dim", "in_channels"}
 
 
 def test_pipeline_runs_the_tiny_checkpoint_end_to_end(pipe, default_run):

@@ -25,9 +25,11 @@ and everything else (flags, RoPE type, compression ratios, sample rates) kept; f
   whose BPE (byte fallback, "▁" for spaces, as Gemma's) is trained offline with the
   ``tokenizers`` library on a small English corpus. The pipeline stacks every hidden state, so
   ``text_proj_in_factor`` is layers + 1 = 3 (real: 48 + 1 = 49).
-- ``scheduler``: ``FlowMatchEulerDiscreteScheduler`` with the conversion script's values
-  (dynamic shifting, base/max shift 0.95/2.05, shift_terminal 0.1); ``--distilled`` writes the
+- ``scheduler``: the real ``scheduler_config.json`` (``FlowMatchEulerDiscreteScheduler``,
+  dynamic shifting, base/max shift 0.95/2.05, shift_terminal 0.1); ``--distilled`` takes the
   distilled checkpoint's (no dynamic shifting, no terminal shift).
+
+Each model's config is the real file with only the size keys of ``tiny_overrides`` changed.
 
 The prompt is padded to ``max_sequence_length`` (1024 by default); with these encoders that
 takes milliseconds. The pipeline is written with ``LTX2Pipeline.save_pretrained``
@@ -40,6 +42,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tiny_checkpoint import write_pipeline  # tools/, beside this script
@@ -54,6 +57,10 @@ Rain falls on a neon street at night; people talk and a car horn sounds in the d
 worst quality, inconsistent motion, blurry, jittery, distorted
 The quick brown fox jumps over the lazy dog. The camera pans slowly to the left.
 """
+
+_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+REAL_CONFIGS = os.path.join(_CONFIGS, "Lightricks", "LTX-2")
+DISTILLED_CONFIGS = os.path.join(_CONFIGS, "rootonchair", "LTX-2-19b-distilled")
 
 # Gemma's special tokens, at Gemma's ids (pad 0, eos 1, bos 2, unk 3, mask 4).
 GEMMA_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
@@ -118,41 +125,52 @@ def build_text_encoder(args: argparse.Namespace, tokenizer):
     return Gemma3ForConditionalGeneration(config).eval()
 
 
+def tiny_overrides(args: argparse.Namespace) -> dict:
+    """Per component, the config keys the tiny checkpoint changes (sizes only); every other
+    key keeps the real LTX-2.0 value from ``configs/Lightricks/LTX-2``."""
+    # diffusers sizes the audio VAE's latents_mean/std by base_channels
+    # (autoencoder_kl_ltx2_audio.py:745), so base_channels must equal the packed audio token
+    # width, latent channels x mel_bins / 4 (real: 8 x 16 = 128 = base_channels).
+    audio_latent, mel_bins = 2, 64
+    audio_tokens = audio_latent * mel_bins // 4
+    video_inner, audio_inner = args.heads * args.head_dim, args.heads * args.audio_head_dim
+    connector = dict(num_attention_heads=2, attention_head_dim=args.text_dim // 2,
+                     num_layers=1)
+    return {
+        "transformer": dict(
+            in_channels=args.latent_channels, out_channels=args.latent_channels,
+            num_attention_heads=args.heads, attention_head_dim=args.head_dim,
+            cross_attention_dim=video_inner, audio_in_channels=audio_tokens,
+            audio_out_channels=audio_tokens, audio_num_attention_heads=args.heads,
+            audio_attention_head_dim=args.audio_head_dim, audio_cross_attention_dim=audio_inner,
+            num_layers=args.layers, caption_channels=args.text_dim),
+        "connectors": dict(
+            caption_channels=args.text_dim, text_proj_in_factor=args.text_layers + 1,
+            **{f"{m}_connector_{k}": v for m in ("video", "audio") for k, v in connector.items()}),
+        "vae": dict(latent_channels=args.latent_channels, block_out_channels=[8, 16, 32, 32],
+                    decoder_block_out_channels=[8, 16, 32], layers_per_block=[1, 1, 1, 1, 1],
+                    decoder_layers_per_block=[1, 1, 1, 1]),
+        "audio_vae": dict(base_channels=audio_tokens, latent_channels=audio_latent,
+                          num_res_blocks=1),
+        "vocoder": dict(hidden_channels=64),
+    }
+
+
 def build_models(args: argparse.Namespace) -> dict:
-    """The transformer, connectors, two VAEs and vocoder, scaled-down LTX-2.0 configs."""
+    """The transformer, connectors, two VAEs and vocoder: the real configs with
+    ``tiny_overrides``."""
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
     from diffusers import LTX2VideoTransformer3DModel as Transformer
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 
-    # diffusers sizes the audio VAE's latents_mean/std by base_channels
-    # (autoencoder_kl_ltx2_audio.py:745), so base_channels must equal the packed audio token
-    # width, latent channels x mel_bins / 4 (real: 8 x 16 = 128 = base_channels).
-    mel_bins, audio_latent = 64, 2
-    audio_tokens = audio_latent * mel_bins // 4
-    audio_inner = args.heads * args.audio_head_dim
-    transformer = Transformer(
-        in_channels=args.latent_channels, out_channels=args.latent_channels,
-        num_attention_heads=args.heads, attention_head_dim=args.head_dim,
-        cross_attention_dim=args.heads * args.head_dim,
-        audio_in_channels=audio_tokens, audio_out_channels=audio_tokens,
-        audio_num_attention_heads=args.heads, audio_attention_head_dim=args.audio_head_dim,
-        audio_cross_attention_dim=audio_inner, num_layers=args.layers,
-        caption_channels=args.text_dim, rope_type="split", perturbed_attn=False).eval()
-    connector = dict(num_attention_heads=2, attention_head_dim=args.text_dim // 2, num_layers=1)
-    connectors = LTX2TextConnectors(
-        caption_channels=args.text_dim, text_proj_in_factor=args.text_layers + 1,
-        rope_type="split", **{f"{m}_connector_{k}": v for m in ("video", "audio")
-                              for k, v in connector.items()}).eval()
-    vae = AutoencoderKLLTX2Video(
-        latent_channels=args.latent_channels, block_out_channels=(8, 16, 32, 32),
-        decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1), decoder_causal=False,
-        spatial_compression_ratio=32, temporal_compression_ratio=8).eval()
-    audio_vae = AutoencoderKLLTX2Audio(base_channels=audio_tokens, latent_channels=audio_latent,
-                                       mel_bins=mel_bins, num_res_blocks=1).eval()
-    vocoder = LTX2Vocoder(in_channels=2 * mel_bins, hidden_channels=64).eval()
-    return dict(transformer=transformer, connectors=connectors, vae=vae, audio_vae=audio_vae,
-                vocoder=vocoder)
+    classes = dict(transformer=Transformer, connectors=LTX2TextConnectors,
+                   vae=AutoencoderKLLTX2Video, audio_vae=AutoencoderKLLTX2Audio,
+                   vocoder=LTX2Vocoder)
+    models = {}
+    for name, changes in tiny_overrides(args).items():
+        config = classes[name].load_config(REAL_CONFIGS, subfolder=name)
+        models[name] = classes[name].from_config({**config, **changes}).eval()
+    return models
 
 
 def build_pipeline(args: argparse.Namespace):
@@ -163,11 +181,8 @@ def build_pipeline(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     tokenizer = build_gemma_tokenizer()
     text_encoder = build_text_encoder(args, tokenizer)
-    # convert_ltx2_to_diffusers.py's two schedulers (non-distilled / "distilled" filename).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=not args.distilled, base_shift=0.95, max_shift=2.05,
-        base_image_seq_len=1024, max_image_seq_len=4096,
-        shift_terminal=None if args.distilled else 0.1)
+    real = REAL_CONFIGS if not args.distilled else DISTILLED_CONFIGS
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(real, subfolder="scheduler")
     return LTX2Pipeline(scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer,
                         **build_models(args))
 
