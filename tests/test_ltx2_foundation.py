@@ -43,7 +43,7 @@ CALL = dict(prompt=PROMPT, negative_prompt="blurry", height=64, width=64, num_fr
             frame_rate=24.0)
 VIDEO_TOKENS = 2 * 2 * 2
 # round(9 / 24 s x 16000 Hz / 160 hop / 4) = round(9.375) latent audio frames
-# (pipeline_ltx2.py:1294-1298).
+# (pipeline_ltx2.py:1306-1310).
 AUDIO_TOKENS = 9
 # STG on the last block of the 2-block tiny transformer (the pipeline's default is [28] of 48).
 STG_BLOCKS = [1]
@@ -135,7 +135,7 @@ def test_default_step_is_three_passes(default_run):
     (dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0),
      [(2, False, None)]),
     # guidance_scale=1.0 alone (the distilled example in diffusers' docs) keeps CFG: the audio
-    # scale defaults to 7.0 and either scale > 1 turns it on (pipeline_ltx2.py:901-903).
+    # scale defaults to 7.0 and either scale > 1 turns it on (pipeline_ltx2.py:902-903).
     (dict(guidance_scale=1.0), [(2, False, None), (1, False, [28]), (1, True, None)]),
 ], ids=["guidance_off", "cfg_only", "guidance_scale_1_only"])
 def test_passes_per_step(pipe, scales, step):
