@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+from PIL import Image
 from torchax import interop
 from torchax.ops import op_base
 
@@ -141,6 +142,23 @@ def test_default_step_is_three_passes(default_run):
 def test_passes_per_step(pipe, scales, step):
     _, calls = _record(pipe, num_inference_steps=2, output_type="latent", **scales)
     assert _passes(calls) == step * 2
+
+
+def test_image_to_video_runs_on_the_same_checkpoint(pipe):
+    """``LTX2ImageToVideoPipeline`` takes the same components. Its video timestep is per token,
+    0 on the image's latent frame (pipeline_ltx2_image2video.py:1487); audio keeps t. The
+    default CRF 33 re-compression of the image needs PyAV, which is not installed:
+    ``image_crf=0`` skips it."""
+    i2v = LTX2ImageToVideoPipeline(**pipe.components)
+    image = Image.fromarray(np.random.RandomState(0).randint(0, 256, (64, 64, 3), np.uint8))
+    _, calls = _record(i2v, image=image, image_crf=0, num_inference_steps=2,
+                       output_type="latent")
+    assert _passes(calls) == [(2, False, None), (1, False, [28]), (1, True, None)] * 2
+    first_frame = VIDEO_TOKENS // 2  # 2 x 2 tokens of the 2 latent frames
+    for c in calls:
+        t = c["timestep"]
+        assert t.shape == c["hidden_states"].shape[:2] and c["audio_timestep"].ndim == 1
+        assert (t[:, :first_frame] == 0).all() and (t[:, first_frame:] > 0).all()
 
 
 def test_stg_changes_nothing_in_ltx2_0_blocks(pipe, default_run):
