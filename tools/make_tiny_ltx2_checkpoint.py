@@ -14,7 +14,7 @@ and everything else (flags, RoPE type, compression ratios, sample rates) kept; f
   per block and 8 latent channels (real: 128).
 - ``audio_vae``: ``AutoencoderKLLTX2Audio`` with the real audio layout (16 kHz, hop 160, 64
   mel bins, 4x time and mel compression, stereo) but 2 latent channels (real: 8) and base
-  width 32 (real: 128; it must equal the packed token width, see ``build_models``) and
+  width 32 (real: 128; it must equal the packed token width, see ``tiny_overrides``) and
   1 resnet per level (real: 2).
 - ``vocoder``: ``LTX2Vocoder`` with the real upsampling (6 x 5 x 2 x 2 x 2 = 240 samples per
   mel frame: 16 kHz mel hop 160 -> 24 kHz stereo waveform), hidden width 64 (real: 1024).
@@ -34,6 +34,8 @@ Each model's config is the real file with only the size keys of ``tiny_overrides
 The prompt is padded to ``max_sequence_length`` (1024 by default); with these encoders that
 takes milliseconds. The pipeline is written with ``LTX2Pipeline.save_pretrained``
 (safetensors), so it loads through the same ``from_pretrained`` path as ``Lightricks/LTX-2``.
+Building and saving takes 12-17 s on the 2-core CPU host (most of it imports). The same
+folder also loads as ``LTX2ImageToVideoPipeline`` (same components).
 
 Usage:
     python tools/make_tiny_ltx2_checkpoint.py --output checkpoints/tiny-ltx2
