@@ -34,8 +34,8 @@ Each model's config is the real file with only the size keys of ``tiny_overrides
 The prompt is padded to ``max_sequence_length`` (1024 by default); with these encoders that
 takes milliseconds. The pipeline is written with ``LTX2Pipeline.save_pretrained``
 (safetensors), so it loads through the same ``from_pretrained`` path as ``Lightricks/LTX-2``.
-Building and saving takes 12-17 s on the 2-core CPU host (most of it imports). The same
-folder also loads as ``LTX2ImageToVideoPipeline`` (same components).
+Building and saving takes 12-17 s on the 2-core CPU host (most of it imports). Its
+components also build ``LTX2ImageToVideoPipeline`` (tests/test_ltx2_foundation.py).
 
 Usage:
     python tools/make_tiny_ltx2_checkpoint.py --output checkpoints/tiny-ltx2
