@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny Wan and HunyuanVideo-1.5 checkpoints, built once per session
+"""Shared fixtures: the tiny Wan, HunyuanVideo-1.5 and LTX-2 checkpoints, built once per session
 through save_pretrained."""
 
 import os
@@ -48,6 +48,12 @@ def tiny_checkpoint_8h(tmp_path_factory):
 def hunyuan_checkpoint(tmp_path_factory):
     """Path of a freshly built tiny random HunyuanVideo-1.5 T2V checkpoint."""
     return _build(tmp_path_factory, "make_tiny_hunyuan_checkpoint.py", "tiny-hunyuan15")
+
+
+@pytest.fixture(scope="session")
+def ltx2_checkpoint(tmp_path_factory):
+    """Path of a freshly built tiny random LTX-2.0 checkpoint (video + audio, ``LTX2Pipeline``)."""
+    return _build(tmp_path_factory, "make_tiny_ltx2_checkpoint.py", "tiny-ltx2")
 
 
 @pytest.fixture(scope="session")
