@@ -437,3 +437,30 @@ def test_tpu7x_kernel_profile_with_the_libtpu_installed_apart():
     floor = 4 * 1024 * 1024 * 128 / estimate.MXU_FLOPS_PER_CYCLE["tpu7x"]
     assert steps == 2
     assert floor < cycles / steps < 4 * floor, (cycles, steps, floor)
+
+
+def test_a_masked_profile_that_overflows_vmem_is_extrapolated_from_lower_block_q(monkeypatch):
+    """tpu7x's masked kernel at its default 3328/2048/1024 overflows VMEM under libtpu's
+    profile flag (65.6 of 63.9 MiB), though the step compiles: ``kernel_cost`` then profiles
+    block_q 1280 and 2304 and extrapolates linearly. Other failures still raise. The profiles
+    here are a stand-in, linear in block_q, so the extrapolation must give it back exactly."""
+    profiled = []
+
+    def fake_grid_cost(topology, blocks, *, kv_steps, **kw):
+        bq = blocks[0] if isinstance(blocks, tuple) else blocks.block_q
+        profiled.append(bq)
+        if bq >= 3328:
+            raise RuntimeError("Ran out of memory in memory space vmem. Used 65.64M of 63.94M")
+        return dict(per_step=1000 + 3 * bq, per_q_block=50 + bq, profiles={"2x2": 1.0},
+                    note=None)
+
+    monkeypatch.setattr(estimate, "grid_cost", fake_grid_cost)
+    cost = estimate.kernel_cost("tpu7x:2x2x1", (3328, 2048, 1024), kv_steps=120,
+                                segment_ids=True)
+    assert profiled == [3328, 1280, 2304]
+    assert cost["reduced_block_q"] == [1280, 2304]
+    assert cost["per_step"] == pytest.approx(1000 + 3 * 3328)
+    assert cost["per_q_block"] == pytest.approx(50 + 3328)
+    assert "more VMEM under the profile flag" in cost["note"]
+    with pytest.raises(RuntimeError, match="vmem"):  # no segment ids: not this case
+        estimate.kernel_cost("tpu7x:2x2x1", (3328, 2048, 1024), kv_steps=120)

@@ -542,13 +542,23 @@ def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
     Profiled at the real blocks (``grid_cost``), except a kernel comparing segment ids in
     every block at a block_q above ``MASKED_PROFILE_MAX_BLOCK_Q``, whose profile would need
     more host memory than a user's machine may have: that one is profiled at two smaller
-    block_q and extrapolated (``reduced_q_cost``).
+    block_q and extrapolated (``reduced_q_cost``). So is one whose own 2 x 2 profile
+    overflows VMEM under the profile flag, one ``REDUCED_Q_SPAN`` lower: on tpu7x (64 MiB of
+    VMEM) the masked kernel at its default 3328/2048/1024 asked for 65.6 MiB under the
+    profile flag, though the step at those blocks compiles (HunyuanVideo-1.5 at 1072 x 1904
+    x 121 on tpu7x:2x2x1 stopped the estimate).
     """
     bs = block_sizes if isinstance(block_sizes, BlockSizes) else BlockSizes(*block_sizes)
     masked = kw.get("segment_ids") and not kw.get("real_keys_before")
     if masked and bs.block_q > MASKED_PROFILE_MAX_BLOCK_Q:
         return reduced_q_cost(topology, block_sizes, kv_steps=kv_steps, **kw)
-    return grid_cost(topology, block_sizes, kv_steps=kv_steps, **kw)
+    try:
+        return grid_cost(topology, block_sizes, kv_steps=kv_steps, **kw)
+    except Exception as e:  # noqa: BLE001 - only a VMEM overflow is handled
+        hi = bs.block_q - REDUCED_Q_SPAN
+        if not (masked and "vmem" in str(e).lower() and hi - REDUCED_Q_SPAN > 0):
+            raise
+        return reduced_q_cost(topology, block_sizes, kv_steps=kv_steps, hi=hi, **kw)
 
 
 # The largest block_q at which a kernel comparing segment ids in every kv block is profiled
@@ -564,20 +574,22 @@ MASKED_PROFILE_MAX_BLOCK_Q = 3328
 REDUCED_Q_SPAN = 1024
 
 
-def reduced_q_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
-    """``grid_cost`` at block_q = ``MASKED_PROFILE_MAX_BLOCK_Q`` and 1024 rows below (same
-    block_kv and block_kv_compute), extrapolated linearly in block_q to the real one, for
-    per_step and per_q_block alike (an ESTIMATE). Why linear: a grid step's work is its
-    block_kv x block_q score tile, q along lanes, so cycles per step are a fixed part plus a
-    part proportional to block_q. Checked where the real blocks' profile fits (v6e, libtpu
-    0.0.42.1, benchmarks/dry_run_results.md): see ``tests/test_estimate.py``.
+def reduced_q_cost(topology: str, block_sizes, *, kv_steps: int, hi: int | None = None,
+                   **kw) -> dict:
+    """``grid_cost`` at block_q = ``hi`` (None: ``MASKED_PROFILE_MAX_BLOCK_Q``) and 1024
+    rows below (same block_kv and block_kv_compute), extrapolated linearly in block_q to the
+    real one, for per_step and per_q_block alike (an ESTIMATE). Why linear: a grid step's
+    work is its block_kv x block_q score tile, q along lanes, so cycles per step are a
+    fixed part plus a part proportional to block_q. Checked where the real blocks' profile
+    fits (v6e, libtpu 0.0.42.1, benchmarks/dry_run_results.md): see
+    ``tests/test_estimate.py``.
 
     Returns:
         ``grid_cost``'s dict, its ``profiles`` keyed "bq<block_q> QxK", with
         ``reduced_block_q`` (the two block_q profiled) and a ``note`` saying so.
     """
     bs = block_sizes if isinstance(block_sizes, BlockSizes) else BlockSizes(*block_sizes)
-    hi = MASKED_PROFILE_MAX_BLOCK_Q
+    hi = MASKED_PROFILE_MAX_BLOCK_Q if hi is None else hi
     lo = hi - REDUCED_Q_SPAN
     costs = {b: grid_cost(topology, (b, bs.block_kv, bs.block_kv_compute),
                           kv_steps=kv_steps, **kw) for b in (lo, hi)}
@@ -589,7 +601,8 @@ def reduced_q_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
     notes = [c["note"] for c in costs.values() if c["note"]]
     note = (f"block_q {bs.block_q} extrapolated linearly from profiles at block_q {lo} and "
             f"{hi} (a profile comparing segment ids at the real block_q needs more host "
-            "memory than allowed)" + "".join(f"; {n}" for n in notes))
+            "memory than allowed, or more VMEM under the profile flag)"
+            + "".join(f"; {n}" for n in notes))
     return dict(per_step=at("per_step"), per_q_block=at("per_q_block"),
                 profiles={f"bq{b} {g}": c for b in (lo, hi)
                           for g, c in costs[b]["profiles"].items()},
