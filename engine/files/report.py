@@ -131,7 +131,7 @@ def save_video(frames, path: str, fps: int, audio: Audio | None = None) -> None:
     AAC track muxed beside the video; both start at t=0. Neither is cut: a waveform longer or
     shorter than F / fps keeps its length, and the mp4 lasts as long as the longer (ffmpeg
     without ``-shortest``, as diffusers' ``encode_video`` writes the whole waveform), so the
-    track is the saved waveform; LTX-2 makes its audio for the video's duration.
+    track is the saved waveform (a model that makes sound for the video makes it as long).
 
     Raises:
         GenerationError: a bad ``audio`` (``check_audio``), nothing written.
