@@ -152,7 +152,7 @@ def save_video(frames, path: str, fps: int, audio: Audio | None = None) -> None:
             # export_to_video's writer and settings (diffusers 0.42.1 utils/export_utils.py),
             # so the video stream is the one an mp4 without audio carries.
             # Log level "error": the stdlib's WAV header names no channel layout, and ffmpeg
-            # says on every run that it guessed it (mono or stereo, the only two allowed).
+            # warns on every run that it guessed it (unambiguous for the 1 or 2 allowed).
             with imageio.get_writer(tmp, fps=fps, quality=5.0, bitrate=None,
                                     macro_block_size=16, audio_path=wav, audio_codec="aac",
                                     ffmpeg_log_level="error") as writer:
