@@ -12,7 +12,10 @@ import importlib.metadata as md
 import json
 import logging
 import os
+import tempfile
 import time
+import wave
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -20,6 +23,7 @@ import torch
 
 from engine.files import plots as drawing
 from engine.run import chips, clock, runtime
+from engine.run.errors import GenerationError
 from engine.run.runtime import to_host
 
 
@@ -54,19 +58,124 @@ def atomic_write(path: str, write) -> None:
             os.remove(tmp)
 
 
-def save_video(frames, path: str, fps: int) -> None:
-    """Write (F, H, W, 3) [0, 1] frames as H.264 mp4 with imageio-ffmpeg, atomically."""
+# The sample rates ffmpeg's AAC encoder takes (``ffmpeg -h encoder=aac``, imageio-ffmpeg
+# 0.8.1's ffmpeg 9.0.2); another rate would be resampled silently, so it is refused instead.
+AAC_SAMPLE_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000,
+                    88200, 96000)
+
+
+class Audio(NamedTuple):
+    """A waveform to mux beside a video: ``waveform`` (channels, samples) float in [-1, 1]
+    (numpy, or anything ``np.asarray`` takes), 1 or 2 channels; ``sample_rate`` in Hz, one of
+    ``AAC_SAMPLE_RATES``. Sample 0 plays with frame 0."""
+    waveform: object
+    sample_rate: int
+
+
+def check_audio(audio: Audio) -> np.ndarray:
+    """The waveform of ``audio`` as a C-contiguous float32 (channels, samples) array, checked
+    before anything is written.
+
+    Raises:
+        GenerationError: one line naming the field, the value and the rule: not a
+            (channels, samples) float array with 1 or 2 channels and at least one sample,
+            a value that is not finite, or a sample rate that is not an int in
+            ``AAC_SAMPLE_RATES``.
+    """
+    waveform, rate = audio
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) \
+            or int(rate) not in AAC_SAMPLE_RATES:
+        raise GenerationError(f"audio sample_rate={rate!r}: must be an int in Hz that AAC "
+                              f"takes ({', '.join(map(str, AAC_SAMPLE_RATES))})")
+    wave_ = np.asarray(waveform)
+    if wave_.ndim != 2 or wave_.shape[0] not in (1, 2) or wave_.shape[1] < 1:
+        raise GenerationError(f"audio waveform shape={wave_.shape}: must be (channels, "
+                              "samples) with 1 or 2 channels and at least one sample")
+    if not np.issubdtype(wave_.dtype, np.floating):
+        raise GenerationError(f"audio waveform dtype={str(wave_.dtype)!r}: must be a float "
+                              "array in [-1, 1]")
+    wave_ = np.ascontiguousarray(wave_, np.float32)
+    if not np.isfinite(wave_).all():
+        raise GenerationError(f"audio waveform: {int((~np.isfinite(wave_)).sum())} value(s) "
+                              "not finite (NaN or inf)")
+    return wave_
+
+
+def audio_fields(audio: Audio | None) -> dict:
+    """The JSON report's fields of a video's audio: ``audio_sample_rate`` (Hz),
+    ``audio_channels`` and ``audio_seconds`` (samples / rate); {} without audio."""
+    if audio is None:
+        return {}
+    waveform = check_audio(audio)
+    return dict(audio_sample_rate=int(audio.sample_rate), audio_channels=waveform.shape[0],
+                audio_seconds=waveform.shape[1] / int(audio.sample_rate))
+
+
+def write_wav(waveform: np.ndarray, sample_rate: int, path: str) -> None:
+    """(channels, samples) float32 -> 16-bit PCM WAV (stdlib ``wave``). Values are clipped
+    to [-1, 1] and scaled by 32767, rounded, as diffusers' ``encode_video`` does (it
+    truncates; 0.42.1 ``utils/export_utils.py`` ``_write_audio``)."""
+    pcm = np.round(np.clip(waveform, -1.0, 1.0) * 32767.0).astype("<i2")
+    with wave.open(path, "wb") as f:
+        f.setnchannels(waveform.shape[0])
+        f.setsampwidth(2)
+        f.setframerate(int(sample_rate))
+        f.writeframes(np.ascontiguousarray(pcm.T).tobytes())  # interleaved: (samples, ch)
+
+
+def save_video(frames, path: str, fps: int, audio: Audio | None = None) -> None:
+    """Write (F, H, W, 3) [0, 1] frames as H.264 mp4 with imageio-ffmpeg, atomically.
+
+    With ``audio`` (``Audio``: checked by ``check_audio`` before anything is written), its
+    waveform goes through a temporary 16-bit WAV (``write_wav``: clipped to [-1, 1]) into an
+    AAC track muxed beside the video; both start at t=0. Neither is cut: a waveform longer or
+    shorter than F / fps keeps its length, and the mp4 lasts as long as the longer (ffmpeg
+    without ``-shortest``, as diffusers' ``encode_video`` writes the whole waveform), so the
+    track is the saved waveform (a model that makes sound for the video makes it as long).
+
+    Raises:
+        GenerationError: a bad ``audio`` (``check_audio``), nothing written.
+    """
+    # Deferred, as diffusers' own export is: imageio alone costs 0.25 s of import time.
+    import imageio
     from diffusers.utils import export_to_video
 
-    atomic_write(path, lambda tmp: export_to_video(list(frames), tmp, fps=fps))
+    if audio is None:
+        atomic_write(path, lambda tmp: export_to_video(list(frames), tmp, fps=fps))
+        return
+    waveform = check_audio(audio)
+
+    def write(tmp):
+        with tempfile.TemporaryDirectory() as folder:
+            wav = os.path.join(folder, "audio.wav")
+            write_wav(waveform, audio.sample_rate, wav)
+            # export_to_video's writer and settings (diffusers 0.42.1 utils/export_utils.py),
+            # so the video stream is the one an mp4 without audio carries.
+            # Log level "error": the stdlib's WAV header names no channel layout, and ffmpeg
+            # warns on every run that it guessed it (unambiguous for the 1 or 2 allowed).
+            with imageio.get_writer(tmp, fps=fps, quality=5.0, bitrate=None,
+                                    macro_block_size=16, audio_path=wav, audio_codec="aac",
+                                    ffmpeg_log_level="error") as writer:
+                for frame in frames:
+                    writer.append_data((frame * 255).astype(np.uint8))
+
+    atomic_write(path, write)
 
 
-def save_frames(frames, path: str) -> None:
-    """Write (F, H, W, 3) float32 frames in [0, 1] losslessly as safetensors ("frames")."""
+def save_frames(frames, path: str, audio: Audio | None = None) -> None:
+    """Write (F, H, W, 3) float32 frames in [0, 1] losslessly as safetensors ("frames") and,
+    with ``audio``, its waveform as "audio": float32 (channels, samples), not clipped (the
+    sample rate goes in the JSON report, ``audio_fields``).
+
+    Raises:
+        GenerationError: a bad ``audio`` (``check_audio``), nothing written.
+    """
     from safetensors.numpy import save_file
 
-    atomic_write(path, lambda tmp: save_file(
-        {"frames": np.ascontiguousarray(frames, np.float32)}, tmp))
+    tensors = {"frames": np.ascontiguousarray(frames, np.float32)}
+    if audio is not None:
+        tensors["audio"] = check_audio(audio)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp))
 
 
 def save_report(report: dict, path: str) -> None:

@@ -164,11 +164,23 @@ def video_files(output_dir: str, stem: str, video: Video | None, save_frames: bo
     return dict(video=base + ".mp4", frames=base + ".frames.safetensors" if save_frames else None)
 
 
-def save_video(config, frames, stem: str, video: Video | None = None) -> list[str]:
+def save_video(config, frames, stem: str, video: Video | None = None,
+               audio: reporting.Audio | None = None) -> list[str]:
     """Write one video's mp4 (and lossless frames with --save_frames), atomically; returns
-    the paths written."""
+    the paths written.
+
+    ``audio``: an optional ``reporting.Audio(waveform, sample_rate)``, waveform (channels,
+    samples) float in [-1, 1], 1 or 2 channels, rate in Hz: muxed into the mp4 as an AAC track
+    (``reporting.save_video``) and saved as the frames file's "audio" key. The family puts
+    ``reporting.audio_fields(audio)`` (``audio_sample_rate``...) in the video's report entry.
+
+    Raises:
+        GenerationError: a bad ``audio`` (``reporting.check_audio``), before any file.
+    """
+    if audio is not None:
+        reporting.check_audio(audio)
     files = video_files(config.run.output_dir, stem, video, config.run.save_frames)
-    reporting.save_video(frames, files["video"], config.video.fps)
+    reporting.save_video(frames, files["video"], config.video.fps, audio)
     if files["frames"]:
-        reporting.save_frames(frames, files["frames"])
+        reporting.save_frames(frames, files["frames"], audio)
     return [p for p in files.values() if p]
