@@ -87,10 +87,16 @@ DEFAULTS = dict(
 DOWNLOAD_HINT = ("hf download hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v "
                  "--local-dir PATH")
 
+# token_tile 16: sequence parallelism pads each shard to whole 16-row bf16 tiles. With 1,
+# libtpu's compiler stopped on the image-to-video step whenever a shard had an odd row count
+# ("INTERNAL: ... bitcast ... Bitcast cannot have different shape", bf16[1,12323,2048]: the
+# 480p I2V checkpoints at their dp2 x sp4 default on v6e:2x4; also at 42 tokens, the test).
+# The padded keys are masked by segment ids (joint attention: text follows the video).
 BLOCKS = BlockStack(attr="transformer_blocks", carry=2,
                     # hidden, encoder, temb, text mask, RoPE (cos, sin) each (N, head_dim)
                     token_axes=(1, None, None, None, 0), self_attention="attn",
-                    sublayers=())  # joint attention over both streams: no Megatron SP yet
+                    sublayers=(),  # joint attention over both streams: no Megatron SP yet
+                    token_tile=16)
 
 
 def checkpoint_defaults(model_id: str) -> dict:

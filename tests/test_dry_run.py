@@ -218,3 +218,20 @@ def test_hunyuan_i2v_dry_run_has_no_device_encode(tmp_path):
     programs = [row["program"] for row in json.loads(open(path).read())["per_chip"]]
     assert programs[0] == "transformer step" and programs[1].startswith("VAE decode")
     assert not any("encode" in p for p in programs), programs
+
+
+def test_hunyuan_i2v_step_compiles_with_odd_rows_per_shard(tmp_path):
+    """HunyuanVideo-1.5 image-to-video at dp2 x sp4 on v6e:2x4 (the 480p I2V checkpoints'
+    default) with a token count that leaves odd rows per shard: 42 tokens, 11 per shard
+    before the 16-row tiles. libtpu's compiler stopped on it ("INTERNAL: ... Bitcast cannot
+    have different shape", bf16[1,11,2048]; at 480 x 848 x 121: bf16[1,12323,2048]) until
+    sequence parallelism padded HunyuanVideo-1.5's shards to whole 16-row tiles."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "generate_flax.py"),
+         "--model_id", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v",
+         "--dry_run", "--topology", "v6e:2x4", "--dry_run_skip_vae", "--dry_run_layers", "1",
+         "--height", "48", "--width", "112", "--frames", "5", "--output_dir", str(tmp_path),
+         "--no_plots"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "mesh dp2 tp1 sp4, 1 blocks, 42 tokens" in proc.stdout

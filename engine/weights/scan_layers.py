@@ -66,10 +66,11 @@ class BlockStack:
         shard count, so every shard is a whole number of 16-row bf16 tiles and the
         all-to-all's merge of the shards is a bitcast, not a copy (Wan 14B 720p, dp2 x sp4
         on v6e: 18,900 tokens per shard, padded to 18,912; elementwise HBM time 0.360 ->
-        0.332 s/step by the static estimate). Only for a family whose self-attention keys are
-        exactly the residual tokens, so the padding is the keys' tail and the kernel masks it
-        by length (``custom_splash_attention.splash_attention(valid_kv_len=...)``). 1: pad
-        only to what the shard count needs.
+        0.332 s/step by the static estimate). Where the self-attention keys are exactly the
+        residual tokens, the padding is the keys' tail and the kernel masks it by length
+        (``custom_splash_attention.splash_attention(valid_kv_len=...)``); a joint attention
+        over another stream masks it by segment ids, as any padding. 1: pad only to what the
+        shard count needs.
     """
 
     attr: str = "blocks"
