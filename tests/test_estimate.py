@@ -462,5 +462,9 @@ def test_a_masked_profile_that_overflows_vmem_is_extrapolated_from_lower_block_q
     assert cost["per_step"] == pytest.approx(1000 + 3 * 3328)
     assert cost["per_q_block"] == pytest.approx(50 + 3328)
     assert "more VMEM under the profile flag" in cost["note"]
+    profiled.clear()  # every block declared real: the same fallback
+    real = estimate.kernel_cost("tpu7x:2x2x1", (3328, 2048, 1024), kv_steps=120,
+                                segment_ids=True, real_keys_before=1 << 30)
+    assert profiled == [3328, 1280, 2304] and real["per_step"] == pytest.approx(1000 + 3 * 3328)
     with pytest.raises(RuntimeError, match="vmem"):  # no segment ids: not this case
         estimate.kernel_cost("tpu7x:2x2x1", (3328, 2048, 1024), kv_steps=120)

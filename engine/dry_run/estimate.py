@@ -542,9 +542,10 @@ def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
     Profiled at the real blocks (``grid_cost``), except a kernel comparing segment ids in
     every block at a block_q above ``MASKED_PROFILE_MAX_BLOCK_Q``, whose profile would need
     more host memory than a user's machine may have: that one is profiled at two smaller
-    block_q and extrapolated (``reduced_q_cost``). So is one whose own 2 x 2 profile
-    overflows VMEM under the profile flag, one ``REDUCED_Q_SPAN`` lower: on tpu7x (64 MiB of
-    VMEM) the masked kernel at its default 3328/2048/1024 asked for 65.6 MiB under the
+    block_q and extrapolated (``reduced_q_cost``). So is a kernel with segment ids (masked,
+    or with every block declared real) whose own 2 x 2 profile overflows VMEM under the
+    profile flag, one ``REDUCED_Q_SPAN`` lower: on tpu7x (64 MiB of VMEM) the kernel at its
+    default 3328/2048/1024 asked for 65.6 MiB (masked) and 64.8 MiB (all real) under the
     profile flag, though the step at those blocks compiles (HunyuanVideo-1.5 at 1072 x 1904
     x 121 on tpu7x:2x2x1 stopped the estimate).
     """
@@ -556,7 +557,7 @@ def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
         return grid_cost(topology, block_sizes, kv_steps=kv_steps, **kw)
     except Exception as e:  # noqa: BLE001 - only a VMEM overflow is handled
         hi = bs.block_q - REDUCED_Q_SPAN
-        if not (masked and "vmem" in str(e).lower() and hi - REDUCED_Q_SPAN > 0):
+        if not (kw.get("segment_ids") and "vmem" in str(e).lower() and hi - REDUCED_Q_SPAN > 0):
             raise
         return reduced_q_cost(topology, block_sizes, kv_steps=kv_steps, hi=hi, **kw)
 
