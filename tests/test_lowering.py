@@ -119,3 +119,26 @@ def test_wan_attention_under_torchax_matches_torch_and_lowers_without_scatter():
     args = (params, buffers, *(jnp.asarray(a.numpy()) for a in (hidden, cos, sin)))
     np.testing.assert_allclose(np.asarray(jitted(*args)), want, rtol=1e-5, atol=1e-5)
     assert "scatter" not in jitted.lower(*args).as_text()
+
+
+@pytest.mark.parametrize("op", ["addcmul_", "addcdiv_"])
+def test_inplace_op_on_a_view_writes_back_to_its_base(op):
+    """``out[:, :4].addcmul_(a, b)`` under torchax with the engine's lowerings updates
+    ``out`` as torch does (torchax 0.0.13 alone drops the update: the slice keeps its old
+    values, which this test sees as a difference of about |0.5 * a * b|)."""
+    from torchax import interop
+
+    env = torchax.default_env()
+    lowering.install(env)
+    torch.manual_seed(0)
+    x, a, b = torch.randn(2, 8), torch.randn(2, 4), torch.rand(2, 4) + 0.5
+
+    def f(x, a, b):
+        out = x.clone()
+        getattr(out[:, :4], op)(a, b, value=0.5)
+        return out
+
+    want = f(x, a, b).numpy()
+    got = jax.jit(interop.jax_view(f))(*(jnp.asarray(t.numpy()) for t in (x, a, b)))
+    assert np.abs(want - x.numpy()).max() > 0.1  # the update is not negligible
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)

@@ -5,7 +5,8 @@ runs under torchax (jit, float32) equal to its eager forward on the inputs the p
 
 Two things make the torchax forward exact (``torchax_forward``; a family can reuse both):
 
-- ``fix_inplace_on_views``: torchax 0.0.13 decomposes ``addcmul_`` with its view arguments
+- the ``addcmul_`` write-back (``engine.run.lowering.INPLACE_ON_VIEWS``, installed by
+  ``lowering.install``): torchax 0.0.13 decomposes ``addcmul_`` with its view arguments
   materialised, so the in-place update of a slice is lost. diffusers' split RoPE
   (``apply_split_rotary_emb``, transformer_ltx2.py:46-84) updates two slices of ``out`` with
   ``addcmul_``; without the fix the rotated halves keep only ``x * cos`` (the test below shows
@@ -31,7 +32,6 @@ from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransform
 from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
 from PIL import Image
 from torchax import interop
-from torchax.ops import op_base
 
 from custom_splash_attention import install_sdpa_override
 from engine.run import lowering
@@ -174,20 +174,14 @@ def test_stg_changes_nothing_in_ltx2_0_blocks(pipe, default_run):
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def fix_inplace_on_views(env) -> None:
-    """Make ``addcmul_`` on a torchax view write back to its base, as ``add_`` does."""
-    env.override_op_definition(torch.ops.aten.addcmul_.default,
-                               op_base.InplaceOp(torch.ops.aten.addcmul), is_view_op=True)
-
-
 @pytest.fixture
 def env(torchax_env):
-    """torchax's env with XLA attention and the engine's lowerings; the addcmul_ override is
-    removed after the test."""
+    """torchax's env with XLA attention and the engine's lowerings (which include the
+    ``addcmul_`` write-back through views, ``engine.run.lowering.INPLACE_ON_VIEWS``)."""
     install_sdpa_override(torchax_env, attention="xla")
     lowering.install(torchax_env)
     yield torchax_env
-    torchax_env._ops.pop(torch.ops.aten.addcmul_.default, None)
+    lowering.install(torchax_env)  # a test may have removed the write-back
 
 
 def test_split_rope_needs_the_inplace_fix_under_torchax(env):
@@ -201,16 +195,15 @@ def test_split_rope_needs_the_inplace_fix_under_torchax(env):
         return np.asarray(jax.jit(interop.jax_view(
             lambda x, c, s: apply_split_rotary_emb(x, (c, s))))(*args))
 
-    assert np.abs(jitted() - want).max() > 1e-2
-    fix_inplace_on_views(env)
     np.testing.assert_allclose(jitted(), want, rtol=1e-6, atol=1e-6)
+    env._ops.pop(torch.ops.aten.addcmul_.default)  # torchax's own decomposition
+    assert np.abs(jitted() - want).max() > 1e-2
 
 
 def torchax_forward(transformer, env, **static):
     """``transformer``'s forward jitted through torchax: a function of the tensor keyword
     arguments (traced); ``static`` holds the rest (ints, flags, the STG block list), fixed at
     trace time. Traced under x64 so the RoPE's float64 frequencies stay float64."""
-    fix_inplace_on_views(env)
     jm = interop.JittableModule(transformer)
     params, buffers = env.t2j_copy(jm.params), env.t2j_copy(jm.buffers)
 

@@ -34,6 +34,12 @@ HunyuanVideo-1.5's RoPE and any diffusers code run as it is.
 
 ``install(env)`` puts both in place, once per process; every call site of the model code is
 unchanged (diffusers' files and classes are not edited).
+
+One correctness fix rides along (``INPLACE_ON_VIEWS``): torchax 0.0.13 decomposes
+``addcmul_`` and ``addcdiv_`` with a view argument copied out, so an in-place update of a
+slice (``out[..., :h].addcmul_(x, cos)``, as a split-half RoPE in diffusers does) never
+reaches the base tensor: the result silently keeps the slice's old values. They are
+registered as torchax registers ``add_``: the functional op, written back through the view.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 import torchax.tensor
 from jax import lax
 from torchax import interop
+from torchax.ops import op_base
 
 # unbind over a last dimension up to this size takes the strided-slice path: pairs (RoPE's
 # real and imaginary parts) and small tuples; larger ones keep torchax's select lowering.
@@ -128,10 +135,19 @@ def _unbind(x, dim=0):
     return tuple(x.select(dim, i) for i in range(x.shape[dim]))  # torch's own decomposition
 
 
+# In-place ops torchax 0.0.13 decomposes without writing back through a view (the module
+# docstring): each is registered as its functional op plus the write-back.
+INPLACE_ON_VIEWS = {torch.ops.aten.addcmul_.default: torch.ops.aten.addcmul,
+                    torch.ops.aten.addcdiv_.default: torch.ops.aten.addcdiv}
+
+
 def install(env) -> None:
     """Lower strided slice assignment (``strided_set``) and small minor-dimension ``unbind``
-    (``unbind_minor``) in torchax; ``env`` is ``torchax.default_env()``. Idempotent; the
-    same values as torchax's own lowerings, bit for bit."""
+    (``unbind_minor``) in torchax, and make ``INPLACE_ON_VIEWS`` write back through views;
+    ``env`` is ``torchax.default_env()``. Idempotent; the lowerings give torchax's own values,
+    bit for bit."""
+    for op, functional in INPLACE_ON_VIEWS.items():
+        env.override_op_definition(op, op_base.InplaceOp(functional), is_view_op=True)
     cls = torchax.tensor.Tensor
     if not getattr(cls.__setitem__, "strided_set", False):
         original = cls.__setitem__
