@@ -162,34 +162,30 @@ def row_blocks(tensor: torch.Tensor, op, count: int) -> list:
     """The ``count`` tensors the diffusers modules get from one official tensor's rows (dim 0):
     the tensor itself for a rename, ``count`` equal row blocks for "split", the row halves
     exchanged for "swap". Works on weights (out, in), biases (out,) and LoRA ``lora_B``
-    (out, r) alike: all three are row-indexed by the module's outputs.
+    (out, r) alike: all three are row-indexed by the module's outputs; and on meta tensors
+    (``row_shapes``).
 
     Raises:
         ValueError: rows that do not split into ``count`` equal blocks (or two halves).
     """
+    if op in (SPLIT, SWAP):
+        blocks = count if op == SPLIT else 2
+        if tensor.ndim == 0 or tensor.shape[0] % blocks:
+            raise ValueError(f"shape {tuple(tensor.shape)}: rows do not split into "
+                             + (f"{count} equal blocks" if op == SPLIT else "two halves"))
     if op == SPLIT:
-        if tensor.shape[0] % count:
-            raise ValueError(f"{tensor.shape[0]} rows do not split into {count} equal blocks")
         return list(tensor.chunk(count, dim=0))
     if op == SWAP:
-        if tensor.shape[0] % 2:
-            raise ValueError(f"{tensor.shape[0]} rows do not split into two halves")
         shift, scale = tensor.chunk(2, dim=0)
         return [torch.cat([scale, shift], dim=0)]
     return [tensor]
 
 
 def row_shapes(shape: tuple, op, count: int) -> list:
-    """The shapes ``row_blocks`` gives for a tensor of ``shape``, without its data.
+    """The shapes ``row_blocks`` gives for a tensor of ``shape``, without its data (a meta
+    tensor).
 
     Raises:
         ValueError: as ``row_blocks``.
     """
-    if op == SPLIT:
-        if not shape or shape[0] % count:
-            raise ValueError(f"shape {tuple(shape)}: rows do not split into {count} equal "
-                             "blocks")
-        return [(shape[0] // count, *shape[1:])] * count
-    if op == SWAP and (not shape or shape[0] % 2):
-        raise ValueError(f"shape {tuple(shape)}: rows do not split into two halves")
-    return [tuple(shape)]
+    return [tuple(t.shape) for t in row_blocks(torch.empty(shape, device="meta"), op, count)]

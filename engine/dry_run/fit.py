@@ -301,7 +301,7 @@ def _add_resident(rows: list, placed, vae_placed, inputs, video_bytes: int,
             where = r["program"].startswith("VAE decode") and parking.decode_memory(
                 park_weights, park_memory, r["total_bytes"], now, parked, r["capacity_bytes"])
             if where:
-                freed = now if where == "pinned_host" else now - parked
+                freed = now - parking.kept_bytes(where, parked)
                 r["resident_bytes"] -= freed
                 r["total_bytes"] -= freed
                 r["weights_parked"] = decision["parked"] = True

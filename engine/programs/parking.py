@@ -87,6 +87,12 @@ def decode_memory(mode: str, memory: str, need_bytes: int, weights_bytes: int,
     return "device" if fits_sharded else "pinned_host"
 
 
+def kept_bytes(memory: str | None, parked_bytes: int) -> int:
+    """HBM bytes per device the transformer's weights keep while parked in ``memory``
+    (``decode_memory``'s answer): none in host memory, ``parked_bytes`` sharded in HBM."""
+    return 0 if memory == "pinned_host" else parked_bytes
+
+
 class ParkingDecoder:
     """A VAE decoder (``ChunkedDecoder`` or a family's) that parks ``weights`` while it runs.
 
@@ -134,7 +140,7 @@ class ParkingDecoder:
             peak = self.decoder.memory()["peak_bytes"]
             where = decode_memory(self.mode, self.memory, now + peak, now, parked,
                                   self.capacity)
-            parked = 0 if where == "pinned_host" else parked
+            parked = kept_bytes(where, parked)
             self.decision = dict(parked=where is not None, memory=where, mode=self.mode,
                                  weights_bytes_per_device=now, parked_bytes_per_device=parked,
                                  decode_peak_bytes=peak, capacity_bytes=self.capacity)
