@@ -79,6 +79,14 @@ def _title(report: dict) -> str:
             f"{dev.get('count')} x {dev.get('kind')}")
 
 
+LEGEND_COLUMNS = 6
+
+
+def _legend_name(row: str, label: str) -> str:
+    """A phase's legend entry: the time-to-first-video row's split keys without "_s"."""
+    return label.removesuffix("_s").replace("_", " ") if row == FIRST_VIDEO_ROW else label
+
+
 def draw_timeline(report: dict):
     """The timeline figure of ``report`` and its phases: (matplotlib Figure, phases).
 
@@ -94,16 +102,14 @@ def draw_timeline(report: dict):
 
     phases = timeline_phases(report)
     rows = list(dict.fromkeys(r for r, *_ in phases))
-    names = list(dict.fromkeys(
-        label.removesuffix("_s").replace("_", " ") if row == FIRST_VIDEO_ROW else label
-        for row, label, *_ in phases))
+    names = list(dict.fromkeys(_legend_name(row, label) for row, label, *_ in phases))
     legend_lines = -(-len(names) // LEGEND_COLUMNS)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows) + 0.2 * legend_lines), dpi=100,
                            layout="constrained")
     seen = set()
     for row, label, start, seconds in phases:
         colour = FIRST_VIDEO_COLOURS.get(label) if row == FIRST_VIDEO_ROW else COLOURS[label]
-        name = label.removesuffix("_s").replace("_", " ") if row == FIRST_VIDEO_ROW else label
+        name = _legend_name(row, label)
         ax.barh(rows.index(row), seconds, left=start, height=0.6, color=colour,
                 edgecolor="white", linewidth=0.3, label=None if name in seen else name)
         seen.add(name)
@@ -113,9 +119,6 @@ def draw_timeline(report: dict):
     ax.set_title(_title(report), fontsize=9)
     fig.legend(loc="outside lower center", ncol=LEGEND_COLUMNS, fontsize=7, frameon=False)
     return fig, phases
-
-
-LEGEND_COLUMNS = 6
 
 
 def timeline(report: dict, path: str) -> list[tuple[str, str, float, float]]:
