@@ -43,7 +43,7 @@ from engine.files import integrity, videos
 from engine.files import report as reporting
 from engine.files.checkpoint import looks_local, model_config_dir
 from engine.files.image import check_for_model
-from engine.pipeline import Generation
+from engine.pipeline import Generation, upscale
 from engine.programs import experts, parking, step_cache
 from engine.run import clock, runtime
 from engine.run.config import (
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     step_cache.add_cache_flags(p.add_argument_group("step caching (docs/features.md)"))
     dry_flags.add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
     serving.add_serve_flags(p.add_argument_group("serving (docs/serving.md)"))
+    upscale.add_flags(p)
     m = p.add_argument_group("multi-host (one process per host; Cloud TPU finds these itself)")
     m.add_argument("--coordinator_address", default=None,
                    help="HOST:PORT of process 0's coordinator, for jax.distributed.initialize "
@@ -329,11 +330,12 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                   lora_2=lora.validate(args.lora_2, family, args.model_id, args.dtype,
                                        "--lora_2"),
                   scheduler=(scheduler := resolve_scheduler(args.scheduler, family)),
+                  upscale=upscale.validate_flags(args, family, values),
                   step_cache=step_cache.validate_cache_flags(
                       args, values["num_inference_steps"], make_scheduler=family.scheduler.make,
                       scheduler=scheduler, flow_shift=flow_shift, sigmas=family.scheduler.sigmas))
     flags = {k: v for k, v in vars(args).items()
-             if k not in step_cache.FLAGS + serving.FLAGS + ("cache",)}
+             if k not in step_cache.FLAGS + serving.FLAGS + upscale.FLAGS + ("cache", "sr")}
     config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
                           "flow_shift": flow_shift, "flow_shift_source": source,
                           "default_sources": sources})

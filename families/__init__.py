@@ -11,16 +11,21 @@ local folder, a config shipped under ``configs/``, or the Hub).
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.files.checkpoint import read_model_index
 from engine.run.errors import UsageError
-from families import hunyuan, wan
+from families import hunyuan, hunyuan_sr_stage, wan
 from families.base import ModelFamily
 
 __all__ = ["FAMILIES", "ModelFamily", "detect_family", "family_for_class"]
 
 # Keys name a family, not a version: "wan" runs Wan 2.1 and 2.2, "hunyuanvideo" HunyuanVideo-1.5
 # (they were "wan2.1" and "hunyuanvideo1.5"; staged intermediates never recorded the key).
-FAMILIES: dict[str, ModelFamily] = {"wan": wan.FAMILY, "hunyuanvideo": hunyuan.FAMILY}
+# HunyuanVideo-1.5's SR stage is its own module, which builds on families.hunyuan: joined here.
+FAMILIES: dict[str, ModelFamily] = {
+    "wan": wan.FAMILY,
+    "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE)}
 
 
 

@@ -222,6 +222,27 @@ class Scheduling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Upscale:
+    """A second denoising stage on a larger latent grid after the first (super-resolution:
+    ``--sr``), with its own transformer, on the same devices (``engine.pipeline.upscale``).
+
+    choices: the ``--sr`` values it takes besides "none".
+    validate: ``f(args, values) -> settings`` before any model loads, ``args.sr`` not "none";
+        ``values``: the run's flag values with defaults filled in. The settings value goes
+        in ``RunConfig.upscale``. Raises one-line ``UsageError``s.
+    stage: ``f(config, pipe) -> stage`` for a run whose ``config.upscale`` is set; the
+        engine reads the stage's ``config``, ``first``, ``transformer``, ``upsampler``,
+        ``scheduler_config``, ``sigmas``, ``step_fn(jm, config)``, ``hand_off_fn(jm)``,
+        ``noise(config)`` and ``text_inputs(embeds)`` (see
+        ``families.hunyuan_sr_stage.SrStage``).
+    """
+
+    choices: tuple[str, ...]
+    validate: Callable
+    stage: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """What a model family provides: its name and one frozen value per concern. What a family
     supports is a field (``transformer.masks``, ``transformer.lora_state_dict``,
@@ -236,6 +257,7 @@ class ModelFamily:
     vae: ``VaePrograms``: the device VAE decode (and encode) programs.
     image: ``ImageConditioning``: image-to-video.
     scheduler: ``Scheduling``: schedulers, sigmas, default flow shift.
+    upscale: ``Upscale`` (a super-resolution stage) or None.
     """
 
     name: str
@@ -247,6 +269,7 @@ class ModelFamily:
     vae: VaePrograms
     scheduler: Scheduling
     image: ImageConditioning = dataclasses.field(default_factory=ImageConditioning)
+    upscale: Upscale | None = None
 
 
 def empty_model(cls, cfg: dict, dtype):

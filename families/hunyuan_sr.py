@@ -262,13 +262,17 @@ def load_upsampler(root: str, version: str) -> torch.nn.Module:
     return model.float().eval()
 
 
-def sr_size(lr_height: int, lr_width: int, version: str) -> tuple[int, int]:
+def sr_size(lr_height: int, lr_width: int, version: str, lr_base: int | None = None,
+            hr_base: int | None = None) -> tuple[int, int]:
     """(height, width) in pixels of the SR video for a first stage of this size.
 
     The official ``BucketMap`` (hunyuan_video_sr_pipeline.py:46-72, :243-248): the low-res
     size must be a bucket of the base resolution (16-pixel steps); it maps to the bucket of
     the target resolution whose width/height ratio is nearest its own (the first such bucket
-    on a tie). E.g. 720 x 1280 -> 1072 x 1904 for ``1080p_sr_distilled``.
+    on a tie). E.g. 720 x 1280 -> 1072 x 1904 for ``1080p_sr_distilled``. ``lr_base`` /
+    ``hr_base``: the bucket base sizes in pixels (default: the official ``SizeMap`` of the
+    version's base and target resolutions; the run passes the two transformers'
+    ``target_size``, which equal those for the released checkpoints and let a tiny one run).
 
     Raises:
         UsageError: the size is not a bucket of the base resolution (the official code
@@ -276,12 +280,14 @@ def sr_size(lr_height: int, lr_width: int, version: str) -> tuple[int, int]:
     """
     config = SR_CONFIGS[version]
     stride = VAE_SPATIAL_SCALE
-    lr_buckets = generate_crop_size_list(base_size=BUCKET_BASE[config.base], patch_size=stride)
+    lr_base = BUCKET_BASE[config.base] if lr_base is None else lr_base
+    hr_base = BUCKET_BASE[config.target] if hr_base is None else hr_base
+    lr_buckets = generate_crop_size_list(base_size=lr_base, patch_size=stride)
     if (lr_width, lr_height) not in lr_buckets:
         raise UsageError(f"--height/--width={lr_height}x{lr_width}: not a {config.base} bucket "
                          f"size, which {version} needs (e.g. 480x848 for 480p, 720x1280 for "
                          "720p)")
-    hr_buckets = generate_crop_size_list(base_size=BUCKET_BASE[config.target], patch_size=stride)
+    hr_buckets = generate_crop_size_list(base_size=hr_base, patch_size=stride)
     ratios = np.array([w / h for w, h in hr_buckets])
     width, height = hr_buckets[int(np.abs(ratios - lr_width / lr_height).argmin())]
     return height, width

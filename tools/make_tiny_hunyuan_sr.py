@@ -189,23 +189,25 @@ def official_config(cfg, version: str) -> dict:
     }
 
 
-def tiny_transformer(seed: int, version: str = "720p_sr_distilled", use_meanflow: bool = False):
+def tiny_transformer(seed: int, version: str = "720p_sr_distilled", use_meanflow: bool = False,
+                     **config):
     """A tiny random diffusers ``HunyuanVideo15Transformer3DModel`` with the SR DiT's channels
     (98 in, 32 out), float32, eval mode; every parameter moved off its init. Its
     ``target_size`` is the SR pipeline's SizeMap entry of the version's target resolution
-    (hunyuan_video_sr_pipeline.py:74-78)."""
+    (hunyuan_video_sr_pipeline.py:74-78). ``config`` overrides constructor arguments (e.g. the
+    text widths of a tiny first-stage checkpoint whose prompt embeddings it takes)."""
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel
 
     from families.hunyuan_sr import SR_CONFIGS
 
     torch.manual_seed(seed)
-    model = HunyuanVideo15Transformer3DModel(
+    model = HunyuanVideo15Transformer3DModel(**{**dict(
         in_channels=98, out_channels=32, num_attention_heads=2, attention_head_dim=16,
         num_layers=2, num_refiner_layers=2, mlp_ratio=4.0, text_embed_dim=16,
         text_embed_2_dim=1472, image_embed_dim=16, rope_axes_dim=(4, 6, 6),
         target_size={"720p": 960, "1080p": 1440}[SR_CONFIGS[version].target], task_type="i2v",
-        use_meanflow=use_meanflow)
+        use_meanflow=use_meanflow), **config})
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.1 * torch.randn_like(param))

@@ -113,7 +113,8 @@ class Generation:
         s = self.start
         self.mesh, self.fallbacks = make_mesh(s.mesh_shape, s.devices), Fallbacks()
         self.stats_before = executables.stats_snapshot()
-        if not aheads.wanted(self.config.run.overlap_compile, self.config.run.stage, s.devices):
+        if self.config.upscale is not None or not aheads.wanted(  # --sr: decode's shape later
+                self.config.run.overlap_compile, self.config.run.stage, s.devices):
             return
         self.overlap_began = time.perf_counter()
         config = for_video(self.config, self.video_list[0])

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from custom_splash_attention import install_sdpa_override
 from engine.files.image import read_image
+from engine.pipeline import upscale
 from engine.programs import executables, experts, parking, transformer_step
 from engine.programs.denoise import Programs, set_timesteps, timestep_array
 from engine.run import chips, lowering, runtime
@@ -120,7 +121,7 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
                       oom_hint: str, timings: dict, ahead):
 
     replicated = NamedSharding(mesh, P())
-    parts, placed = dict(timesteps_sharding=replicated), None
+    parts, placed, sr_placed = dict(timesteps_sharding=replicated), None, None
     if config.run.stage in ("all", "denoise"):
         if ahead is None:  # else installed before the background compile started
             install_attention(config.kernel, mesh, attention, fallbacks)
@@ -142,17 +143,36 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
                      sigmas=family.scheduler.sigmas, cache=cache,
                      finish=family.image.finish_latents)
+        if config.upscale is not None:  # --sr: its programs, then the decode for its latents
+            parts["upscale"], sr_placed, latents_out = _prepare_upscale(
+                config, family, pipe, mesh, embeds, latents0, attention, fallbacks, oom_hint,
+                timings)
     else:
         latents0 = placement.place_array(placement.host_array(staged), replicated)
     if config.run.stage in ("all", "decode"):
-        parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh, latents0, fallbacks,
-                                             oom_hint, timings, ahead)
+        parts["vae_decode"] = prepare_decode(config.run, family, pipe, mesh,
+                                             latents_out if config.upscale else latents0,
+                                             fallbacks, oom_hint, timings, ahead)
         if placed is not None:  # --park_weights: the transformer's weights, while it decodes
             chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
             parts["vae_decode"] = parking.ParkingDecoder(
-                parts["vae_decode"], [placed, *([second] if second else [])],
+                parts["vae_decode"], [p for p in (placed, second, sr_placed) if p],
                 config.run.park_weights, chip and chip.usable_hbm_bytes, config.run.park_memory)
     return Programs(**parts), latents0, placed
+
+
+def _prepare_upscale(config, family, pipe, mesh, embeds, latents0, attention, fallbacks,
+                     oom_hint, timings):
+    """``upscale.prepare_upscale`` with SDPA routed on its own mesh while it traces, then back
+    on the run's mesh (the decode traces next)."""
+    def install(kernel, on_mesh):
+        install_attention(kernel, on_mesh, attention, fallbacks)
+
+    with runtime.hardware_errors("placing and compiling the upscale stage", oom_hint):
+        out = upscale.prepare_upscale(config, family, pipe, list(mesh.devices.flat), embeds,
+                                      latents0, fallbacks, timings, install)
+    install(config.kernel, mesh)
+    return out
 
 
 def install_attention(kernel: KernelSettings, mesh, attention: str, fallbacks) -> None:
@@ -228,4 +248,5 @@ def next_video(config, family, pipe, mesh, programs, embeds, staged):
         return programs, placement.place_array(placement.host_array(staged),
                                                NamedSharding(mesh, P()))
     inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
-    return dataclasses.replace(programs, embeds=inputs), latents0
+    sr = programs.upscale and programs.upscale.next_video(config, embeds)
+    return dataclasses.replace(programs, embeds=inputs, upscale=sr), latents0

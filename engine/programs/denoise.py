@@ -46,6 +46,8 @@ class Programs:
     finish: ``(final latents, embeds) -> latents`` after the loop, before the decode and
         before a staged denoise saves them (the family's ``finish_latents``: TI2V-5B
         image-to-video puts the image's latents back on frame 0).
+    upscale: ``Upscale``: a second denoising stage on a larger grid run after ``finish``
+        (``--sr``), or None; the decode then takes its latents.
     """
 
     step: Callable | None = None
@@ -56,6 +58,24 @@ class Programs:
     vae_decode: Callable | None = None
     cache: Any = None
     finish: Callable | None = None
+    upscale: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Upscale:
+    """The upscale stage as the loop runs it (``engine.pipeline.upscale`` builds it).
+
+    programs: its ``Programs`` (step, scheduler config, sigmas, timesteps' sharding; its
+        model inputs come from ``hand_off``).
+    num_inference_steps: its steps.
+    hand_off: ``f(first stage's final latents) -> (initial latents, model inputs)``.
+    next_video: ``f(config, embeds) -> Upscale`` for another video (its seed and prompt).
+    """
+
+    programs: Programs
+    num_inference_steps: int
+    hand_off: Callable
+    next_video: Callable
 
 
 def timestep_array(t):
@@ -173,6 +193,16 @@ def _denoise_now(programs: Programs, loop, latents0, *, desc: str, call=None,
     return latents
 
 
+def _upscale_now(upscale: Upscale, latents, *, desc: str, limit: int | None = None,
+                 step_times=None):
+    """The upscale stage from the first stage's final latents: the hand-off, then its loop
+    (its first ``limit`` steps only, for the warmup). Returns its final latents."""
+    latents0, inputs = upscale.hand_off(latents)
+    programs = dataclasses.replace(upscale.programs, embeds=inputs)
+    loop = _fresh_loop(programs, upscale.num_inference_steps, limit)
+    return _denoise_now(programs, loop, latents0, desc=desc, step_times=step_times)
+
+
 def warmup(programs: Programs, latents0, *, warmup_steps: int,
            num_inference_steps: int) -> dict:
     """Run every compiled program once, so the timed runs measure steady state.
@@ -198,6 +228,11 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
         latents = _denoise_now(programs, loop, latents0, desc="warmup",
                                call=_model_call(programs, schedule))
         out.update(warmup_denoise_s=time.perf_counter() - t0, warmup_steps=len(loop[1]))
+    if programs.upscale is not None:  # its hand-off and step, on the warmup's latents
+        t1 = time.perf_counter()
+        latents = _upscale_now(programs.upscale, latents, desc="warmup (upscale)",
+                               limit=warmup_steps)
+        out["warmup_upscale_s"] = time.perf_counter() - t1
     if programs.vae_decode is not None:
         t1 = time.perf_counter()
         decode(programs.vae_decode, latents)
@@ -240,6 +275,9 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
                 if cache.settings.calibrate:
                     run["calibration"] = call.calibration()
             check_finite(latents, "denoising (transformer + scheduler)")
+        if programs.upscale is not None:
+            run.update(_timed_upscale(programs.upscale, latents, label))
+            latents = run.pop("latents")
         if programs.vae_decode is not None:
             t1 = time.perf_counter()
             video = decode(programs.vae_decode, latents)
@@ -253,12 +291,24 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
         if run.get("cached_steps"):
             parts.append(f"{run['full_steps']} full steps {run['full_step_s']:.3f} s, "
                          f"{run['cached_steps']} cached {run['cached_step_s']:.3f} s")
+        if "upscale_s" in run:
+            parts.append(f"upscale {run['upscale_s']:.2f} s, {run['upscale_steps']} steps")
         if "vae_decode_s" in run:
             parts.append(f"VAE decode {run['vae_decode_s']:.2f} s")
         print(f"{label}: {run['total_s']:.2f} s ({'; '.join(parts)})")
     if video is not None:
         check_finite(video, "VAE decode")
     return latents, video, runs
+
+
+def _timed_upscale(upscale: Upscale, latents, label: str) -> dict:
+    """One timed upscale stage: {"latents": its final latents, "upscale_s" (hand-off and
+    steps), "upscale_steps", "upscale_step_seconds"}."""
+    step_times, t0 = [], time.perf_counter()
+    latents = _upscale_now(upscale, latents, desc=f"{label} (upscale)", step_times=step_times)
+    check_finite(latents, "the upscale stage (transformer + scheduler)")
+    return dict(latents=latents, upscale_s=time.perf_counter() - t0,
+                upscale_steps=upscale.num_inference_steps, upscale_step_seconds=step_times)
 
 
 def _cache_step_times(kinds: list, seconds: list) -> dict:

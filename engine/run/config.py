@@ -174,6 +174,7 @@ GROUPS = (("model", ModelSettings), ("video", VideoSettings), ("layout", LayoutS
           ("kernel", KernelSettings), ("run", RunSettings), ("dry", DryRunSettings),
           ("hosts", HostSettings))
 _GROUP_OF = {f.name: group for group, cls in GROUPS for f in dataclasses.fields(cls)}
+_WHOLE = ("step_cache", "serve", "upscale")  # settings kept as one value, not a flag group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +185,8 @@ class RunConfig:
     model: ``ModelSettings``; video: ``VideoSettings``; layout: ``LayoutSettings``; kernel:
     ``KernelSettings``; run: ``RunSettings``; dry: ``DryRunSettings``; hosts:
     ``HostSettings``; step_cache: ``engine.programs.step_cache.CacheSettings`` (None: off);
-    serve: ``engine.serve.flags.ServeSettings`` (None: no --serve).
+    serve: ``engine.serve.flags.ServeSettings`` (None: no --serve); upscale: the family's
+    super-resolution settings (``families.base.Upscale.validate``; None: no --sr).
     Build one from flat flag values with ``from_flags``; ``replace`` takes flat names too.
     """
 
@@ -197,6 +199,7 @@ class RunConfig:
     hosts: HostSettings
     step_cache: Any = None
     serve: Any = None
+    upscale: Any = None
 
     @classmethod
     def from_flags(cls, **values) -> RunConfig:
@@ -205,12 +208,12 @@ class RunConfig:
         Raises:
             TypeError: a name no group has, or a required one missing.
         """
-        unknown = sorted(set(values) - set(_GROUP_OF) - {"step_cache", "serve"})
+        unknown = sorted(set(values) - set(_GROUP_OF) - set(_WHOLE))
         if unknown:
             raise TypeError(f"RunConfig: expected flag names, got {unknown}")
         groups = {g: c(**{k: v for k, v in values.items() if _GROUP_OF.get(k) == g})
                   for g, c in GROUPS}
-        return cls(**groups, step_cache=values.get("step_cache"), serve=values.get("serve"))
+        return cls(**groups, **{k: values.get(k) for k in _WHOLE})
 
     def resolve_block_sizes(self, chip: str | None) -> RunConfig:
         """This config with --bq/--bkv/--bkv_compute not given taken from ``chip``'s
@@ -241,7 +244,7 @@ class RunConfig:
         """A copy with ``changes``: flat flag names (``seed=3``) or whole groups
         (``video=...``)."""
         groups = {k: v for k, v in changes.items()
-                  if k in dict(GROUPS) or k in ("step_cache", "serve")}
+                  if k in dict(GROUPS) or k in _WHOLE}
         for group, _ in GROUPS:
             flat = {k: v for k, v in changes.items() if _GROUP_OF.get(k) == group}
             if flat:
@@ -267,6 +270,8 @@ class RunConfig:
                    lora_2=self.model.lora_2.specs() if self.model.lora_2 else [])
         if self.serve is not None:  # a CLI run's settings stay as they were
             out["serve"] = self.serve.settings()
+        if self.upscale is not None:
+            out["upscale"] = dataclasses.asdict(self.upscale)
         return out
 
 

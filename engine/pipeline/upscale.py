@@ -1,0 +1,185 @@
+"""The upscale stage: a second denoising on a larger latent grid after the first
+(super-resolution, ``--sr``), with its own transformer, placed and compiled with the first
+stage's programs, before any timed run.
+
+The family (``families.base.Upscale``) says what the stage is: its settings, its transformer,
+a small refiner of the first stage's latents (the "upsampler") and the hand-off that turns
+the first stage's final latents into the second stage's inputs. Here it is placed and
+compiled:
+
+* the second transformer on its own mesh over the same devices, from the resolver run on the
+  second stage's config: the stage has its own batch (an SR stage runs guidance 1, batch 1,
+  where the first stage may run CFG over dp), so its layout is its own;
+* the hand-off as one compiled program (resize, upsampler, noise, condition), its weights
+  replicated (small);
+* the VAE decode then compiles for the second stage's latents (``stages.prepare_decode``).
+
+The denoising loop runs it (``engine.programs.denoise.Upscale``) after the first stage's
+last step, timed apart in the report (``upscale_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
+from engine.files.checkpoint import read_component_config
+from engine.programs import executables, transformer_step
+from engine.programs.denoise import Programs, Upscale, set_timesteps, timestep_array
+from engine.run import chips
+from engine.run.errors import UsageError
+from engine.run.mesh import make_mesh
+from engine.weights import placement, sharding
+from engine.weights.layout import resolve_run_mesh
+from engine.weights.sharding import place_module
+
+FLAGS = ("sr_model_dir", "sr_steps", "sr_flow_shift")
+
+
+def add_flags(parser) -> None:
+    """``--sr`` and its stage's flags, in their own help group."""
+    g = parser.add_argument_group("super-resolution: a second stage after the first "
+                                  "(docs/features.md)")
+    g.add_argument("--sr", default="none", choices=("none", "720p", "1080p"),
+                   help="upscale the first stage's video with the family's super-resolution "
+                        "stage to this resolution (families that have one: docs/features.md)")
+    g.add_argument("--sr_model_dir", default=None, metavar="DIR",
+                   help="the SR stage's weights; the family's layout is in docs/features.md "
+                        "(default: none; needed with --sr)")
+    g.add_argument("--sr_steps", type=int, default=None,
+                   help="SR denoising steps (default: the SR checkpoint's)")
+    g.add_argument("--sr_flow_shift", type=float, default=None,
+                   help="the SR schedule's flow shift (default: the SR checkpoint's)")
+
+
+def validate_flags(args, family, values: dict):
+    """The family's upscale settings for ``RunConfig.upscale``, or None with ``--sr none``;
+    before any model loads. ``--overlap_compile auto`` then means off
+    (``Generation.start_compile``): the decode compiles for the second stage's latents.
+
+    Raises:
+        UsageError: an SR flag without ``--sr``; ``--sr`` on a family without the stage or a
+            value it lacks; with a staged run, a dry run, the server or ``--overlap_compile on``
+            (each runs only the first stage's programs today); what the family's
+            ``validate`` raises.
+    """
+    if args.sr == "none":
+        given = [f for f in FLAGS if getattr(args, f) is not None]
+        if given:
+            raise UsageError(f"--{given[0]}={getattr(args, given[0])}: needs --sr 720p or 1080p")
+        return None
+    if family.upscale is None or args.sr not in family.upscale.choices:
+        raise UsageError(f"--sr={args.sr}: not supported for {family.name} (it has no "
+                         "super-resolution stage)")
+    for flag, value, ok in (("--stage", args.stage, args.stage == "all"),
+                            ("--dry_run", True, not args.dry_run),
+                            ("--serve", True, not getattr(args, "serve", False)),
+                            ("--overlap_compile", args.overlap_compile,
+                             args.overlap_compile != "on")):
+        if not ok:
+            raise UsageError(f"{flag}={value}: not with --sr (the SR stage runs in a whole "
+                             "run, compiled after the first stage)")
+    return family.upscale.validate(args, values)
+
+
+def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks,
+                    timings: dict, install):
+    """Place and compile the upscale stage; returns (``Upscale``, its placed transformer, an
+    example of its final latents for the decode's compile).
+
+    ``devices``: the run's devices; ``install(kernel, mesh)`` routes SDPA to the attention
+    backend on a mesh (``stages.install_attention``); ``lr_latents``: the first stage's
+    initial latents (their shape and sharding are its final latents'). Seconds go into
+    ``timings`` (``place_upscale_s``, ``compile_upscale_s``, ``compile_hand_off_s``).
+    """
+    stage = family.upscale.stage(config, pipe)
+    sr = stage.config
+    chip = chips.chip_for_device_kind(devices[0].device_kind)
+    cfg = read_component_config(sr.model.model_id, "transformer")
+    mesh = make_mesh(resolve_run_mesh(sr, family, cfg, len(devices), chip), devices)
+    install(sr.kernel, mesh)
+    t0 = time.perf_counter()
+    placed = sharding.place_expert(sr, family, stage.transformer, "transformer", mesh, fallbacks)
+    up = place_module(stage.upsampler, mesh, desc="upsampler")
+    timings["place_upscale_s"] = time.perf_counter() - t0
+    hand_off, timings["compile_hand_off_s"] = compile_hand_off(stage, up, mesh, lr_latents)
+    run = for_video(stage, hand_off, None, config, embeds)
+    latents0, inputs = run.hand_off(lr_latents)
+    set_timesteps(pipe.scheduler, sr.video.num_inference_steps, stage.sigmas)
+    t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
+    fn = stage.step_fn(placed["module"], sr)
+    times: dict = {}
+    step, _ = transformer_step.compile_transformer_step(
+        sr, family.transformer.block_stack, pipe, placed, None, mesh, fn, latents0, t, inputs,
+        times)
+    timings["compile_upscale_s"] = times["compile_transformer_s"]
+    return for_video(stage, hand_off, step, config, embeds), placed, latents0
+
+
+def for_video(stage, hand_off, step, config, embeds) -> Upscale:
+    """The upscale stage for one video: its initial latents, text inputs and hand-off extras
+    drawn on the host and placed (``config``: the first stage's config of this video)."""
+    latents0, extras = stage.noise(config)
+    text = stage.text_inputs(embeds)
+    over_dp, replicated = NamedSharding(hand_off.mesh, P("dp")), NamedSharding(hand_off.mesh, P())
+    placed = dataclasses.replace(hand_off, latents0=_put(latents0, replicated),
+                                 text=_put(text, over_dp), extras=_put(extras, replicated))
+    programs = Programs(step=step, scheduler_config=stage.scheduler_config,
+                        sigmas=stage.sigmas, timesteps_sharding=replicated)
+    return Upscale(programs=programs, num_inference_steps=stage.config.video.num_inference_steps,
+                   hand_off=placed,
+                   next_video=lambda c, e: for_video(stage, hand_off, step, c, e))
+
+
+def _put(tree, where):
+    return jax.tree.map(lambda x: placement.place_array(placement.host_array(x), where), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandOff:
+    """The first stage's final latents -> (the second stage's initial latents, its model
+    inputs): ``compiled`` runs the family's ``hand_off_fn`` (weights ``placed``) on them and
+    this video's placed ``extras``; ``latents0`` and ``text`` (this video's initial latents and
+    text inputs) are passed through (set by ``for_video``)."""
+
+    compiled: object
+    placed: dict
+    mesh: object
+    latents0: object = None
+    text: object = None
+    extras: object = None
+
+    def __call__(self, lr_latents):
+        replicated = NamedSharding(self.mesh, P())
+        extra_inputs = self.compiled(self.placed["params"], self.placed["buffers"],
+                                     jax.device_put(lr_latents, replicated), self.extras)
+        return self.latents0, {**self.text, **extra_inputs}
+
+
+def compile_hand_off(stage, placed: dict, mesh, lr_latents) -> tuple[HandOff, float]:
+    """AOT-compile the hand-off for the first stage's latents (the shape and dtype of
+    ``lr_latents``), through the executable cache; returns (``HandOff`` without a video's
+    inputs, seconds)."""
+    _, extras = stage.noise(stage.first)
+    replicated = NamedSharding(mesh, P())
+    param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
+    jitted = jax.jit(interop.jax_view(stage.hand_off_fn(placed["module"])),
+                     in_shardings=(param_sh, replicated, replicated, replicated),
+                     out_shardings=NamedSharding(mesh, P("dp")))
+
+    def spec(x):
+        a = placement.host_array(x)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+
+    args = (placed["params"], placed["buffers"],
+            jax.ShapeDtypeStruct(lr_latents.shape, lr_latents.dtype, sharding=replicated),
+            jax.tree.map(spec, extras))
+    t0 = time.perf_counter()
+    compiled, _ = executables.compile_program("upscale_hand_off", lambda: jitted.lower(*args),
+                                              args)
+    return HandOff(compiled, placed, mesh), time.perf_counter() - t0

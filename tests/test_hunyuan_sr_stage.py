@@ -1,0 +1,189 @@
+"""``--sr``: HunyuanVideo-1.5's super-resolution stage run after the first stage, against a
+test-only eager reference of the official SR pipeline.
+
+diffusers has no SR pipeline, so the reference below is ported from the official code
+(Tencent-Hunyuan/HunyuanVideo-1.5 @ 60783e7, ``hyvideo/pipelines/hunyuan_video_sr_pipeline.py``
+``__call__``: the bucket map, ``prepare_latents`` with the seeded generator, the bilinear
+resize and the upsampler in float32, ``add_noise_to_lq`` at 0.7, the T2V condition with the
+low-res latents and their ones mask, the zeroed copy, the switch once t < 700, the Euler steps)
+and written out here on its own, in eager torch: the first stage is diffusers' own
+``HunyuanVideo15Pipeline`` (``output_type="latent"``), the SR transformer diffusers'
+``HunyuanVideo15Transformer3DModel``, the decode diffusers' VAE. The one stated difference
+(``families/hunyuan_sr_stage.py``): the low-res noise comes from the seeded generator after
+the latents, not from torch's global generator.
+
+Weights are random (tiny checkpoints): a tiny SR DiT with the first stage's text widths and a
+``target_size`` of 96 (the released ones use the SizeMap's 960 / 1440), and a tiny upsampler.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+from diffusers.pipelines.hunyuan_video1_5.image_processor import generate_crop_size_list
+
+import generate_flax
+from engine.pipeline import generate
+from engine.run.errors import UsageError
+from families import FAMILIES
+from families.hunyuan_sr import SRTo720pUpsampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERSION = "720p_sr_distilled"
+PROMPT = "A cat walks on the grass, realistic style"
+SHAPE = dict(height=48, width=80, frames=9)  # the tiny first stage's 16:9 bucket (base 64)
+SR_BASE = 96  # the tiny SR DiT's target_size
+STEPS, SR_STEPS, SEED = 2, 3, 3  # SR at shift 2: t = 1000, 800, 500 (the last without lq)
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sr_dir(hunyuan_checkpoint, tmp_path_factory):
+    """A tiny ``--sr_model_dir``: transformer/ (diffusers format, what
+    tools/convert_hunyuan_sr.py writes) and upsampler/<version>/ (the official layout)."""
+    builder = _tool("make_tiny_hunyuan_sr")
+    with open(os.path.join(hunyuan_checkpoint, "transformer", "config.json")) as f:
+        first = json.load(f)
+    widths = {k: first[k] for k in ("text_embed_dim", "text_embed_2_dim", "image_embed_dim")}
+    folder = tmp_path_factory.mktemp("sr")
+    builder.tiny_transformer(5, VERSION, target_size=SR_BASE, **widths).save_pretrained(
+        folder / "transformer", safe_serialization=True)
+    upsampler = builder.build(argparse.Namespace(latent_channels=32, seed=4))[VERSION]
+    upsampler.save_pretrained(folder / "upsampler" / VERSION, safe_serialization=True)
+    return str(folder)
+
+
+def _hr_size() -> tuple[int, int]:
+    """The official BucketMap (hunyuan_video_sr_pipeline.py:46-72): the hr bucket whose w/h is
+    nearest the lr video's (first on a tie)."""
+    hr = generate_crop_size_list(base_size=SR_BASE, patch_size=16)
+    ratios = np.array([w / h for w, h in hr])
+    w, h = hr[int(np.abs(ratios - SHAPE["width"] / SHAPE["height"]).argmin())]
+    return h, w
+
+
+@pytest.fixture(scope="module")
+def reference(hunyuan_checkpoint, sr_dir):
+    """The first stage (diffusers) then the official SR stage's math, eager: frames (F, H, W, 3)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    pipe = HunyuanVideo15Pipeline.from_pretrained(hunyuan_checkpoint, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        lr = pipe(prompt=PROMPT, num_frames=SHAPE["frames"], height=SHAPE["height"],
+                  width=SHAPE["width"], num_inference_steps=STEPS, output_type="latent",
+                  generator=torch.Generator("cpu").manual_seed(SEED)).frames
+        return _sr_reference(pipe, lr, sr_dir)
+
+
+def _sr_reference(pipe, lr, sr_dir):
+    transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
+        os.path.join(sr_dir, "transformer")).eval()
+    upsampler = SRTo720pUpsampler.from_pretrained(os.path.join(sr_dir, "upsampler",
+                                                               VERSION)).eval()
+    height, width = _hr_size()
+    generator = torch.Generator("cpu").manual_seed(SEED)
+    latents = pipe.prepare_latents(1, 32, height, width, SHAPE["frames"], torch.float32,
+                                   torch.device("cpu"), generator)
+    lq_noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    b, c, f, h, w = lr.shape
+    lq = F.interpolate(lr.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w),
+                       size=latents.shape[-2:], mode="bilinear", align_corners=False)
+    lq = upsampler(lq.reshape(b, f, c, *latents.shape[-2:]).permute(0, 2, 1, 3, 4).float())
+    t_lq = torch.tensor([700.0]).reshape(1, 1, 1, 1, 1)  # add_noise_to_lq, noise_scale 0.7
+    lq = (1 - t_lq / 1000) * lq + (t_lq / 1000) * lq_noise
+    cond = torch.zeros(1, c + 1, *latents.shape[2:])  # T2V: no image latents, mask 0
+    condition = torch.cat([cond, lq, torch.ones_like(lq[:, :1])], dim=1)
+    zeroed = condition.clone()
+    zeroed[:, c + 1:2 * c + 1] = 0
+    zeroed[:, 2 * c + 1] = 0
+    embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(PROMPT, device=torch.device("cpu"))
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=2.0)
+    scheduler.set_timesteps(sigmas=list(np.linspace(1.0, 0.0, SR_STEPS + 1)[:-1]))
+    image_embeds = torch.zeros(1, 729, transformer.config.image_embed_dim)
+    for t in scheduler.timesteps:
+        if t < 700:
+            condition = zeroed
+        pred = transformer(hidden_states=torch.cat([latents, condition], dim=1),
+                           timestep=t.expand(1), encoder_hidden_states=embeds,
+                           encoder_attention_mask=mask, encoder_hidden_states_2=embeds_2,
+                           encoder_attention_mask_2=mask_2, image_embeds=image_embeds,
+                           return_dict=False)[0]
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    video = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    return pipe.video_processor.postprocess_video(video, output_type="np")[0]
+
+
+def _argv(checkpoint, sr_dir, *extra):
+    return ["--model_id", checkpoint, "--prompt", PROMPT, "--dtype", "float32",
+            "--seed", str(SEED), "--num_inference_steps", str(STEPS), "--num_iterations", "1",
+            "--warmup_steps", "1", "--height", str(SHAPE["height"]), "--width",
+            str(SHAPE["width"]), "--frames", str(SHAPE["frames"]), "--compilation_cache_dir",
+            "none", "--sr", "720p", "--sr_model_dir", sr_dir, "--sr_steps", str(SR_STEPS),
+            *extra]
+
+
+def _ours(checkpoint, sr_dir, devices, *extra):
+    config = generate_flax.validate_args(generate_flax.parse_args(
+        _argv(checkpoint, sr_dir, *extra)))
+    return generate(config, FAMILIES[config.model.family], devices=devices)
+
+
+def test_sr_stage_matches_the_official_pipeline_eagerly(hunyuan_checkpoint, sr_dir, reference):
+    frames, report = _ours(hunyuan_checkpoint, sr_dir, jax.devices()[:1], "--attention", "xla")
+    assert frames.shape == (SHAPE["frames"], *_hr_size(), 3)
+    np.testing.assert_allclose(frames, reference, atol=1e-3)
+    settings = report["settings"]["upscale"]
+    assert (settings["version"], settings["steps"], settings["flow_shift"]) == (VERSION, 3, 2.0)
+    assert (settings["height"], settings["width"]) == _hr_size()
+    timings = report["timings"]
+    assert len(timings["runs"][-1]["upscale_step_seconds"]) == SR_STEPS
+    assert timings["warmup_upscale_s"] > 0 and timings["compile_upscale_s"] > 0
+
+
+def test_sr_stage_sharded_matches_the_reference(hunyuan_checkpoint, sr_dir, reference):
+    """The first stage on dp2 x tp2 x sp2 (CFG over dp) and the SR stage on the layout the
+    resolver picks for batch 1, through the Splash kernel in interpret mode."""
+    frames, report = _ours(hunyuan_checkpoint, sr_dir, None, "--attention", "splash",
+                           "--dp", "2", "--tp", "2", "--sp", "2")
+    np.testing.assert_allclose(frames, reference, atol=1e-3)
+
+
+def test_sr_flags_are_one_line_errors(hunyuan_checkpoint, tiny_checkpoint, sr_dir, tmp_path):
+    def refused(argv):
+        with pytest.raises(UsageError) as e:
+            generate_flax.validate_args(generate_flax.parse_args(argv))
+        return str(e.value)
+
+    assert "not supported for Wan" in refused(["--model_id", tiny_checkpoint, "--sr", "720p",
+                                               "--sr_model_dir", sr_dir])
+    assert "needs --sr" in refused(["--model_id", hunyuan_checkpoint, "--sr_steps", "4"])
+    assert "needs --sr_model_dir" in refused(["--model_id", hunyuan_checkpoint, "--sr", "720p"])
+    assert "not a folder" in refused(_argv(hunyuan_checkpoint, str(tmp_path / "none")))
+    damaged = tmp_path / "damaged"
+    (damaged / "transformer").mkdir(parents=True)
+    (damaged / "transformer" / "config.json").write_text("{not json")
+    assert "cannot be read" in refused(_argv(hunyuan_checkpoint, str(damaged)))
+    official = tmp_path / "official"
+    (official / "transformer").mkdir(parents=True)
+    (official / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "HunyuanVideo_1_5_DiffusionTransformer"}))
+    assert "convert_hunyuan_sr.py" in refused(_argv(hunyuan_checkpoint, str(official)))
+    assert "bucket" in refused(_argv(hunyuan_checkpoint, sr_dir, "--height", "48",
+                                     "--width", "48"))  # not a bucket of base 64
+    assert "--stage" in refused(_argv(hunyuan_checkpoint, sr_dir, "--stage", "denoise"))
+    assert "--sr_steps=0" in refused(_argv(hunyuan_checkpoint, sr_dir, "--sr_steps", "0"))
+    assert "\n" not in refused(_argv(hunyuan_checkpoint, sr_dir, "--serve"))
