@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import subprocess
 import sys
 from contextlib import redirect_stdout
 
@@ -155,3 +156,19 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys, ext
     assert err.count("\n") == 1 and err.startswith(f"quality.py: error: {flag}")
     assert words in err
     assert not out.exists()  # nothing written, nothing run
+
+
+def test_checks_start_no_jax_backend(tiny_checkpoint):
+    # Each run's process must get the accelerator alone (a TPU belongs to one process): the
+    # harness's own checks, generate_flax.py's parser and validate_args, start no backend.
+    code = (f"import sys; sys.argv = ['quality']; sys.path.insert(0, {ROOT!r}); "
+            "import importlib.util as u; "
+            f"s = u.spec_from_file_location('quality', {SCRIPT!r}); q = u.module_from_spec(s); "
+            "sys.modules['quality'] = q; s.loader.exec_module(q); "
+            f"q.plan(q.parse_args(['--model_id', {tiny_checkpoint!r}, '--flags', {FLAGS!r}, "
+            "'--setting', 'int8=--quantize int8'])); "
+            "from jax._src import xla_bridge; print(xla_bridge.backends_are_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
