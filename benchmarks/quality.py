@@ -19,7 +19,7 @@ same prompt and seed:
   string ``"inf"`` (JSON has no infinity; null would read as "not measured");
 - times, from each run's JSON report: per video its denoise seconds and s/step; per run the
   steady-state s/step (``timings.steady_s_per_step``), its speed-up over the exact run, the
-  cold start and the process's wall time.
+  cold start, the process's wall time and, with a step cache, the steps it cached.
 A setting with no flags (``"again="``) reruns the exact setting: PSNR ``inf`` and SSIM 1.0 say
 the runs are deterministic.
 
@@ -371,8 +371,11 @@ def summarize(runs: dict, settings: list[Setting], rows: list[dict]) -> dict:
     for name, run in runs.items():
         t = run["report"]["timings"]
         step = t.get("steady_s_per_step")
+        cached = (run["report"].get("cache") or {}).get("cached_steps")
         entry = dict(flags=flags[name], report=run["report_path"], log=run["log"],
                      process_wall_s=run["wall_s"], steady_s_per_step=step,
+                     steps=run["report"]["settings"].get("num_inference_steps"),
+                     cached_steps=len(cached) if isinstance(cached, list) else None,
                      steady_mean_s=t.get("steady_mean_s"), cold_start_s=t.get("cold_start_s"),
                      speedup_vs_exact=exact_step / step if exact_step and step else None)
         mine = [r for r in rows if r["setting"] == name]
@@ -401,14 +404,16 @@ def tables(rows: list[dict], summary: dict) -> str:
                      f"| {_fmt(r['ssim'], '.4f')} | {r['identical_frames']} of {r['frames']} "
                      f"| {_fmt(r['denoise_s'], '.3f')} ({_fmt(r['exact_denoise_s'], '.3f')}) |")
     lines += ["", "| setting | flags | videos | PSNR dB mean / min | SSIM mean / min | "
-                  "steady s/step | speed-up | cold start s |", "|---|---|---|---|---|---|---|---|"]
+                  "steps cached | steady s/step | speed-up | cold start s |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         metrics = ("– | – | –" if name == EXACT else
                    f"{s['videos']} | {_fmt(s['psnr_db_mean'])} / {_fmt(s['psnr_db_min'])} | "
                    f"{_fmt(s['ssim_mean'], '.4f')} / {_fmt(s['ssim_min'], '.4f')}")
         flags = (f"`{shlex.join(s['flags'])}`" if s["flags"] else
                  "(reference: --flags only)" if name == EXACT else "(none: the exact run again)")
-        lines.append(f"| {name} | {flags} | {metrics} | "
+        cached = "–" if s["cached_steps"] is None else f"{s['cached_steps']} of {s['steps']}"
+        lines.append(f"| {name} | {flags} | {metrics} | {cached} | "
                      f"{_fmt(s['steady_s_per_step'], '.4f')} | "
                      f"{_fmt(s['speedup_vs_exact'], '.2f')}× | {_fmt(s['cold_start_s'], '.1f')} |")
     return "\n".join(lines)
