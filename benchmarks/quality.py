@@ -21,7 +21,9 @@ same prompt and seed:
   steady-state s/step (``timings.steady_s_per_step``), its speed-up over the exact run, the
   cold start, the process's wall time and, with a step cache, the steps it cached.
 A setting with no flags (``"again="``) reruns the exact setting: PSNR ``inf`` and SSIM 1.0 say
-the runs are deterministic.
+the runs are deterministic, and its speed-up is the timing's noise floor (on the 2-core CPU
+host a first process compiling into empty caches ran its steps slower than later ones:
+warm the caches with a first harness run before comparing times).
 
 Each run is ``generate_flax.py`` in a subprocess, as a user runs it: its own process holds
 the accelerator alone (a TPU belongs to one process, and this one never starts a JAX
