@@ -117,24 +117,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model_id", required=True,
                    help="the checkpoint: a diffusers-format folder or a Hub id, as for "
-                        "generate_flax.py")
+                        "generate_flax.py (required)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS,
-                   help="text file, one prompt per line ('#' lines and blank lines skipped)")
-    p.add_argument("--seeds", default="42", help="comma-separated seeds, each with each prompt")
+                   help="text file, one prompt per line ('#' lines and blank lines skipped) "
+                        "(default: benchmarks/quality_prompts.txt, five of VBench's prompts)")
+    p.add_argument("--seeds", default="42",
+                   help="comma-separated seeds, each with each prompt (default: 42)")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=FLAGS",
                    help="an approximate setting: generate_flax.py flags added to --flags, e.g. "
                         "'magcache=--cache magcache' or 'int8=--quantize int8'; repeatable; "
-                        "empty FLAGS reruns the exact setting (a determinism check)")
+                        "empty FLAGS reruns the exact setting (a determinism check) (default: "
+                        "none, the exact run alone)")
     p.add_argument("--flags", default="",
                    help="generate_flax.py flags of every run, the exact one included (size, "
                         "steps, dtype, mesh...); the harness sets --model_id, --prompts_file, "
-                        "--output_dir and --save_frames itself")
+                        "--output_dir and --save_frames itself; a single flag needs '=': "
+                        "--flags=--no_plots (default: none, generate_flax.py's defaults)")
     p.add_argument("--output_dir", default=os.path.join("outputs", "quality"),
-                   help="a new <YYYYMMDD_HHMMSS> folder here gets every run and quality.json")
+                   help="a new <YYYYMMDD_HHMMSS> folder here gets every run and quality.json "
+                        "(default: outputs/quality)")
     return p.parse_args(argv)
 
 
