@@ -263,6 +263,7 @@ def plan(args) -> tuple[tuple[str, ...], list[Setting], list[Video]]:
     if looks_local(args.model_id) and not os.path.isdir(args.model_id):
         fail("--model_id", args.model_id, "no such folder (a diffusers-format checkpoint "
                                           "folder, or a Hub id org/name)")
+    _metrics()  # before any run: a missing install must not cost the generations
     prompts = read_prompts(args.prompts)
     seeds = video_files.parse_seeds(args.seeds)
     settings = [parse_setting(text) for text in args.setting]
@@ -308,13 +309,17 @@ def run_generate(argv: list[str], folder: str, name: str) -> dict:
 
 
 def _metrics():
-    # Lazy: the harness's checks and --help work without scikit-image (requirements.txt pins
-    # it); a missing install is one line when the comparison starts.
+    """``skimage.metrics``, imported here so that --help works without scikit-image
+    (requirements.txt pins it); ``plan`` asks for it before any run.
+
+    Raises:
+        UsageError: scikit-image is not installed (one line, exit 2).
+    """
     try:
         from skimage import metrics
     except ImportError:
-        raise GenerationError("scikit-image is not installed: pip install -r requirements.txt "
-                              "(it pins scikit-image)") from None
+        raise UsageError("scikit-image is not installed (PSNR and SSIM come from it): pip "
+                         "install -r requirements.txt, which pins it") from None
     return metrics
 
 
