@@ -235,7 +235,7 @@ def check_runs(args, common: tuple[str, ...], settings: list[Setting],
     with tempfile.TemporaryDirectory(prefix="quality-check-") as scratch:
         prompts_file = os.path.join(scratch, "prompts.jsonl")
         write_prompts_file(videos, prompts_file)
-        shapes = {}
+        exact = None  # (frames, height, width) of the exact run's videos
         for setting in [None, *settings]:
             flag, text = ("--setting", setting.text) if setting else ("--flags", args.flags)
             if setting:
@@ -246,12 +246,12 @@ def check_runs(args, common: tuple[str, ...], settings: list[Setting],
                 config = generate_flax.validate_args(parsed)
             except UsageError as e:
                 raise UsageError(f"{flag}={text!r}: generate_flax.py: {e}") from None
-            v = config.video
-            shapes[flag, text] = (v.frames, v.height, v.width)
-            if shapes[flag, text] != shapes["--flags", args.flags]:
-                fail(flag, text, f"makes {v.frames}x{v.height}x{v.width} videos (frames x "
-                                 "height x width), the exact run {0}x{1}x{2}: PSNR compares "
-                                 "equal sizes".format(*shapes["--flags", args.flags]))
+            shape = (config.video.frames, config.video.height, config.video.width)
+            exact = exact or shape
+            if shape != exact:
+                fail(flag, text, f"makes {'x'.join(map(str, shape))} videos (frames x height x "
+                                 f"width), the exact run {'x'.join(map(str, exact))}: PSNR "
+                                 "compares equal sizes")
 
 
 def plan(args) -> tuple[tuple[str, ...], list[Setting], list[Video]]:
@@ -491,6 +491,10 @@ def main(argv=None) -> int:
     except GenerationError as e:
         print(f"{prefix}{e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the running generate_flax.py got the same Ctrl-C
+        print("quality.py: interrupted; the finished runs' files are kept, no quality.json",
+              file=sys.stderr)
+        return 130
     d, w = result["devices"] or {}, result["weights"] or {}
     print(f"{NOTE}\n\n{args.model_id}: {len(videos)} videos, {d.get('count')} x {d.get('kind')} "
           f"({d.get('platform')}), weights {w.get('param_bytes', 0) / 1e6:,.3f} MB; "
