@@ -201,6 +201,11 @@ SLOW = {
     # 2026-11-27 (CI tier measured 20 min 43 s of pytest with it; 47-118 s, a libtpu guard).
     "test_dry_run.py::test_hunyuan_i2v_step_compiles_with_odd_rows_per_shard":
         "| test_hunyuan's sharded frames (padded shards)",
+    # 2026-11-27: the quality harness end to end, three generate_flax.py subprocesses (exact,
+    # exact again, int8): 65-82 s on the 2-core host beside other work, over a file's 60 s.
+    "test_quality_harness.py::test_exact_rerun_gives_infinite_psnr_and_ssim_one":
+        "| test_metrics_against_numpy_on_fixed_frames",
+    "test_quality_harness.py::test_int8_differs_and_its_psnr_equals_numpy": "",
 }
 
 
