@@ -309,6 +309,9 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     broken = family.flags.check({**values, "model_id": args.model_id})
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
+    if args.vae_tiling and not family.vae.tiling:
+        fail("--vae_tiling", True, f"not available for {family.name} (its decode is already "
+             "frame-chunked and width-sharded)")
     if args.megatron_sp and not family.transformer.block_stack.sublayers:
         fail("--megatron_sp", True, f"not supported for {family.name} (its blocks declare no "
              "sublayers to gather and scatter)")

@@ -162,6 +162,8 @@ class VaePrograms:
         runs it (Wan), so the dry run compiles and sizes that encode; None
         where the condition is encoded on the host (HunyuanVideo-1.5).
     is_encode_weight(name) -> whether ``encoder`` reads this VAE weight (with ``encoder``).
+    tiling: whether ``decoder`` takes ``tiling=True`` (``--vae_tiling``); checked before any
+        model loads.
     """
 
     empty: Callable
@@ -169,6 +171,7 @@ class VaePrograms:
     decoder: Callable
     encoder: Callable | None = None
     is_encode_weight: Callable | None = None
+    tiling: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,11 +238,15 @@ class Upscale:
         ``scheduler_config``, ``sigmas``, ``step_fn(jm, config)``, ``hand_off_fn(jm)``,
         ``noise(config)`` and ``text_inputs(embeds)`` (see
         ``families.hunyuan_sr_stage.SrStage``).
+    dry_stage: ``f(config) -> dry stage`` for ``--dry_run`` (no weights); the engine reads its
+        ``config``, ``transformer_config``, ``step_fn``, ``abstract_inputs(cfg)``,
+        ``estimate_config`` and ``assumed`` (see ``families.hunyuan_sr_stage.SrDryStage``).
     """
 
     choices: tuple[str, ...]
     validate: Callable
     stage: Callable
+    dry_stage: Callable
 
 
 @dataclasses.dataclass(frozen=True)

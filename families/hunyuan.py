@@ -743,7 +743,7 @@ FAMILY = ModelFamily(
     ),
     # The image condition is VAE-encoded on the host (no device encoder).
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
-                    decoder=vae_decoder),
+                    decoder=vae_decoder, tiling=False),
     image=ImageConditioning(
         mode=image_mode,
         encode=encode_image,

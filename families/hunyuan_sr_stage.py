@@ -35,6 +35,8 @@ import dataclasses
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import torch
 
 from engine.files.checkpoint import read_component_config
@@ -116,11 +118,12 @@ def validate(args, values: dict) -> SrSettings:
     if hunyuan.is_image_to_video(args.model_id):
         raise UsageError(f"--sr={args.sr}: runs after text-to-video checkpoints only for now "
                          "(the image-to-video SR condition is not wired up)")
-    if args.sr_model_dir is None:
+    if args.sr_model_dir is None and not args.dry_run:
         raise UsageError(f"--sr={args.sr}: needs --sr_model_dir (transformer/ from "
                          "tools/convert_hunyuan_sr.py, upsampler/{version}/ as in the official "
                          "download)")
-    cfg = check_folder(args.sr_model_dir, version)
+    cfg = ({"target_size": sr.BUCKET_BASE[config.target]} if args.sr_model_dir is None
+           else check_folder(args.sr_model_dir, version))
     steps = config.steps if args.sr_steps is None else args.sr_steps
     shift = config.flow_shift if args.sr_flow_shift is None else args.sr_flow_shift
     if steps < 1:
@@ -133,6 +136,70 @@ def validate(args, values: dict) -> SrSettings:
     return SrSettings(version, args.sr_model_dir, steps, float(shift), height, width)
 
 
+def second_config(config, model_id: str):
+    """The SR stage's ``RunConfig``: the SR size, steps and shift, guidance 1, no LoRA, no
+    step cache, its own layout (dp/tp/sp left to the resolver), ``model_id`` for its
+    transformer."""
+    s = config.upscale
+    return config.replace(
+        model_id=model_id, height=s.height, width=s.width, num_inference_steps=s.steps,
+        flow_shift=s.flow_shift, guidance_scale=1.0, lora=None, lora_2=None,
+        dp=None, tp=None, sp=None, step_cache=None, upscale=None)
+
+
+def sr_step_fn(jm, config):
+    """The SR transformer's step: ``hunyuan.step_fn`` with its condition chosen per step
+    (``hunyuan_sr.select_condition``) from the two the hand-off made (inputs ``CONDITION``,
+    ``ZEROED``)."""
+    inner = hunyuan.step_fn(jm, config)
+
+    def step(params, buffers, latents, timestep, inputs):
+        inputs = dict(inputs)
+        full, zeroed = inputs.pop(CONDITION), inputs.pop(ZEROED)
+        inputs[CONDITION] = sr.select_condition(timestep.float(), full, zeroed)
+        return inner(params, buffers, latents, timestep, inputs)
+
+    return step
+
+
+def _condition_struct(cfg: dict, config):
+    """(1, 2C + 2, F', H', W') in the model dtype: the shape of the hand-off's outputs."""
+    v = config.video
+    return jax.ShapeDtypeStruct(
+        (1, 2 * cfg["out_channels"] + 2, (v.frames - 1) // hunyuan.VAE_TEMPORAL_SCALE + 1,
+         v.height // hunyuan.VAE_SPATIAL_SCALE, v.width // hunyuan.VAE_SPATIAL_SCALE),
+        getattr(jnp, config.model.dtype))
+
+
+class SrDryStage:
+    """The SR stage for ``--dry_run`` (no weights): ``config``, ``transformer_config``,
+    ``step_fn``, ``abstract_inputs(cfg)`` and ``estimate_config`` (see
+    ``engine.dry_run.fit``). Without ``--sr_model_dir`` the SR DiT's config is the first
+    stage's transformer config with 98 input channels and the SR ``target_size``
+    (``assumed`` True): the same class; the official SR config.json was not read here
+    (docs/models.md), and only the patch embedding's input width differs by code."""
+
+    def __init__(self, config):
+        s = config.upscale
+        first_cfg = read_component_config(config.model.model_id, "transformer")
+        self.first, self.assumed = config, s.model_dir is None
+        self.config = second_config(config, s.model_dir or config.model.model_id)
+        self.transformer_config = (
+            read_component_config(s.model_dir, "transformer") if s.model_dir else
+            {**first_cfg, "in_channels": 98,
+             "target_size": sr.BUCKET_BASE[sr.SR_CONFIGS[s.version].target]})
+        # The estimate compiles one block from the first stage's step at the SR size: its
+        # inputs are the same shapes (the 98 channels stop at the patch embedding).
+        self.estimate_config = second_config(config, config.model.model_id)
+        self.step_fn = sr_step_fn
+
+    def abstract_inputs(self, cfg: dict) -> dict:
+        """The SR step's model inputs as ``jax.ShapeDtypeStruct``s (no sharding)."""
+        text = hunyuan.abstract_model_inputs(cfg, self.estimate_config)
+        cond = _condition_struct(cfg, self.config)
+        return {**text, CONDITION: cond, ZEROED: cond}
+
+
 class SrStage:
     """What the engine's upscale stage places and compiles for one run (see
     ``engine.pipeline.upscale.prepare_upscale``): ``config`` (the second stage's
@@ -143,10 +210,7 @@ class SrStage:
     def __init__(self, config, pipe):
         s = config.upscale
         self.first, self.pipe = config, pipe
-        self.config = config.replace(
-            model_id=s.model_dir, height=s.height, width=s.width, num_inference_steps=s.steps,
-            flow_shift=s.flow_shift, guidance_scale=1.0, lora=None, lora_2=None,
-            dp=None, tp=None, sp=None, step_cache=None, upscale=None)
+        self.config = second_config(config, s.model_dir)
         cfg = read_component_config(s.model_dir, "transformer")
         self.transformer = hunyuan.empty_transformer(cfg, getattr(torch, config.model.dtype))
         self.upsampler = sr.load_upsampler(s.model_dir, s.version)
@@ -156,17 +220,7 @@ class SrStage:
         self.sigmas = hunyuan.scheduler_sigmas
 
     def step_fn(self, jm, config):
-        """The SR transformer's step: ``hunyuan.step_fn`` with its condition chosen per step
-        (``hunyuan_sr.select_condition``) from the two the hand-off made."""
-        inner = hunyuan.step_fn(jm, config)
-
-        def step(params, buffers, latents, timestep, inputs):
-            inputs = dict(inputs)
-            full, zeroed = inputs.pop(CONDITION), inputs.pop(ZEROED)
-            inputs[CONDITION] = sr.select_condition(timestep.float(), full, zeroed)
-            return inner(params, buffers, latents, timestep, inputs)
-
-        return step
+        return sr_step_fn(jm, config)
 
     def hand_off_fn(self, jm):
         """torch ``(params, buffers, lr_latents (1, C, F, h, w) float32, extras) -> {condition,
@@ -211,4 +265,5 @@ def stage(config, pipe) -> SrStage:
     return SrStage(config, pipe)
 
 
-UPSCALE = Upscale(choices=tuple(SR_VERSIONS), validate=validate, stage=stage)
+UPSCALE = Upscale(choices=tuple(SR_VERSIONS), validate=validate, stage=stage,
+                  dry_stage=SrDryStage)

@@ -97,19 +97,36 @@ def _upsample_forward(up, original, x):
     return h + shortcut.repeat_interleave(repeats=up.repeats, dim=1)
 
 
-def block_causal_attention(q, k, v, frames: int):
+# Bytes of one query chunk's float32 scores in the mid-block attention. One whole query frame
+# against every key is 7,973 x 247,163 x 4 B = 7.9 GB at 1080p x 121 (1.6 GB at 720p) in the
+# mid program, whose activations are otherwise about 1 GB each there. Chunks of rows bound it.
+# (The 1080p decode's peak on v6e is elsewhere: a frame program's 35.17 GiB of temporaries,
+# unchanged by this; benchmarks/dry_run_results.md.)
+SCORE_BYTES = 512 * 2**20
+
+
+def block_causal_attention(q, k, v, frames: int, score_bytes: int = SCORE_BYTES):
     """Single-head attention where a position attends the positions of its own and earlier
     frames, as ``HunyuanVideo15AttnBlock.prepare_causal_attention_mask`` defines it.
 
     q, k, v: (B, S, C) JAX arrays, S = frames * positions per frame, frame-major.
-    Returns (B, S, C) in q's dtype. Loops over query frames (``lax.map``): one frame's
-    (B, S/frames, S) scores live at a time, and no (S, S) mask is built. Scores and softmax
-    in float32 (highest matmul precision), scale 1/sqrt(C) as torch SDPA.
+    Returns (B, S, C) in q's dtype. Loops (``lax.map``) over chunks of query rows, each
+    within one frame, sized so that a chunk's (B, rows, S) float32 scores take at most
+    ``score_bytes`` (at least one row; a frame's last chunk is zero-padded, its rows dropped):
+    no (S, S) mask is built. Each row's softmax is over all S keys as before, so the result
+    does not depend on the chunking. Scores and softmax in float32 (highest matmul
+    precision), scale 1/sqrt(C) as torch SDPA.
     """
     b, s, c = q.shape
     per_frame = s // frames
+    rows = max(1, min(per_frame, score_bytes // (4 * b * s)))
+    chunks = -(-per_frame // rows)  # per frame
     key_frame = jnp.arange(s) // per_frame
-    qs = jnp.moveaxis(q.reshape(b, frames, per_frame, c), 1, 0)  # (frames, B, hw, C)
+    qs = q.reshape(b, frames, per_frame, c)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, chunks * rows - per_frame), (0, 0)))
+    # (B, frames, chunks * rows, C) -> (frames * chunks, B, rows, C), frame-major
+    qs = jnp.moveaxis(qs.reshape(b, frames * chunks, rows, c), 1, 0)
+    query_frame = jnp.arange(frames * chunks) // chunks
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
 
@@ -121,8 +138,9 @@ def block_causal_attention(q, k, v, frames: int):
         p = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("bqk,bkc->bqc", p, vf, precision=hi)
 
-    out = jax.lax.map(one, (jnp.arange(frames), qs))  # (frames, B, hw, C)
-    return jnp.moveaxis(out, 0, 1).reshape(b, s, c).astype(q.dtype)
+    out = jax.lax.map(one, (query_frame, qs))  # (frames * chunks, B, rows, C)
+    out = jnp.moveaxis(out, 0, 1).reshape(b, frames, chunks * rows, c)[:, :, :per_frame]
+    return out.reshape(b, s, c).astype(q.dtype)
 
 
 def _attention_forward(block, original, x):

@@ -130,6 +130,8 @@ SLOW = {
     "test_dry_run.py::test_dry_run_compiles_the_chunked_vae_decode": "dry run | per-chip",
     "test_dry_run.py::test_dry_run_estimate_adds_a_labelled_step_time": "| test_quantize's",
     "test_hunyuan.py::test_dry_run_compiles_the_480p_step": "| test_dry_run's table",
+    "test_dry_run.py::test_sr_dry_run_compiles_both_steps_on_their_own_meshes":
+        "two real-size 1-block compiles (100-230 s) | test_hunyuan_sr_stage's run",
     "test_hunyuan_sr_stage.py::test_sr_stage_sharded_matches_the_reference":
         "107 s: two meshes, interpret-mode kernel | the 1-device parity",
     "test_estimate.py::test_large_bf16_matmul_estimate_is_near_its_roofline": "| rest of file",

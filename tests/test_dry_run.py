@@ -235,3 +235,30 @@ def test_hunyuan_i2v_step_compiles_with_odd_rows_per_shard(tmp_path):
          "--no_plots"], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "mesh dp2 tp1 sp4, 1 blocks, 42 tokens" in proc.stdout
+
+
+def test_sr_dry_run_compiles_both_steps_on_their_own_meshes(tmp_path):
+    """``--sr 720p`` after HunyuanVideo-1.5 480p T2V (CFG 6: dp2 over the batch of 2): the SR
+    step (guidance 1, batch 1, 98 input channels: the first stage's config as the SR DiT's,
+    no --sr_model_dir) compiles on its own mesh at the SR size, both transformers counted
+    resident beside each other's step. 480 x 848 -> 720 x 1280 (the official bucket map)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "generate_flax.py"),
+         "--model_id", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+         "--dry_run", "--topology", "v5e:2x2", "--dry_run_skip_vae", "--dry_run_layers", "1",
+         "--height", "480", "--width", "848", "--frames", "5", "--sr", "720p",
+         "--output_dir", str(tmp_path), "--no_plots"],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = glob.glob(str(tmp_path / "*_dry_run.json"))
+    report = json.loads(open(path).read())
+    rows = {row["program"]: row for row in report["per_chip"]}
+    first, second = rows["transformer step"], rows["transformer step (SR)"]
+    assert report["mesh"]["dp"] == 2 and report["upscale"]["mesh"]["dp"] == 1
+    up = report["upscale"]
+    assert (up["height"], up["width"], up["steps"], up["transformer_config_assumed"]) == (
+        720, 1280, 6, True)
+    # Each step keeps the other transformer's weights resident (the same size: 1 block).
+    assert second["resident_bytes"] == first["resident_bytes"] > 0
+    assert "SR stage (720p_sr_distilled, 720 x 1280, 6 steps)" in proc.stdout

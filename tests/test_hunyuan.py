@@ -140,6 +140,7 @@ def test_defaults_come_from_the_checkpoint(hunyuan_checkpoint, tmp_path):
     (["--frames", "10"], "--frames=10"),
     (["--height", "40"], "--height=40"),
     (["--megatron_sp"], "--megatron_sp=True: not supported for HunyuanVideo-1.5"),
+    (["--vae_tiling"], "--vae_tiling=True: not available for HunyuanVideo-1.5"),
     (["--scheduler", "unipc"], "--scheduler='unipc': HunyuanVideo-1.5 runs euler only"),
     (["--lora", "x.safetensors"], "--lora='x.safetensors': file not found"),
 ])

@@ -88,6 +88,12 @@ def test_block_causal_attention_equals_the_dense_mask():
         q[:, None], k[:, None], v[:, None], attn_mask=mask[:, None])[:, 0].numpy()
     got = hunyuan_vae.block_causal_attention(q.numpy(), k.numpy(), v.numpy(), frames)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    # Row chunks under a score budget: 1, 2 (a padded last chunk) and 5 rows per chunk.
+    for rows in (1, 2, 5):
+        budget = 4 * 2 * frames * hw * rows
+        chunked = hunyuan_vae.block_causal_attention(q.numpy(), k.numpy(), v.numpy(), frames,
+                                                     score_bytes=budget)
+        np.testing.assert_allclose(np.asarray(chunked), want, atol=1e-5)
     # The mask matters: the first frame's rows differ from full attention.
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v).numpy()
     assert np.abs(full[:, :hw] - want[:, :hw]).max() > 1e-2

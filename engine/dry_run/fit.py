@@ -336,10 +336,11 @@ def _deviceless(config):
 
 
 def _compiled_rows(config, family, models, mesh, inputs_abstract, capacity: int, layers: int,
-                   n_experts: int):
+                   n_experts: int, decode_latents=None):
     """The step (or the step cache's programs) and the VAE decode compiled for the topology,
     written to ``--aot_export`` when given. ``models``: (placed transformer, VAE, placed
-    VAE). Returns (rows, the step cache's entry or None, the decoder, the export's entry)."""
+    VAE); ``decode_latents``: what the decode takes when not the step's latents (``--sr``).
+    Returns (rows, the step cache's entry or None, the decoder, the export's entry)."""
     placed, vae, vae_placed = models
     modules = dict(transformer=placed["module"], vae=vae,
                    **({"transformer_2": placed["module"]} if n_experts > 1 else {}))
@@ -351,8 +352,75 @@ def _compiled_rows(config, family, models, mesh, inputs_abstract, capacity: int,
             rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity, layers)]
         decoder = family.vae.decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling,
                                      abstract=True)
-        rows += _vae_rows(config, decoder, inputs_abstract[0], capacity)
+        rows += _vae_rows(config, decoder, inputs_abstract[0] if decode_latents is None
+                          else decode_latents, capacity)
     return rows, cache, decoder, exported
+
+
+def _upscale_latents(config, family, vae_cfg: dict, mesh):
+    """The upscale stage's latents (replicated ``ShapeDtypeStruct``), or None without --sr."""
+    if config.upscale is None:
+        return None
+    s = config.upscale
+    shape = family.sizes.latent_shape(vae_cfg, s.height, s.width, config.video.frames)
+    return jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=NamedSharding(mesh, P()))
+
+
+def _upscale_step(config, family, devices, chip, attention: str, latents, capacity: int):
+    """``--sr``: the second stage's step compiled on its own mesh (the resolver's layout for
+    its config, as a run builds it). Returns dict(row, placed, mesh, shape, dry) where
+    ``dry`` is the family's dry stage (``families.base.Upscale.dry_stage``)."""
+    dry = family.upscale.dry_stage(config)
+    sr, cfg = dry.config, dict(dry.transformer_config)
+    shape = resolve_run_mesh(sr, family, cfg, len(devices), chip)
+    if config.dry.dry_run_layers:
+        cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
+    mesh = make_mesh(shape, devices)
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          options=sr.kernel.options(), interpret=False)
+    placed = abstract_transformer(sr, family, cfg, mesh)
+    rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=over_dp),
+                          dry.abstract_inputs(cfg))
+    t = jax.ShapeDtypeStruct((1,), getattr(jax.numpy, family.transformer.timestep_dtype),
+                             sharding=rep)
+    latents = jax.ShapeDtypeStruct(latents.shape, latents.dtype, sharding=rep)
+    print(f"compiling the SR transformer step ({cfg['num_layers']} blocks) for "
+          f"{config.dry.topology}...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        compiled, seconds = compile_step(placed, mesh, dry.step_fn(placed["module"], sr),
+                                         latents, t, inputs)
+        row = _memory_row("transformer step (SR)", compiled, seconds, capacity)
+    except Exception as e:  # the compiler reports real OOMs as errors
+        row = _oom_row("transformer step (SR)", e, time.perf_counter() - t0, capacity,
+                       _per_chip_bytes([*placed["params"].values(), latents, *_leaves(inputs)]))
+    return dict(row=row, placed=placed, mesh=mesh, shape=shape, dry=dry)
+
+
+def _upscale_report(config, family, up: dict, first_estimate: dict | None, chip: str,
+                    attention: str) -> dict:
+    """The report's ``upscale`` entry: the SR stage's settings, mesh, whether its transformer
+    config was assumed, and with ``--estimate`` its step estimate and the two stages'
+    denoising seconds (the decode is not estimated)."""
+    s, dry = config.upscale, up["dry"]
+    out = dict(dataclasses.asdict(s), mesh=dataclasses.asdict(up["shape"]),
+               transformer_config_assumed=dry.assumed)
+    if first_estimate is not None:
+        cfg = {**dry.transformer_config,
+               "in_channels": read_component_config(config.model.model_id,
+                                                    "transformer")["in_channels"]}
+        print("estimating the SR step...", flush=True)
+        try:
+            est = estimate.estimate(dry.estimate_config, family, cfg, up["mesh"], up["shape"],
+                                    chip, attention)
+        except (ValueError, RuntimeError) as e:
+            raise GenerationError(f"--estimate (SR stage): {first_line(e)}") from None
+        out["estimate"] = est
+        out["denoise_s"] = dict(
+            first_stage=first_estimate["seconds_per_step"] * config.video.num_inference_steps,
+            sr_stage=est["seconds_per_step"] * s.steps)
+    return out
 
 
 def dry_run(config, family) -> tuple[int, dict]:
@@ -384,16 +452,25 @@ def dry_run(config, family) -> tuple[int, dict]:
     inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     latents, inputs = inputs_abstract[0], inputs_abstract[2]
     n_experts = expert_count(read_model_index(config.model.model_id))
+    hr = _upscale_latents(config, family, vae_cfg, mesh)
     rows, cache, decoder, exported = _compiled_rows(
         config, family, (placed, vae, vae_placed), mesh, inputs_abstract, capacity,
-        cfg["num_layers"], n_experts)
+        cfg["num_layers"], n_experts, hr)
+    up = hr is not None and _upscale_step(config, family, devices, chip, attention, hr,
+                                          capacity)
+    resident = n_experts
+    if up:  # both transformers resident, as a two-expert model's (the same class and size)
+        rows.insert(1, up["row"])
+        resident, latents = 2, hr
     rows += _encode_rows(config, family, vae, devices, capacity)
-    video = 3 * config.video.frames * config.video.height * config.video.width * 4 // (
+    height, width = ((config.upscale.height, config.upscale.width) if up else
+                     (config.video.height, config.video.width))
+    video = 3 * config.video.frames * height * width * 4 // (
         len(devices) if decoder.spatial(latents.shape) is not None else 1)
     swap = n_experts > 1 and _expert_parking(placed, inputs, vae_placed, latents,
                                              config.run.park_weights, chip,
                                              config.run.park_memory) or None
-    parked = _add_resident(rows, placed, vae_placed, inputs, video, n_experts,
+    parked = _add_resident(rows, placed, vae_placed, inputs, video, resident,
                            config.run.park_weights, swap, config.run.park_memory)
     fits = all(r["fits"] for r in rows)
     report = dict(
@@ -407,26 +484,33 @@ def dry_run(config, family) -> tuple[int, dict]:
         per_chip=rows, analytic_transformer_flops_per_step=family.transformer.flops(cfg, config),
         analytic_self_attention_flops_per_step=family.transformer.self_attention_flops(cfg, config),
         sharding_rule_matches=placed["rule_counts"], versions=versions(),
-        hosts=_hosts(placed, vae_placed, n_experts))
+        hosts=_hosts(placed, vae_placed, resident))
     if cache is not None:
         report["cache"] = cache
     if exported:
         report["aot_export"] = exported
     if config.model.lora or config.model.lora_2:
-        # transformer_2 has the first expert's tree and specs (one program serves both).
-        report["loras"] = [dict(x.report(), expert=loras.component,
-                                replicated_weights=lora.touched_replicated(
-                                    x, placed["specs"], family.transformer.block_stack))
-                           for loras in (config.model.lora, config.model.lora_2) if loras
-                           for x in loras]
+        report["loras"] = _lora_report(config, family, placed)
     if config.dry.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
+    if up:
+        report["upscale"] = _upscale_report(config, family, up, report.get("estimate"),
+                                            chip.name, attention)
         if cache is not None:
             report["estimate"]["cache"] = estimate_schedule(
                 report["estimate"]["seconds_per_step"], config.step_cache,
                 config.video.num_inference_steps, read_component_config(
                     config.model.model_id, "transformer")["num_layers"])
     return (0 if fits else EXIT_DOES_NOT_FIT), report
+
+
+def _lora_report(config, family, placed) -> list:
+    """Each fused LoRA file's entry, with the replicated weights it touches; transformer_2
+    has the first expert's tree and specs (one program serves both)."""
+    return [dict(x.report(), expert=loras.component,
+                 replicated_weights=lora.touched_replicated(x, placed["specs"],
+                                                            family.transformer.block_stack))
+            for loras in (config.model.lora, config.model.lora_2) if loras for x in loras]
 
 
 def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
@@ -510,6 +594,22 @@ def print_dry_run(report: dict) -> None:
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
     if "estimate" in report:
         print_estimate(report["estimate"])
+    if "upscale" in report:
+        _print_upscale(report["upscale"])
+
+
+def _print_upscale(up: dict) -> None:
+    m = up["mesh"]
+    print(f"SR stage ({up['version']}, {up['height']} x {up['width']}, {up['steps']} steps): "
+          f"its own mesh dp{m['dp']} tp{m['tp']} sp{m['sp']}"
+          + ("; its transformer config is the first stage's with 98 input channels (no "
+             "--sr_model_dir)" if up["transformer_config_assumed"] else ""))
+    if "estimate" in up:
+        print_estimate(up["estimate"])
+        d = up["denoise_s"]
+        print(f"whole video, denoising (ESTIMATE): first stage {d['first_stage']:.1f} s + SR "
+              f"stage {d['sr_stage']:.1f} s = {d['first_stage'] + d['sr_stage']:.1f} s; the "
+              "VAE decode is not estimated")
 
 
 def run_dry(config, family, checked: dict) -> int:

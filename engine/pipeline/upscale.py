@@ -64,7 +64,7 @@ def validate_flags(args, family, values: dict):
 
     Raises:
         UsageError: an SR flag without ``--sr``; ``--sr`` on a family without the stage or a
-            value it lacks; with a staged run, a dry run, the server or ``--overlap_compile on``
+            value it lacks; with a staged run, the server or ``--overlap_compile on``
             (each runs only the first stage's programs today); what the family's
             ``validate`` raises.
     """
@@ -77,7 +77,6 @@ def validate_flags(args, family, values: dict):
         raise UsageError(f"--sr={args.sr}: not supported for {family.name} (it has no "
                          "super-resolution stage)")
     for flag, value, ok in (("--stage", args.stage, args.stage == "all"),
-                            ("--dry_run", True, not args.dry_run),
                             ("--serve", True, not getattr(args, "serve", False)),
                             ("--overlap_compile", args.overlap_compile,
                              args.overlap_compile != "on")):
