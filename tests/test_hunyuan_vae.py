@@ -73,6 +73,22 @@ def test_decode_equals_diffusers(vae, latents, reference, n_devices):
             assert {tuple(s.data.shape) for s in array.addressable_shards} == {array.shape}
 
 
+def test_a_width_the_devices_do_not_divide_is_split_inside(hunyuan_checkpoint):
+    """Latent width 5 over 8 devices (as 1080p's 119): the frame programs split their
+    activations unevenly instead of decoding whole frames on every device (their convs then
+    trade halos: collective-permutes, none before). Same frames as diffusers. (CPU's memory
+    analysis at this size is all padding and halos; the saving shows at 1080p on v6e:
+    benchmarks/dry_run_results.md.)"""
+    latents = torch.randn((1, 32, 2, 3, 5), generator=torch.Generator().manual_seed(1))
+    vae = _load(hunyuan_checkpoint)
+    with torch.no_grad():
+        want = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+    decoder, _, video = _decode(_load(hunyuan_checkpoint), latents, 8)
+    np.testing.assert_allclose(np.asarray(video), want.clamp(-1, 1).numpy(), atol=1e-5)
+    for compiled, _ in decoder.frames.programs.values():
+        assert "collective-permute" in compiled.as_text()
+
+
 def test_block_causal_attention_equals_the_dense_mask():
     """Against diffusers' own mask (its Python loop) through torch SDPA."""
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import (
