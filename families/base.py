@@ -236,7 +236,7 @@ class Upscale:
     stage: ``f(config, pipe) -> stage`` for a run whose ``config.upscale`` is set; the
         engine reads the stage's ``config``, ``first``, ``transformer``, ``upsampler``,
         ``scheduler_config``, ``sigmas``, ``step_fn(jm, config)``, ``hand_off_fn(jm)``,
-        ``noise(config)`` and ``text_inputs(embeds)`` (see
+        ``noise(config, embeds)`` and ``text_inputs(embeds)`` (see
         ``families.hunyuan_sr_stage.SrStage``).
     dry_stage: ``f(config) -> dry stage`` for ``--dry_run`` (no weights); the engine reads its
         ``config``, ``transformer_config``, ``step_fn``, ``abstract_inputs(cfg)``,

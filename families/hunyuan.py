@@ -443,10 +443,26 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
     ``last_hidden_state`` ("image_embeds", (1, 729, 1152)) and its one-frame VAE encode on
     the host, scaled, on latent frame 0 beside a first-frame mask ("condition", (1, 33, F',
     h, w)), both in the model dtype as the pipeline casts them. One frame at 720p is about
-    5e12 FLOPs: seconds on a host CPU (``devices`` unused). Frees the image encoder after
-    the call unless ``resident`` is given (a dict the caller keeps across calls: the
-    server; nothing is placed, so nothing goes in it)."""
+    5e12 FLOPs: seconds on a host CPU (``devices`` unused). With ``--sr`` the same two at the
+    SR size too, named with ``SR_PREFIX`` (``families.hunyuan_sr_stage``). Frees the image
+    encoder after the call unless ``resident`` is given (a dict the caller keeps across
+    calls: the server; nothing is placed, so nothing goes in it)."""
     del devices
+    out = _image_conditioning(pipe, config, image)
+    if config.upscale is not None:  # --sr: the same conditioning at the SR size
+        sr = config.replace(height=config.upscale.height, width=config.upscale.width)
+        out.update({SR_PREFIX + k: v for k, v in _image_conditioning(pipe, sr, image).items()})
+    if resident is None:
+        pipe.image_encoder = None  # SigLIP so400m: 1.7 GB in float32; done with it
+    return out
+
+
+# The SR stage's image conditioning, at its size, beside the first stage's (--sr after I2V).
+SR_PREFIX = "sr_"
+
+
+def _image_conditioning(pipe, config, image) -> dict:
+    """``encode_image``'s two tensors at ``config``'s video size."""
     cpu, dtype = torch.device("cpu"), getattr(torch, config.model.dtype)
     image = pipe.video_processor.resize(image, height=config.video.height, width=config.video.width,
                                         resize_mode="crop")
@@ -458,8 +474,6 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
         cond, mask = pipe.prepare_cond_latents_and_mask(
             torch.zeros(shape, dtype=dtype), image, 1, config.video.height, config.video.width,
             dtype, cpu)
-    if resident is None:
-        pipe.image_encoder = None  # SigLIP so400m: 1.7 GB in float32; done with it
     return {"image_embeds": embeds, "condition": torch.cat([cond, mask], dim=1)}
 
 

@@ -11,9 +11,10 @@ upscale stage (``engine.pipeline.upscale``) what that call does, in the order it
    passed through, ``hunyuan_video_pipeline.py:_run_super_resolution``);
 3. the hand-off, one compiled program: the first stage's final latents bilinearly resized to
    the SR grid, refined by the latent upsampler in float32 and rounded to the model dtype
-   (:337-344), noised at strength 0.7 (:346), and packed with the T2V condition (zero latents,
-   zero mask) and a mask channel of ones into the 66 extra input channels (:348-353), beside
-   the same condition with the low-res part zeroed (:355-358);
+   (:337-344), noised at strength 0.7 (:346), and packed with the I2V/T2V condition (the
+   image's latents on frame 0 and mask 1 there at the SR size, or zeros) and a mask channel of
+   ones into the 66 extra input channels (:348-353), beside the same condition with the
+   low-res part zeroed (:355-358);
 4. the SR transformer's steps, guidance 1 (one pass, no negative prompt), the same prompt
    embeddings as the first stage (the official stage re-encodes the same prompt with the same
    encoders), on its own flow-matching schedule (steps and shift of ``SR_CONFIGS``), the
@@ -109,15 +110,11 @@ def validate(args, values: dict) -> SrSettings:
     loads. ``values``: the run's flag values with the family defaults filled in.
 
     Raises:
-        UsageError: see ``check_folder``; an image-to-video checkpoint (not wired yet); a
-            first-stage size that is not a bucket of the SR version's base resolution;
-            ``--sr_steps`` < 1 or ``--sr_flow_shift`` <= 0.
+        UsageError: see ``check_folder``; a first-stage size that is not a bucket of the SR
+            version's base resolution; ``--sr_steps`` < 1 or ``--sr_flow_shift`` <= 0.
     """
     version = SR_VERSIONS[args.sr]
     config = sr.SR_CONFIGS[version]
-    if hunyuan.is_image_to_video(args.model_id):
-        raise UsageError(f"--sr={args.sr}: runs after text-to-video checkpoints only for now "
-                         "(the image-to-video SR condition is not wired up)")
     if args.sr_model_dir is None and not args.dry_run:
         raise UsageError(f"--sr={args.sr}: needs --sr_model_dir (transformer/ from "
                          "tools/convert_hunyuan_sr.py, upsampler/{version}/ as in the official "
@@ -226,7 +223,7 @@ class SrStage:
         """torch ``(params, buffers, lr_latents (1, C, F, h, w) float32, extras) -> {condition,
         zeroed condition}``, each (1, 2C + 2, F, H, W) in the model dtype (module docstring,
         step 3). ``extras``: ``LQ_NOISE`` (1, C, F, H, W) float32 and ``BASE`` (1, C + 1, F,
-        H, W), the T2V condition."""
+        H, W), the I2V/T2V condition."""
         dtype = getattr(torch, self.config.model.dtype)
         height, width = self.config.video.height, self.config.video.width
         grid = (height // hunyuan.VAE_SPATIAL_SCALE, width // hunyuan.VAE_SPATIAL_SCALE)
@@ -242,21 +239,30 @@ class SrStage:
 
         return hand_off
 
-    def noise(self, config) -> tuple:
+    def noise(self, config, embeds: dict) -> tuple:
         """(initial SR latents (1, C, F, H, W) float32, the hand-off's extras) on the host for
         one video (``config``: the first stage's, with this video's seed): both drawn from one
-        CPU generator seeded with the seed, the latents first (module docstring, step 2)."""
+        CPU generator seeded with the seed, the latents first (module docstring, step 2); the
+        extras' base condition is the image's at the SR size after image-to-video, else
+        zeros."""
         v = self.config.video
         dtype = getattr(torch, self.config.model.dtype)
         generator = torch.Generator("cpu").manual_seed(config.video.seed)
         latents = self.pipe.prepare_latents(1, self.latent_channels, v.height, v.width, v.frames,
                                             dtype, torch.device("cpu"), generator).float()
         lq_noise = torch.randn(latents.shape, generator=generator, dtype=dtype).float()
-        base = torch.zeros((1, self.latent_channels + 1, *latents.shape[2:]), dtype=dtype)
-        return latents, {LQ_NOISE: lq_noise, BASE: base}
+        base = embeds.get(hunyuan.SR_PREFIX + "condition")
+        if base is None:
+            base = torch.zeros((1, self.latent_channels + 1, *latents.shape[2:]), dtype=dtype)
+        return latents, {LQ_NOISE: lq_noise, BASE: base.to(dtype)}
 
     def text_inputs(self, embeds: dict) -> dict:
-        """The SR step's text inputs: the first stage's prompt embeddings, positive only."""
+        """The SR step's inputs but its condition: the first stage's prompt embeddings,
+        positive only, and after image-to-video the image's SigLIP tokens at the SR size."""
+        embeds = {k: v for k, v in embeds.items() if k not in hunyuan.IMAGE_NAMES}
+        if hunyuan.SR_PREFIX + "image_embeds" in embeds:
+            embeds["image_embeds"] = embeds.pop(hunyuan.SR_PREFIX + "image_embeds")
+        embeds.pop(hunyuan.SR_PREFIX + "condition", None)
         return hunyuan.model_inputs(embeds, self.config)
 
 

@@ -132,6 +132,8 @@ SLOW = {
     "test_hunyuan.py::test_dry_run_compiles_the_480p_step": "| test_dry_run's table",
     "test_dry_run.py::test_sr_dry_run_compiles_both_steps_on_their_own_meshes":
         "two real-size 1-block compiles (100-230 s) | test_hunyuan_sr_stage's run",
+    "test_hunyuan_sr_stage.py::test_sr_stage_after_image_to_video_matches_the_reference":
+        "45 s: its own I2V checkpoint and first stage | the T2V parity",
     "test_hunyuan_sr_stage.py::test_sr_stage_sharded_matches_the_reference":
         "107 s: two meshes, interpret-mode kernel | the 1-device parity",
     "test_estimate.py::test_large_bf16_matmul_estimate_is_near_its_roofline": "| rest of file",

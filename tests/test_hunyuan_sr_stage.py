@@ -36,6 +36,7 @@ from families import FAMILIES
 from families.hunyuan_sr import SRTo720pUpsampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST_FRAME = os.path.join(ROOT, "tests", "data", "first_frame.png")
 VERSION = "720p_sr_distilled"
 PROMPT = "A cat walks on the grass, realistic style"
 SHAPE = dict(height=48, width=80, frames=9)  # the tiny first stage's 16:9 bucket (base 64)
@@ -89,7 +90,7 @@ def reference(hunyuan_checkpoint, sr_dir):
         return _sr_reference(pipe, lr, sr_dir)
 
 
-def _sr_reference(pipe, lr, sr_dir):
+def _sr_reference(pipe, lr, sr_dir, image=None):
     transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
         os.path.join(sr_dir, "transformer")).eval()
     upsampler = SRTo720pUpsampler.from_pretrained(os.path.join(sr_dir, "upsampler",
@@ -105,7 +106,8 @@ def _sr_reference(pipe, lr, sr_dir):
     lq = upsampler(lq.reshape(b, f, c, *latents.shape[-2:]).permute(0, 2, 1, 3, 4).float())
     t_lq = torch.tensor([700.0]).reshape(1, 1, 1, 1, 1)  # add_noise_to_lq, noise_scale 0.7
     lq = (1 - t_lq / 1000) * lq + (t_lq / 1000) * lq_noise
-    cond = torch.zeros(1, c + 1, *latents.shape[2:])  # T2V: no image latents, mask 0
+    cond, image_embeds = _image_condition(pipe, image, latents, height, width,
+                                          transformer.config.image_embed_dim)
     condition = torch.cat([cond, lq, torch.ones_like(lq[:, :1])], dim=1)
     zeroed = condition.clone()
     zeroed[:, c + 1:2 * c + 1] = 0
@@ -113,7 +115,6 @@ def _sr_reference(pipe, lr, sr_dir):
     embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(PROMPT, device=torch.device("cpu"))
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=2.0)
     scheduler.set_timesteps(sigmas=list(np.linspace(1.0, 0.0, SR_STEPS + 1)[:-1]))
-    image_embeds = torch.zeros(1, 729, transformer.config.image_embed_dim)
     for t in scheduler.timesteps:
         if t < 700:
             condition = zeroed
@@ -125,6 +126,24 @@ def _sr_reference(pipe, lr, sr_dir):
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
     video = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
     return pipe.video_processor.postprocess_video(video, output_type="np")[0]
+
+
+def _image_condition(pipe, image, latents, height, width, image_dim):
+    """(the I2V/T2V condition (1, C + 1, F, H, W), SigLIP tokens) at the SR size. T2V: zeros,
+    mask 0 (``_prepare_cond_latents``, ``_prepare_vision_states`` without an image). I2V:
+    the image resized and cropped to the SR size, VAE-encoded on frame 0 with mask 1 there,
+    and its SigLIP tokens, by diffusers' I2V pipeline's own functions (its port of the
+    official ``get_image_condition_latents`` / ``_prepare_vision_states``, which the official
+    SR stage calls at the SR size; hunyuan_video_pipeline.py:698-860)."""
+    if image is None:
+        return torch.zeros(1, latents.shape[1] + 1, *latents.shape[2:]), torch.zeros(
+            1, 729, image_dim)
+    cpu = torch.device("cpu")
+    image = pipe.video_processor.resize(image, height=height, width=width, resize_mode="crop")
+    embeds = pipe.encode_image(image=image, batch_size=1, device=cpu, dtype=torch.float32)
+    cond, mask = pipe.prepare_cond_latents_and_mask(torch.zeros(latents.shape), image, 1, height,
+                                                    width, torch.float32, cpu)
+    return torch.cat([cond, mask], dim=1), embeds
 
 
 def _argv(checkpoint, sr_dir, *extra):
@@ -160,6 +179,30 @@ def test_sr_stage_sharded_matches_the_reference(hunyuan_checkpoint, sr_dir, refe
     frames, report = _ours(hunyuan_checkpoint, sr_dir, None, "--attention", "splash",
                            "--dp", "2", "--tp", "2", "--sp", "2")
     np.testing.assert_allclose(frames, reference, atol=1e-3)
+
+
+def test_sr_stage_after_image_to_video_matches_the_reference(sr_dir, tmp_path_factory):
+    """After diffusers' I2V first stage: the SR stage's condition carries the image's latents
+    and SigLIP tokens at the SR size."""
+    from conftest import _build
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from diffusers.utils import load_image
+
+    checkpoint = _build(tmp_path_factory, "make_tiny_hunyuan_checkpoint.py",
+                        "tiny-hunyuan15-i2v", "--i2v")
+    image = load_image(FIRST_FRAME)  # 160 x 96: the 48 x 80 bucket at target_size 64
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(checkpoint, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        lr = pipe(image=image, prompt=PROMPT, num_frames=SHAPE["frames"],
+                  num_inference_steps=STEPS, output_type="latent",
+                  generator=torch.Generator("cpu").manual_seed(SEED)).frames
+        want = _sr_reference(pipe, lr, sr_dir, image)
+        t2v_like = _sr_reference(pipe, lr, sr_dir)  # the same first stage, no image in the SR
+    frames, _ = _ours(checkpoint, sr_dir, jax.devices()[:1], "--attention", "xla", "--image",
+                      FIRST_FRAME)
+    np.testing.assert_allclose(frames, want, atol=1e-3)
+    assert np.abs(t2v_like - want).max() > 1e-2
 
 
 def test_sr_flags_are_one_line_errors(hunyuan_checkpoint, tiny_checkpoint, sr_dir, tmp_path):

@@ -357,6 +357,13 @@ def _compiled_rows(config, family, models, mesh, inputs_abstract, capacity: int,
     return rows, cache, decoder, exported
 
 
+def _route_sdpa(config, mesh, attention: str) -> None:
+    """Torch SDPA to ``attention`` on ``mesh`` for what traces next (a stage's programs and
+    its estimate trace on that stage's own mesh)."""
+    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
+                          options=config.kernel.options(), interpret=False)
+
+
 def _upscale_latents(config, family, vae_cfg: dict, mesh):
     """The upscale stage's latents (replicated ``ShapeDtypeStruct``), or None without --sr."""
     if config.upscale is None:
@@ -376,8 +383,7 @@ def _upscale_step(config, family, devices, chip, attention: str, latents, capaci
     if config.dry.dry_run_layers:
         cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
     mesh = make_mesh(shape, devices)
-    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          options=sr.kernel.options(), interpret=False)
+    _route_sdpa(sr, mesh, attention)
     placed = abstract_transformer(sr, family, cfg, mesh)
     rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=over_dp),
@@ -411,6 +417,7 @@ def _upscale_report(config, family, up: dict, first_estimate: dict | None, chip:
                "in_channels": read_component_config(config.model.model_id,
                                                     "transformer")["in_channels"]}
         print("estimating the SR step...", flush=True)
+        _route_sdpa(dry.config, up["mesh"], attention)
         try:
             est = estimate.estimate(dry.estimate_config, family, cfg, up["mesh"], up["shape"],
                                     chip, attention)
@@ -445,8 +452,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     lowering.install(torchax.default_env())
-    install_sdpa_override(torchax.default_env(), attention=attention, mesh=mesh,
-                          options=config.kernel.options(), interpret=False)
+    _route_sdpa(config, mesh, attention)
     placed = abstract_transformer(config, family, cfg, mesh)
     vae, vae_placed = abstract_vae(family, folder, mesh)
     inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)
@@ -460,6 +466,7 @@ def dry_run(config, family) -> tuple[int, dict]:
                                           capacity)
     resident = n_experts
     if up:  # both transformers resident, as a two-expert model's (the same class and size)
+        _route_sdpa(config, mesh, attention)  # back on the first stage's mesh (its estimate)
         rows.insert(1, up["row"])
         resident, latents = 2, hr
     rows += _encode_rows(config, family, vae, devices, capacity)

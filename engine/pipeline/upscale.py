@@ -123,7 +123,7 @@ def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks
 def for_video(stage, hand_off, step, config, embeds) -> Upscale:
     """The upscale stage for one video: its initial latents, text inputs and hand-off extras
     drawn on the host and placed (``config``: the first stage's config of this video)."""
-    latents0, extras = stage.noise(config)
+    latents0, extras = stage.noise(config, embeds)
     text = stage.text_inputs(embeds)
     over_dp, replicated = NamedSharding(hand_off.mesh, P("dp")), NamedSharding(hand_off.mesh, P())
     placed = dataclasses.replace(hand_off, latents0=_put(latents0, replicated),
@@ -164,7 +164,7 @@ def compile_hand_off(stage, placed: dict, mesh, lr_latents) -> tuple[HandOff, fl
     """AOT-compile the hand-off for the first stage's latents (the shape and dtype of
     ``lr_latents``), through the executable cache; returns (``HandOff`` without a video's
     inputs, seconds)."""
-    _, extras = stage.noise(stage.first)
+    _, extras = stage.noise(stage.first, {})
     replicated = NamedSharding(mesh, P())
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
     jitted = jax.jit(interop.jax_view(stage.hand_off_fn(placed["module"])),
