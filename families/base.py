@@ -54,11 +54,18 @@ class Flags:
         ``defaults``. May raise ``UsageError``.
     check(values) -> (flag, rule) a resolved flag value breaks, or None; values are the
         resolved family flags and "model_id".
+    options: the family's own float flags, {name: (default, help)} (``--name``; refused on
+        other families); resolved values reach the run as ``config.video.options``.
+    refused: ((flag dest, the only value allowed, why), ...): engine flags the family does
+        not take yet; any other value is refused in one line before any model loads.
+    ``defaults`` may also set "scan_layers" (the --scan_layers default; True when absent).
     """
 
     defaults: Mapping[str, Any]
     checkpoint_defaults: Callable
     check: Callable
+    options: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    refused: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
