@@ -50,17 +50,24 @@ def _argv(checkpoint, scales: dict, *extra):
             "--compilation_cache_dir", "none", "--executable_cache_dir", "none", *flags, *extra]
 
 
-@pytest.fixture(scope="module")
-def reference(ltx2_checkpoint):
-    """diffusers' LTX2Pipeline.__call__, eager PyTorch float32: {case: (frames, waveform,
-    final video latents (1, C, F', h, w), final audio latents (1, C, L, mel))}."""
-    from diffusers import LTX2Pipeline
+class _Reference(dict):
+    """diffusers' LTX2Pipeline.__call__, eager PyTorch float32, run when a case is first
+    asked for: {case: (frames, waveform, final video latents (1, C, F', h, w), final audio
+    latents (1, C, L, mel))}."""
 
-    pipe = LTX2Pipeline.from_pretrained(ltx2_checkpoint, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    out = {}
-    for case, scales in CASES.items():
-        runs = []
+    def __init__(self, checkpoint):
+        from diffusers import LTX2Pipeline
+
+        super().__init__()
+        self.pipe = LTX2Pipeline.from_pretrained(checkpoint, dtype=torch.float32)
+        self.pipe.set_progress_bar_config(disable=True)
+        # The tiny VAEs' statistics are 0 and 1, so the latents diffusers returns
+        # (de-normalised, P:1619-1634) are the packed ones our decoder receives, unpacked.
+        for vae in (self.pipe.vae, self.pipe.audio_vae):
+            assert not vae.latents_mean.any() and (vae.latents_std == 1).all()
+
+    def __missing__(self, case):
+        pipe, scales, runs = self.pipe, CASES[case], []
         for output_type in ("np", "latent"):
             with torch.no_grad():
                 runs.append(pipe(
@@ -69,13 +76,14 @@ def reference(ltx2_checkpoint):
                     num_inference_steps=STEPS, output_type=output_type, return_dict=False,
                     generator=torch.Generator("cpu").manual_seed(SEED), **scales))
         (video, audio), (video_latents, audio_latents) = runs
-        out[case] = (video[0], audio[0].float().numpy(), video_latents.numpy(),
-                     audio_latents.numpy())
-    # The tiny VAEs' statistics are 0 and 1, so the latents diffusers returns (de-normalised,
-    # P:1619-1634) are the packed ones our decoder receives, only unpacked.
-    for vae in (pipe.vae, pipe.audio_vae):
-        assert not vae.latents_mean.any() and (vae.latents_std == 1).all()
-    return out
+        self[case] = (video[0], audio[0].float().numpy(), video_latents.numpy(),
+                      audio_latents.numpy())
+        return self[case]
+
+
+@pytest.fixture(scope="module")
+def reference(ltx2_checkpoint):
+    return _Reference(ltx2_checkpoint)
 
 
 def _unpacked(latents):
@@ -143,13 +151,14 @@ def test_frames_and_waveform_match_diffusers(ltx2_checkpoint, reference, case):
 
 
 def test_guidance_changes_the_output(reference):
-    """The passes matter: each case gives other frames and other latents of both
-    modalities, beyond 10 x ATOL (the parity is not vacuous; cfg -> defaults moves the video
-    latents by 7e-4 only: LTX-2.0's STG pass equals the plain one, docs/models.md). The tiny
+    """The passes matter: guidance gives other frames and other latents of both
+    modalities, beyond 10 x ATOL (the parity is not vacuous; measured too: CFG alone ->
+    the defaults moves the video latents by 7e-4 only, LTX-2.0's STG pass equals the plain
+    one, docs/models.md). The tiny
     random vocoder barely follows its input (its waveforms differ by ~6e-6 between cases whose
     audio latents differ by > 1): the audio is compared at the latents, and the waveform
     shows the decode end to end."""
-    for a, b in (("off", "cfg"), ("cfg", "defaults")):
+    for a, b in (("off", "defaults"),):
         for i in (0, 2, 3):  # frames, video latents, audio latents
             assert np.abs(reference[a][i] - reference[b][i]).max() > 10 * ATOL
 

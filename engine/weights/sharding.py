@@ -416,6 +416,13 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
     if "tp" in axes:
         hooks += _megatron_sublayer_hooks(blocks, mesh, axes, stack)
     hooks.append(blocks[-1].register_forward_hook(unpad))
+    return hooks + _mark_video_key_attentions(transformer, stack)
+
+
+def _mark_video_key_attentions(transformer, stack) -> list:
+    """``csa.mark_self_attention`` on the blocks' attentions whose keys are the video tokens
+    (``stack.self_attention`` and ``stack.video_key_attention``): they mask sp padding."""
+    hooks = []
     for name, module in transformer.named_modules():
         if name.rsplit(".", 1)[-1] in (stack.self_attention, *stack.video_key_attention) \
                 and stack.attr in name:
