@@ -80,6 +80,9 @@ from families.base import (
 
 VAE_TEMPORAL_SCALE = 8
 VAE_SPATIAL_SCALE = 32
+# The audio VAE's compression (its temporal_compression_ratio and mel_compression_ratio).
+AUDIO_TEMPORAL_SCALE = 4
+AUDIO_MEL_SCALE = 4
 TEXT_TOKENS = 1024  # the pipeline's max_sequence_length default (P:976)
 # The pipeline's defaults that are not flags here (P:945-953).
 GUIDANCE_RESCALE = 0.7
@@ -190,10 +193,6 @@ def audio_frames(frames: int, fps: float, audio_vae_cfg: dict) -> int:
     per_second = audio_vae_cfg.get("sample_rate", 16000) / audio_vae_cfg.get(
         "mel_hop_length", 160) / float(AUDIO_TEMPORAL_SCALE)
     return round(frames / fps * per_second)
-
-
-AUDIO_TEMPORAL_SCALE = 4
-AUDIO_MEL_SCALE = 4
 
 
 def layout(cfg: dict, vae_cfg: dict, audio_cfg: dict, height: int, width: int,
