@@ -91,7 +91,7 @@ def _unpacked(latents):
     the pipeline unpacks them (P:1611-1626)."""
     from diffusers import LTX2Pipeline
 
-    latents = torch.from_numpy(np.asarray(latents))
+    latents = torch.from_numpy(np.array(latents))  # a writable copy
     n = 8 * 8  # 8 video tokens x 8 channels
     video = LTX2Pipeline._unpack_latents(latents[:, :n].reshape(1, 8, 8), 2, 2, 2, 1, 1)
     audio = LTX2Pipeline._unpack_audio_latents(latents[:, n:].reshape(1, 9, 32), 9,

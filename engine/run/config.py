@@ -289,8 +289,8 @@ def check_attention_options(args, family) -> None:
     if w is not None and w < 0:
         fail("--window_size", w, "must be an int >= 0 (omit it for global attention)")
     if w is not None and LocalMask not in family.transformer.masks:
-        fail("--window_size", w, f"not supported for {family.name} (its self-attention "
-                                 "mixes in text tokens)")
+        fail("--window_size", w, f"not supported for {family.name} (its transformer "
+                                 "takes no local attention mask)")
     for flag, given in (("--window_size", w is not None), ("--k_smoothing", args.k_smoothing)):
         if given and args.attention == "stock_splash":
             fail(flag, w if flag == "--window_size" else True,
