@@ -61,8 +61,9 @@ def add_option_flags(group) -> None:
 
 def resolve_options(args, key: str) -> dict | None:
     """The flags ``args`` gives for family ``key``: its own options (given, else their
-    defaults; None when it has none) and ``args.scan_layers`` when not given (the family's
-    default, else True). Sets ``args.scan_layers``.
+    defaults; None when it has none). Sets ``args.scan_layers`` when not given (the family's
+    default, else True) and ``args.overlap_compile`` when "auto" (the family's default, else
+    "auto").
 
     Raises:
         UsageError: another family's option, or a flag the family refuses
@@ -74,8 +75,11 @@ def resolve_options(args, key: str) -> dict | None:
             if name not in family.flags.options and getattr(args, name) is not None:
                 fail(f"--{name}", getattr(args, name), f"is a {other.name} flag; --model_id "
                      f"is a {family.name} checkpoint")
-    if args.scan_layers is None:
-        args.scan_layers = family.flags.defaults.get("scan_layers", True)
+    # Engine flags whose unset value ("chosen for you") a family may decide.
+    for flag, unset, default in (("scan_layers", None, True), ("overlap_compile", "auto", None)):
+        if getattr(args, flag) == unset:
+            setattr(args, flag, family.flags.defaults.get(flag, default if unset is None
+                                                          else unset))
     for flag, allowed, why in family.flags.refused:
         if getattr(args, flag, allowed) != allowed:
             fail(f"--{flag}", getattr(args, flag), why)

@@ -58,7 +58,8 @@ class Flags:
         other families); resolved values reach the run as ``config.video.options``.
     refused: ((flag dest, the only value allowed, why), ...): engine flags the family does
         not take yet; any other value is refused in one line before any model loads.
-    ``defaults`` may also set "scan_layers" (the --scan_layers default; True when absent).
+    ``defaults`` may also set "scan_layers" (the --scan_layers default; True when absent) and
+    "overlap_compile" (what --overlap_compile auto becomes).
     """
 
     defaults: Mapping[str, Any]

@@ -37,9 +37,10 @@ How the pipeline maps onto the engine (one latent array, one scheduler, one step
 
 What runs where: Gemma (text encoder) and the connectors on the CPU, before any device work
 (the embeddings are the connectors' outputs); the transformer, the VAEs and the vocoder on the
-devices. Self-attention (video and audio) goes through the SDPA override (our kernel on TPU);
-the text cross-attentions carry an additive text mask and the audio-video cross-attentions
-are short (126 audio tokens): they take the override's XLA path (reported as fallbacks).
+devices. The video self-attention goes through the SDPA override (our kernel on TPU); every
+other attention (the text cross-attentions with their additive mask, the audio
+self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
+(``route_short_attentions``).
 
 Not done here (refused in one line): image-to-video, the step caches, --serve, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
@@ -95,6 +96,9 @@ DEFAULTS = dict(
     num_inference_steps=30, guidance_scale=3.0,  # P:943-945
     max_sequence_length=TEXT_TOKENS,
     scan_layers=False,
+    # The decode's shapes follow the video size, which its meta model (built from its folder
+    # alone) does not know: nothing is compiled from shapes ahead of the load.
+    overlap_compile="off",
 )
 
 # LTX-2's own flags, diffusers' argument names and defaults (P:945-952). An audio scale of 0
@@ -124,6 +128,8 @@ REFUSED = (
                            "per-block STG arguments by keyword"),
     ("vae_tiling", False, "LTX-2's decode is one program of video and audio"),
     ("dry_run", False, "the LTX-2 dry run is not done yet"),
+    ("overlap_compile", "off", "LTX-2 compiles after the load (its decode's meta model "
+                               "does not know the video size)"),
     ("image", None, "image-to-video is not supported for LTX-2 yet"),
 )
 
@@ -285,13 +291,44 @@ def install_x64_ropes(transformer) -> None:
         module.forward = x64
 
 
+# Each block's attentions other than the video self-attention: the text cross-attentions
+# (an additive text mask, 1,024 keys), the audio self-attention (126 tokens) and the
+# audio-video cross-attentions (126 audio tokens on one side). Short or masked: XLA.
+XLA_ATTENTIONS = ("attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn",
+                  "video_to_audio_attn")
+
+
+def route_short_attentions(transformer) -> None:
+    """Trace every block's ``XLA_ATTENTIONS`` under ``forced_attention("xla")`` (forward
+    hooks, at run time; diffusers' files are untouched), so only the video self-attention
+    (``attn1``) reaches our kernel. The Splash wrapper takes heads or tokens over "sp";
+    the audio stream (not sharded over sp, 126 tokens) fits neither rule on every mesh."""
+    for block in transformer.transformer_blocks:
+        for name in XLA_ATTENTIONS:
+            contexts: list = []
+
+            def enter(_module, _args, _kwargs, contexts=contexts):
+                context = forced_attention("xla")
+                context.__enter__()
+                contexts.append(context)
+
+            def leave(_module, _args, _kwargs, _output, contexts=contexts):
+                contexts.pop().__exit__(None, None, None)
+
+            module = getattr(block, name)
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+            module.register_forward_hook(leave, with_kwargs=True)
+
+
 def empty_transformer(cfg: dict, dtype):
     """``LTX2VideoTransformer3DModel`` of config ``cfg`` with meta parameters in ``dtype``
-    (``families.base.empty_model``), its RoPEs under x64 (``install_x64_ropes``)."""
+    (``families.base.empty_model``), its RoPEs under x64 (``install_x64_ropes``), its short
+    attentions on XLA (``route_short_attentions``)."""
     from diffusers import LTX2VideoTransformer3DModel
 
     transformer = empty_model(LTX2VideoTransformer3DModel, cfg, dtype)
     install_x64_ropes(transformer)
+    route_short_attentions(transformer)
     return transformer
 
 

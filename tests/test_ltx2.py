@@ -169,7 +169,8 @@ def cli_run(ltx2_checkpoint, tmp_path_factory):
     kernel in interpret mode), with --save_frames: (output dir, report)."""
     out = tmp_path_factory.mktemp("ltx2-out")
     assert generate_flax.main(_argv(ltx2_checkpoint, {}, "--output_dir", str(out),
-                                    "--save_frames", "--no_plots")) == 0
+                                    "--save_frames", "--no_plots", "--attention",
+                                    "splash")) == 0
     (report,) = [f for f in os.listdir(out) if f.endswith(".json")]
     with open(out / report) as f:
         return out, json.load(f)
@@ -213,6 +214,7 @@ def test_mp4_has_one_video_and_one_audio_stream(cli_run):
     (["--stage", "denoise"], "--stage='denoise': staged runs"),
     (["--dry_run", "--topology", "v6e:2x4"], "--dry_run=True: the LTX-2 dry run"),
     (["--fps", "25"], "--fps=25: is fixed at 24"),
+    (["--overlap_compile", "on"], "--overlap_compile='on': LTX-2 compiles after the load"),
     (["--guidance_scale_2", "3"], "--guidance_scale_2=3.0"),
 ])
 def test_ltx2_refuses_what_it_does_not_run(ltx2_checkpoint, argv, needle):
@@ -238,6 +240,7 @@ def test_defaults_and_passes(ltx2_checkpoint):
     assert (v.height, v.width, v.frames, v.fps, v.num_inference_steps, v.guidance_scale) == (
         512, 768, 121, 24, 30, 3.0)
     assert not config.layout.scan_layers and v.use_cfg
+    assert config.run.overlap_compile == "off"  # auto, decided by the family
     assert ltx2.scales(config)["audio_stg_scale"] == 2.0
     assert ltx2.sample_passes(config) == 4
     off = generate_flax.validate_args(generate_flax.parse_args(
