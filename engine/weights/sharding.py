@@ -396,7 +396,8 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
         names = [name for name, _ in stack.token_kwargs]
         hidden, rest = constrained(kwargs[names[0]], [kwargs.get(n) for n in names[1:]],
                                    [axis for _, axis in stack.token_kwargs[1:]])
-        return args, {**kwargs, **dict(zip(names, [hidden, *rest], strict=True))}
+        new = dict(zip(names, [hidden, *rest], strict=True))
+        return args, {**kwargs, **{k: v for k, v in new.items() if k in kwargs}}
 
     def unpad(module, args, output):
         if not padding:
