@@ -68,7 +68,7 @@ from engine.run.errors import (
 from engine.serve import flags as serving
 from engine.serve.app import serve
 from engine.weights import layout, lora, quantize
-from families import FAMILIES, detect_family
+from families import FAMILIES, OPTION_NAMES, add_option_flags, detect_family, resolve_options
 
 # Engine defaults in one place; the model-specific ones (prompt, size, frames, steps, guidance,
 # text length, fps) come from the detected family (``families/<name>.py``).
@@ -81,7 +81,7 @@ DEFAULTS = dict(
     cache_home=os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(
         os.path.expanduser("~"), ".cache"), "wan-flax"),
     work_dir="work",
-    scan_layers=True,
+    scan_layers=None,  # the family's default (on; LTX-2: off)
     bq=None, bkv=None, bkv_compute=None,  # Splash blocks: None = the chip's (default_block_sizes)
     park_weights="auto",
     park_memory="auto",
@@ -111,10 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     described in the flag's help: the family's value, or chosen for you)."""
     p = argparse.ArgumentParser(
         prog="generate_flax.py", formatter_class=_HelpFormatter,
-        description="Text-to-video (Wan 2.1, HunyuanVideo-1.5) on JAX/TPU through torchax. "
-                    "Flags marked 'family default' take the detected model family's value "
-                    "(or its checkpoint's) when omitted.")
+        description="Text-to-video (Wan 2.1, HunyuanVideo-1.5; LTX-2 with sound) on JAX/TPU "
+                    "through torchax. Flags marked 'family default' take the detected model "
+                    "family's value (or its checkpoint's) when omitted.")
     _add_generation_flags(p.add_argument_group("generation"))
+    add_option_flags(p.add_argument_group("model-family flags (docs/flags.md)"))
     _add_run_flags(p.add_argument_group("run and benchmark"))
     _add_parallel_flags(p.add_argument_group("parallelism and kernel"))
     step_cache.add_cache_flags(p.add_argument_group("step caching (docs/features.md)"))
@@ -240,7 +241,8 @@ def _add_parallel_flags(g) -> None:
                    help="mesh axis for sequence parallelism (default: chosen)")
     g.add_argument("--scan_layers", action="store_true", default=d["scan_layers"],
                    help="run the transformer blocks as one jax.lax.scan (one compiled block "
-                        "instead of 40: 4.9x faster 14B TPU compile, 30%% fewer temporaries)")
+                        "instead of 40: 4.9x faster 14B TPU compile, 30%% fewer temporaries; "
+                        "default: on, LTX-2 off)")
     g.add_argument("--no_scan_layers", dest="scan_layers", action="store_false",
                    default=argparse.SUPPRESS,
                    help="unroll the blocks (diffusers' own loop), for comparison")
@@ -293,7 +295,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     validate_block_size_flags(args)
     runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)
-    family = FAMILIES[family_key]
+    family, options = FAMILIES[family_key], resolve_options(args, family_key)
     check_attention_options(args, family)
     quantize.check_flag(args.quantize, family, args.topology if args.dry_run else None)
     defaults = {**family.flags.defaults, **family.flags.checkpoint_defaults(args.model_id)}
@@ -309,9 +311,6 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     broken = family.flags.check({**values, "model_id": args.model_id})
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])
-    if args.vae_tiling and not family.vae.tiling:
-        fail("--vae_tiling", True, f"not available for {family.name} (its decode is already "
-             "frame-chunked and width-sharded)")
     if args.megatron_sp and not family.transformer.block_stack.sublayers:
         fail("--megatron_sp", True, f"not supported for {family.name} (its blocks declare no "
              "sublayers to gather and scatter)")
@@ -338,8 +337,10 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                       args, values["num_inference_steps"], make_scheduler=family.scheduler.make,
                       scheduler=scheduler, flow_shift=flow_shift, sigmas=family.scheduler.sigmas))
     flags = {k: v for k, v in vars(args).items()
-             if k not in step_cache.FLAGS + serving.FLAGS + upscale.FLAGS + ("cache", "sr")}
+             if k not in step_cache.FLAGS + serving.FLAGS + upscale.FLAGS + OPTION_NAMES
+             + ("cache", "sr")}
     config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
+                          "options": options,
                           "flow_shift": flow_shift, "flow_shift_source": source,
                           "default_sources": sources})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
@@ -405,8 +406,9 @@ def generate(config: RunConfig, family, checked: dict) -> int:
     first = reporting.FirstVideo()  # times the first write: the end of time to first video
 
     @first.timed
-    def save(video, frames):
-        paths = videos.save_video(config, frames, stem, video) if runtime.is_writer() else []
+    def save(video, frames):  # a decoder with sound (LTX-2) holds its last waveform: "audio"
+        audio = getattr(run.programs.vae_decode, "audio", None)
+        paths = runtime.is_writer() and videos.save_video(config, frames, stem, video, audio) or []
         written.extend(paths)
         return [os.path.basename(p) for p in paths]
 
@@ -425,6 +427,7 @@ def generate(config: RunConfig, family, checked: dict) -> int:
         return write_stage_report(config, report)
     if not config.run.videos:
         report = dict(video=os.path.basename(save(None, frames)[0]), **report)
+    report.update(reporting.audio_fields(getattr(run.programs.vae_decode, "audio", None)))
     report["timings"]["time_to_first_video"] = first.split(report)
     written += reporting.save_run(report, config.run.output_dir, stem,
                                   plots=not config.run.no_plots)

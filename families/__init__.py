@@ -14,19 +14,22 @@ from __future__ import annotations
 import dataclasses
 
 from engine.files.checkpoint import read_model_index
-from engine.run.errors import UsageError
-from families import hunyuan, hunyuan_sr_stage, wan
+from engine.run.errors import UsageError, fail
+from families import hunyuan, hunyuan_sr_stage, ltx2, wan
 from families.base import ModelFamily
 
-__all__ = ["FAMILIES", "ModelFamily", "detect_family", "family_for_class"]
+__all__ = ["FAMILIES", "OPTION_NAMES", "ModelFamily", "add_option_flags", "detect_family",
+           "family_for_class", "resolve_options"]
 
 # Keys name a family, not a version: "wan" runs Wan 2.1 and 2.2, "hunyuanvideo" HunyuanVideo-1.5
 # (they were "wan2.1" and "hunyuanvideo1.5"; staged intermediates never recorded the key).
 # HunyuanVideo-1.5's SR stage is its own module, which builds on families.hunyuan: joined here.
 FAMILIES: dict[str, ModelFamily] = {
     "wan": wan.FAMILY,
-    "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE)}
-
+    "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE),
+    "ltx2": ltx2.FAMILY}
+# Every family's own flags (``Flags.options``), for generate_flax.py's parser.
+OPTION_NAMES = tuple(name for f in FAMILIES.values() for name in f.flags.options)
 
 
 def family_for_class(class_name: str | None, model_id: str) -> str:
@@ -50,3 +53,42 @@ def detect_family(model_id: str) -> str:
         UsageError: the index cannot be read or names an unsupported pipeline.
     """
     return family_for_class(read_model_index(model_id).get("_class_name"), model_id)
+
+
+def add_option_flags(group) -> None:
+    """Every family's own flags (``Flags.options``) into ``group``, default None (the
+    family's default, which the help gives)."""
+    for family in FAMILIES.values():
+        for name, (default, text) in family.flags.options.items():
+            group.add_argument(f"--{name}", type=float, default=None,
+                               help=f"{text} ({family.name} only; default {default})")
+
+
+def resolve_options(args, key: str) -> dict | None:
+    """The flags ``args`` gives for family ``key``: its own options (given, else their
+    defaults; None when it has none). Sets ``args.scan_layers`` when not given (the family's
+    default, else True) and ``args.overlap_compile`` when "auto" (the family's default, else
+    "auto").
+
+    Raises:
+        UsageError: another family's option, or a flag the family refuses
+            (``Flags.refused``), in one line.
+    """
+    family = FAMILIES[key]
+    for other in FAMILIES.values():
+        for name in other.flags.options:
+            if name not in family.flags.options and getattr(args, name) is not None:
+                fail(f"--{name}", getattr(args, name), f"is a {other.name} flag; --model_id "
+                     f"is a {family.name} checkpoint")
+    # Engine flags whose unset value ("chosen for you") a family may decide.
+    for flag, unset, default in (("scan_layers", None, True), ("overlap_compile", "auto", None)):
+        if getattr(args, flag) == unset:
+            setattr(args, flag, family.flags.defaults.get(flag, default if unset is None
+                                                          else unset))
+    for flag, allowed, why in family.flags.refused:
+        if getattr(args, flag, allowed) != allowed:
+            fail(f"--{flag}", getattr(args, flag), why)
+    if not family.flags.options:
+        return None
+    return {name: default if getattr(args, name) is None else getattr(args, name)
+            for name, (default, _) in family.flags.options.items()}

@@ -54,11 +54,19 @@ class Flags:
         ``defaults``. May raise ``UsageError``.
     check(values) -> (flag, rule) a resolved flag value breaks, or None; values are the
         resolved family flags and "model_id".
+    options: the family's own float flags, {name: (default, help)} (``--name``; refused on
+        other families); resolved values reach the run as ``config.video.options``.
+    refused: ((flag dest, the only value allowed, why), ...): engine flags the family does
+        not take yet; any other value is refused in one line before any model loads.
+    ``defaults`` may also set "scan_layers" (the --scan_layers default; True when absent) and
+    "overlap_compile" (what --overlap_compile auto becomes).
     """
 
     defaults: Mapping[str, Any]
     checkpoint_defaults: Callable
     check: Callable
+    options: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    refused: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +170,6 @@ class VaePrograms:
         runs it (Wan), so the dry run compiles and sizes that encode; None
         where the condition is encoded on the host (HunyuanVideo-1.5).
     is_encode_weight(name) -> whether ``encoder`` reads this VAE weight (with ``encoder``).
-    tiling: whether ``decoder`` takes ``tiling=True`` (``--vae_tiling``); checked before any
-        model loads.
     """
 
     empty: Callable
@@ -171,7 +177,6 @@ class VaePrograms:
     decoder: Callable
     encoder: Callable | None = None
     is_encode_weight: Callable | None = None
-    tiling: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

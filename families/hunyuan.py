@@ -725,7 +725,9 @@ FAMILY = ModelFamily(
                         "transformer": ("transformer",), "vae": ("vae",)},
         optional_folders=("image_encoder",),
     ),
-    flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags),
+    flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags,
+                refused=(("vae_tiling", False, "not available for HunyuanVideo-1.5 (its decode "
+                          "is already frame-chunked and width-sharded)"),)),
     sizes=Sizes(
         frame_step=VAE_TEMPORAL_SCALE,
         pixel_multiple=VAE_SPATIAL_SCALE,
@@ -757,7 +759,7 @@ FAMILY = ModelFamily(
     ),
     # The image condition is VAE-encoded on the host (no device encoder).
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
-                    decoder=vae_decoder, tiling=False),
+                    decoder=vae_decoder),
     image=ImageConditioning(
         mode=image_mode,
         encode=encode_image,

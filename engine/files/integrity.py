@@ -161,6 +161,16 @@ def read_folder(folder: str) -> tuple[dict, list[str]]:
         files[0] if len(files) == 1 else "*.safetensors")
 
 
+def _library_module(library: str):
+    """The module ``from_pretrained`` takes a component class from: a library ("diffusers",
+    "transformers"), or a diffusers pipeline folder's own module ("ltx2" ->
+    ``diffusers.pipelines.ltx2``), as diffusers' ``load_sub_model`` resolves it."""
+    try:
+        return importlib.import_module(library)
+    except ImportError:
+        return importlib.import_module(f"diffusers.pipelines.{library}")
+
+
 def build_empty(library: str, class_name: str, folder: str):
     """The model ``from_pretrained`` would build from ``folder/config.json``, with meta
     weights (no RAM for them).
@@ -179,7 +189,7 @@ def build_empty(library: str, class_name: str, folder: str):
     except ValueError as e:
         raise CheckpointError(f"config.json: does not parse ({e})") from None
     try:
-        cls = getattr(importlib.import_module(library), class_name)
+        cls = getattr(_library_module(library), class_name)
     except (ImportError, AttributeError):
         raise CheckpointError(f"model_index.json: class {library}.{class_name} not found") \
             from None

@@ -47,7 +47,8 @@ class VideoSettings:
     "resolution"), the seed, and the conditioning image (``engine.files.image.ImageInfo``).
     ``guidance_scale_2`` is a two-expert model's low-noise CFG scale, else None;
     ``default_sources`` is {flag: where its default came from} for the flags left unset,
-    when the family records sources (Wan 2.2)."""
+    when the family records sources (Wan 2.2). ``options`` holds the family's own flags
+    ({name: value}, ``families.base.Flags.options``), else None."""
 
     prompt: str
     negative_prompt: str
@@ -65,11 +66,15 @@ class VideoSettings:
     guidance_scale_2: float | None = None
     image: Any = None
     default_sources: Any = None
+    options: Any = None
 
     @property
     def use_cfg(self) -> bool:
-        """diffusers' pipelines run the unconditional pass only when guidance_scale > 1."""
-        return self.guidance_scale > 1.0
+        """diffusers' pipelines run the unconditional pass only when guidance_scale > 1 (or,
+        for a family with more guidance scales, any option named *guidance_scale > 1: the
+        audio CFG scale of a video-with-sound model)."""
+        return self.guidance_scale > 1.0 or any(
+            v > 1.0 for k, v in (self.options or {}).items() if k.endswith("guidance_scale"))
 
     @property
     def batch(self) -> int:
@@ -289,8 +294,8 @@ def check_attention_options(args, family) -> None:
     if w is not None and w < 0:
         fail("--window_size", w, "must be an int >= 0 (omit it for global attention)")
     if w is not None and LocalMask not in family.transformer.masks:
-        fail("--window_size", w, f"not supported for {family.name} (its self-attention "
-                                 "mixes in text tokens)")
+        fail("--window_size", w, f"not supported for {family.name} (its transformer "
+                                 "takes no local attention mask)")
     for flag, given in (("--window_size", w is not None), ("--k_smoothing", args.k_smoothing)):
         if given and args.attention == "stock_splash":
             fail(flag, w if flag == "--window_size" else True,

@@ -71,6 +71,13 @@ class BlockStack:
         (``custom_splash_attention.splash_attention(valid_kv_len=...)``); a joint attention
         over another stream masks it by segment ids, as any padding. 1: pad only to what the
         shard count needs.
+    token_kwargs: for blocks called by keyword (a diffusers forward that passes
+        every block argument by name), ((name, token axis or None), ...)
+        in place of ``token_axes``: the first names the residual stream (batch, tokens, dim),
+        the rest the per-token inputs sequence parallelism pads. Empty: positional.
+    video_key_attention: names of other attentions whose keys are the video tokens (a
+        cross-attention from a second stream), masked like ``self_attention`` when sequence
+        parallelism pads the tokens.
     """
 
     attr: str = "blocks"
@@ -79,6 +86,8 @@ class BlockStack:
     self_attention: str = "attn1"
     sublayers: tuple = ("attn1", "attn2", "ffn")
     token_tile: int = 1
+    token_kwargs: tuple = ()
+    video_key_attention: tuple = ()
 
     @property
     def prefix(self) -> str:

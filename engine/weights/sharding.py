@@ -374,8 +374,7 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
         zeros = x.new_zeros((*x.shape[:axis], extra, *x.shape[axis + 1:]))
         return torch.cat([x, zeros], dim=axis)
 
-    def constrain(module, args):
-        hidden, *rest = args
+    def constrained(hidden, rest, axes):
         n, extra = hidden.shape[1], -hidden.shape[1] % (shards * stack.token_tile)
         if extra:  # first block only: afterwards the count is a multiple of shards
             padding.update(valid=n, padded=n + extra,
@@ -385,9 +384,20 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
             # Every block: unrolled, each block gets forward's unpadded per-token inputs.
             valid, padded = padding["valid"], padding["padded"]
             rest = [pad(x, axis, valid, padded - valid)
-                    for x, axis in zip(rest, stack.token_axes[1:], strict=True)]
+                    for x, axis in zip(rest, axes, strict=True)]
         hidden = interop.call_jax(jax.lax.with_sharding_constraint, hidden, sharding)
+        return hidden, rest
+
+    def constrain(module, args):
+        hidden, rest = constrained(args[0], args[1:], stack.token_axes[1:])
         return (hidden, *rest)
+
+    def constrain_kwargs(module, args, kwargs):  # a block called by keyword
+        names = [name for name, _ in stack.token_kwargs]
+        hidden, rest = constrained(kwargs[names[0]], [kwargs.get(n) for n in names[1:]],
+                                   [axis for _, axis in stack.token_kwargs[1:]])
+        new = dict(zip(names, [hidden, *rest], strict=True))
+        return args, {**kwargs, **{k: v for k, v in new.items() if k in kwargs}}
 
     def unpad(module, args, output):
         if not padding:
@@ -401,11 +411,21 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
         return (hidden, *output[1:]) if stack.carry > 1 else hidden
 
     blocks = list(getattr(transformer, stack.attr))
-    hooks = [block.register_forward_pre_hook(constrain) for block in blocks]
+    hooks = [block.register_forward_pre_hook(constrain_kwargs, with_kwargs=True)
+             if stack.token_kwargs else block.register_forward_pre_hook(constrain)
+             for block in blocks]
     if "tp" in axes:
         hooks += _megatron_sublayer_hooks(blocks, mesh, axes, stack)
     hooks.append(blocks[-1].register_forward_hook(unpad))
+    return hooks + _mark_video_key_attentions(transformer, stack)
+
+
+def _mark_video_key_attentions(transformer, stack) -> list:
+    """``csa.mark_self_attention`` on the blocks' attentions whose keys are the video tokens
+    (``stack.self_attention`` and ``stack.video_key_attention``): they mask sp padding."""
+    hooks = []
     for name, module in transformer.named_modules():
-        if name.rsplit(".", 1)[-1] == stack.self_attention and stack.attr in name:
+        if name.rsplit(".", 1)[-1] in (stack.self_attention, *stack.video_key_attention) \
+                and stack.attr in name:
             hooks += csa.mark_self_attention(module)
     return hooks

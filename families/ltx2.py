@@ -1,0 +1,753 @@
+"""LTX-2 text-to-video with sound (diffusers ``LTX2Pipeline``): the family module.
+
+Sources: diffusers 0.42.1's ``LTX2Pipeline`` (``pipelines/ltx2/pipeline_ltx2.py``, "P:"
+below), ``LTX2VideoTransformer3DModel`` (``models/transformers/transformer_ltx2.py``, "T:"),
+``AutoencoderKLLTX2Video``, ``AutoencoderKLLTX2Audio`` and ``LTX2Vocoder``, which run
+unmodified; docs/models.md "LTX-2: what diffusers runs per step" lists the passes.
+
+How the pipeline maps onto the engine (one latent array, one scheduler, one step program):
+
+* **Video and audio latents in one array.** The pipeline denoises packed video latents
+  (1, S_v, C_v) and packed audio latents (1, S_a, C_a) with two ``FlowMatchEulerDiscrete``
+  schedulers that are deep copies with the same sigmas (P:1354-1370); their step is
+  ``x + (sigma_next - sigma) * v`` per element. So the engine's one latent array here is
+  [video.flatten(), audio.flatten()] (1, S_v*C_v + S_a*C_a) float32, stepped by one scheduler:
+  the same float32 operations on the same numbers. The step and the decoder unpack it.
+* **Every guidance pass in one step program.** The step runs the CFG pass (batch 2,
+  [negative, positive]), the STG pass (positive, ``spatio_temporal_guidance_blocks`` [28])
+  and the modality-isolation pass (positive, ``isolate_modalities``) that the scales ask
+  for, then diffusers' guidance: x0 = x - v * sigma, the deltas, ``rescale_noise_cfg`` 0.7
+  and back to a velocity (P:1440-1600), per modality. The block list and the isolation flag
+  are Python values, fixed at trace time: one compiled program, nothing per step.
+* **The scheduler's shift.** The checkpoint's scheduler shifts by ``mu`` from the video token
+  count (``use_dynamic_shifting``, exponential, P:1345-1352). The engine sets timesteps from
+  sigmas only, so the run's scheduler is the same config with the static shift exp(mu):
+  exp(mu) s / (1 + (exp(mu) - 1) s) is the exponential time shift written another way
+  (float32 rounding aside: ``tests/test_ltx2.py`` compares the schedules).
+* **The step needs sigma.** x0 uses ``scheduler.sigmas[i]``; the engine passes the timestep.
+  A (B, 2, steps) table [timesteps; sigmas] is a model input and the step looks its
+  timestep up (as HunyuanVideo-1.5's MeanFlow table).
+* **RoPE in float64.** The RoPE modules build their frequencies in float64
+  (``rope_double_precision``, T:1029); JAX runs without x64, which moved outputs by 4e-5.
+  Their forwards run under ``jax.enable_x64`` (``install_x64_ropes``); nothing else does.
+* **Decode.** The video VAE decode, the audio VAE decode and the vocoder run as ONE compiled
+  program (``AudioVideoDecode`` through ``LtxDecoder``): latents -> (video, waveform). The
+  audio side is small (126 latent frames -> 120,240 stereo samples at 24 kHz) but compiled
+  too, so the host never runs a model; the tiny checkpoint's parity tests cover both.
+
+What runs where: Gemma (text encoder) and the connectors on the CPU, before any device work
+(the embeddings are the connectors' outputs); the transformer, the VAEs and the vocoder on the
+devices. The video self-attention goes through the SDPA override (our kernel on TPU); every
+other attention (the text cross-attentions with their additive mask, the audio
+self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
+(``route_short_attentions``).
+
+Not done here (refused in one line): image-to-video, the step caches, --serve, staged runs,
+--scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
+--quantize, the two-stage upscale.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torchax import interop
+
+from custom_splash_attention import forced_attention
+from engine.files.checkpoint import read_component_config
+from engine.files.report import Audio
+from engine.programs import executables
+from engine.run.errors import GenerationError, first_line
+from engine.run.runtime import to_host
+from engine.weights.scan_layers import BlockStack
+from families.base import (
+    Checkpoint,
+    Flags,
+    ModelFamily,
+    Scheduling,
+    Sizes,
+    TextEncoding,
+    Transformer,
+    VaePrograms,
+    empty_model,
+)
+
+VAE_TEMPORAL_SCALE = 8
+VAE_SPATIAL_SCALE = 32
+# The audio VAE's compression (its temporal_compression_ratio and mel_compression_ratio).
+AUDIO_TEMPORAL_SCALE = 4
+AUDIO_MEL_SCALE = 4
+TEXT_TOKENS = 1024  # the pipeline's max_sequence_length default (P:976)
+# The pipeline's defaults that are not flags here (P:945-953).
+GUIDANCE_RESCALE = 0.7
+STG_BLOCKS = (28,)
+
+DEFAULTS = dict(
+    prompt="A cat walks on the grass, realistic style.",
+    negative_prompt="",  # LTX2Pipeline encodes "" when no negative prompt is given (P:428)
+    height=512, width=768, frames=121, fps=24,  # P:935-942, 1212
+    num_inference_steps=30, guidance_scale=3.0,  # P:943-945
+    max_sequence_length=TEXT_TOKENS,
+    scan_layers=False,
+    # The decode's shapes follow the video size, which its meta model (built from its folder
+    # alone) does not know: nothing is compiled from shapes ahead of the load.
+    overlap_compile="off",
+)
+
+# LTX-2's own flags, diffusers' argument names and defaults (P:945-952). An audio scale of 0
+# falls back to the video one, as the pipeline's ``or`` does (P:1157-1159).
+OPTIONS = {
+    "stg_scale": (1.0, "LTX-2 spatio-temporal guidance scale (video): > 0 (either "
+                       "modality) adds a pass with attention skipped in blocks [28]"),
+    "modality_scale": (3.0, "LTX-2 modality-isolation guidance scale (video): > 1 (either "
+                            "modality) adds a pass without audio-video cross-attention"),
+    "audio_guidance_scale": (7.0, "LTX-2 CFG scale of the audio (0: --guidance_scale); "
+                                  "either scale > 1 runs the negative prompt"),
+    "audio_stg_scale": (1.0, "LTX-2 STG scale of the audio (0: --stg_scale)"),
+    "audio_modality_scale": (3.0, "LTX-2 modality-isolation scale of the audio (0: "
+                                  "--modality_scale)"),
+}
+
+DOWNLOAD_HINT = "hf download Lightricks/LTX-2 --local-dir PATH"
+
+# Flags this family does not take yet: (flag, the only value allowed, why).
+REFUSED = (
+    ("flow_shift", None, "LTX-2's scheduler shifts by the video token count (mu), not a flag"),
+    ("stage", "all", "staged runs are not supported for LTX-2 yet"),
+    ("serve", False, "--serve does not run LTX-2 yet (its videos carry audio)"),
+    ("cache", None, "the step caches are not supported for LTX-2"),
+    ("enable_cache", False, "the step caches are not supported for LTX-2"),
+    ("scan_layers", False, "LTX-2's blocks run unrolled: diffusers' block loop passes "
+                           "per-block STG arguments by keyword"),
+    ("vae_tiling", False, "LTX-2's decode is one program of video and audio"),
+    ("dry_run", False, "the LTX-2 dry run is not done yet"),
+    ("overlap_compile", "off", "LTX-2 compiles after the load (its decode's meta model "
+                               "does not know the video size)"),
+    ("image", None, "image-to-video is not supported for LTX-2 yet"),
+)
+
+# Unrolled only (REFUSED: scan_layers). diffusers calls each block by keyword: sequence
+# parallelism shards ``hidden_states`` (the video tokens) and pads the video RoPE tables, (B,
+# heads, tokens, head_dim / 2) for the "split" RoPE of every LTX-2 config, on their token axis.
+# The audio stream (126 tokens) stays whole; its attention over the video tokens masks the
+# padding as the self-attention does.
+BLOCKS = BlockStack(attr="transformer_blocks", carry=2, token_axes=(1, None),
+                    self_attention="attn1", sublayers=(),
+                    token_kwargs=(("hidden_states", 1), ("video_rotary_emb", 2),
+                                  ("ca_video_rotary_emb", 2)),
+                    video_key_attention=("video_to_audio_attn",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags, sizes, scheduler
+# ---------------------------------------------------------------------------------------------
+
+
+def scales(config) -> dict:
+    """The run's resolved guidance scales: the video ones and the audio ones with the
+    pipeline's fallback (an audio scale of 0 takes the video one)."""
+    o = config.video.options or {}
+    g = config.video.guidance_scale
+    out = dict(guidance_scale=g, stg_scale=o["stg_scale"], modality_scale=o["modality_scale"])
+    for name in ("guidance_scale", "stg_scale", "modality_scale"):
+        out["audio_" + name] = o["audio_" + name] or out[name]
+    return out
+
+
+def passes(config) -> dict:
+    """Which passes a step runs (P:902-912): cfg (batch 2), stg, modality (batch 1 each)."""
+    s = scales(config)
+    return dict(cfg=s["guidance_scale"] > 1 or s["audio_guidance_scale"] > 1,
+                stg=s["stg_scale"] > 0 or s["audio_stg_scale"] > 0,
+                modality=s["modality_scale"] > 1 or s["audio_modality_scale"] > 1)
+
+
+def sample_passes(config) -> int:
+    """Transformer samples per step: 2 for CFG (else 1), + 1 for STG, + 1 for modality."""
+    p = passes(config)
+    return (2 if p["cfg"] else 1) + p["stg"] + p["modality"]
+
+
+def checkpoint_defaults(model_id: str) -> dict:
+    return {}
+
+
+def check_flags(values: dict) -> tuple[str, str] | None:
+    if values["max_sequence_length"] != TEXT_TOKENS:
+        return ("--max_sequence_length", f"is fixed at {TEXT_TOKENS} for LTX-2 (the "
+                "connectors' 128 registers must divide it; the pipeline's default)")
+    if values["fps"] != DEFAULTS["fps"]:
+        return ("--fps", f"is fixed at {DEFAULTS['fps']} for LTX-2 here (the audio length and "
+                "the RoPE coordinates follow it; the dry run's shapes assume it)")
+    return None
+
+
+def default_flow_shift(height: int, width: int) -> float:
+    """Unused (--flow_shift is refused): the shift is exp(mu), ``make_scheduler``."""
+    return 1.0
+
+
+def audio_frames(frames: int, fps: float, audio_vae_cfg: dict) -> int:
+    """Latent audio frames of a video: round(frames / fps x rate / hop / 4) (P:1300-1305)."""
+    per_second = audio_vae_cfg.get("sample_rate", 16000) / audio_vae_cfg.get(
+        "mel_hop_length", 160) / float(AUDIO_TEMPORAL_SCALE)
+    return round(frames / fps * per_second)
+
+
+def layout(cfg: dict, vae_cfg: dict, audio_cfg: dict, height: int, width: int,
+           frames: int, fps: float = 24.0) -> dict:
+    """The packed latents' geometry: video (frames f, h, w, tokens, width) and audio (frames,
+    mel bins, tokens, width); ``size`` is the one float32 array's length."""
+    f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
+    h, w = height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE
+    p, pt = cfg.get("patch_size", 1), cfg.get("patch_size_t", 1)
+    video_tokens = (f // pt) * (h // p) * (w // p)
+    video_width = vae_cfg.get("latent_channels", 128) * p * p * pt
+    a = audio_frames(frames, fps, audio_cfg)
+    mel = audio_cfg.get("mel_bins", 64) // AUDIO_MEL_SCALE
+    audio_width = audio_cfg.get("latent_channels", 8) * mel
+    return dict(f=f, h=h, w=w, video_tokens=video_tokens, video_width=video_width,
+                audio_frames=a, mel=mel, audio_tokens=a, audio_width=audio_width,
+                size=video_tokens * video_width + a * audio_width)
+
+
+def run_layout(model_id: str, height: int, width: int, frames: int) -> dict:
+    """``layout`` from ``model_id``'s configs (or the shipped ones)."""
+    return layout(read_component_config(model_id, "transformer") or {},
+                  read_component_config(model_id, "vae") or {},
+                  read_component_config(model_id, "audio_vae") or {}, height, width, frames)
+
+
+def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
+    """(1, size) of the packed latents, with the real LTX-2 audio layout (8 channels x 16
+    mel bins; the dry run's; staged runs, which would read other checkpoints, are refused)."""
+    return (1, layout({}, vae_cfg, {}, height, width, frames)["size"])
+
+
+def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
+    """Video tokens per sample (the self-attention's sequence)."""
+    return layout(cfg, {}, {}, height, width, frames)["video_tokens"]
+
+
+def make_scheduler(scheduler_config, kind: str, flow_shift: float, mu: float | None = None):
+    """The run's ``FlowMatchEulerDiscreteScheduler``: the checkpoint's config, with a dynamic
+    (exponential) shift replaced by the static shift exp(mu) (see the module docstring)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    cfg = dict(scheduler_config)
+    if cfg.get("use_dynamic_shifting"):
+        if cfg.get("time_shift_type", "exponential") != "exponential":
+            raise GenerationError(f"scheduler time_shift_type={cfg['time_shift_type']!r}: "
+                                  "only 'exponential' is supported for LTX-2")
+        cfg.update(use_dynamic_shifting=False, shift=math.exp(mu))
+    return FlowMatchEulerDiscreteScheduler.from_config(cfg)
+
+
+def scheduler_sigmas(num_inference_steps: int) -> list:
+    """The pipeline's sigmas before the shift: linspace(1, 1/n, n) (P:1344)."""
+    return list(np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
+
+
+def shift_mu(scheduler_config, video_tokens: int) -> float:
+    """``calculate_shift`` of the video token count, as the pipeline calls it (P:1345-1351)."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    c = scheduler_config
+    return calculate_shift(video_tokens, c.get("base_image_seq_len", 1024),
+                           c.get("max_image_seq_len", 4096), c.get("base_shift", 0.95),
+                           c.get("max_shift", 2.05))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and encoding (CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def num_heads(cfg: dict) -> int:
+    return cfg["num_attention_heads"]
+
+
+ROPES = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
+
+
+def install_x64_ropes(transformer) -> None:
+    """Run each RoPE module's forward under ``jax.enable_x64`` (its float64 frequency grid,
+    T:1029, then stays float64 when traced; eager torch is unaffected)."""
+    for name in ROPES:
+        module = getattr(transformer, name)
+        forward = module.forward
+
+        def x64(*args, _forward=forward, **kwargs):
+            with jax.enable_x64(True):
+                return _forward(*args, **kwargs)
+
+        module.forward = x64
+
+
+# Each block's attentions other than the video self-attention: the text cross-attentions
+# (an additive text mask, 1,024 keys), the audio self-attention (126 tokens) and the
+# audio-video cross-attentions (126 audio tokens on one side). Short or masked: XLA.
+XLA_ATTENTIONS = ("attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn",
+                  "video_to_audio_attn")
+
+
+def route_short_attentions(transformer) -> None:
+    """Trace every block's ``XLA_ATTENTIONS`` under ``forced_attention("xla")`` (forward
+    hooks, at run time; diffusers' files are untouched), so only the video self-attention
+    (``attn1``) reaches our kernel. The Splash wrapper takes heads or tokens over "sp";
+    the audio stream (not sharded over sp, 126 tokens) fits neither rule on every mesh."""
+    for block in transformer.transformer_blocks:
+        for name in XLA_ATTENTIONS:
+            contexts: list = []
+
+            def enter(_module, _args, _kwargs, contexts=contexts):
+                context = forced_attention("xla")
+                context.__enter__()
+                contexts.append(context)
+
+            def leave(_module, _args, _kwargs, _output, contexts=contexts):
+                contexts.pop().__exit__(None, None, None)
+
+            module = getattr(block, name)
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+            module.register_forward_hook(leave, with_kwargs=True)
+
+
+def empty_transformer(cfg: dict, dtype):
+    """``LTX2VideoTransformer3DModel`` of config ``cfg`` with meta parameters in ``dtype``
+    (``families.base.empty_model``), its RoPEs under x64 (``install_x64_ropes``), its short
+    attentions on XLA (``route_short_attentions``)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    transformer = empty_model(LTX2VideoTransformer3DModel, cfg, dtype)
+    install_x64_ropes(transformer)
+    route_short_attentions(transformer)
+    return transformer
+
+
+class AudioVideoDecode(torch.nn.Module):
+    """The pipeline's decode as one module (P:1607-1664): packed latents (1, size) float32 ->
+    (video (1, 3, F, H, W) float32 in [-1, 1], waveform (1, channels, samples) float32).
+
+    Submodules ``video`` (``AutoencoderKLLTX2Video``), ``audio`` (``AutoencoderKLLTX2Audio``)
+    and ``vocoder`` (``LTX2Vocoder``); ``config`` is the video VAE's (what the engine reads
+    as ``pipe.vae.config``); ``geometry`` is ``layout``'s dict; ``dtype`` the transformer
+    dtype the pipeline casts the final video latents to before de-normalising them.
+    """
+
+    def __init__(self, video, audio, vocoder, geometry: dict, dtype):
+        super().__init__()
+        self.video, self.audio, self.vocoder = video, audio, vocoder
+        self.config, self.geometry, self.run_dtype = video.config, geometry, dtype
+
+    def forward(self, latents):
+        from diffusers import LTX2Pipeline
+
+        g = self.geometry
+        n = g["video_tokens"] * g["video_width"]
+        video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
+        audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
+        video = LTX2Pipeline._unpack_latents(video, g["f"], g["h"], g["w"], 1, 1)
+        audio = LTX2Pipeline._denormalize_audio_latents(audio, self.audio.latents_mean,
+                                                        self.audio.latents_std)
+        audio = LTX2Pipeline._unpack_audio_latents(audio, g["audio_frames"],
+                                                   num_mel_bins=g["mel"])
+        video = LTX2Pipeline._denormalize_latents(
+            video.to(self.run_dtype), self.video.latents_mean, self.video.latents_std,
+            self.video.config.scaling_factor)
+        frames = self.video.decode(video.to(self.video.dtype), None, return_dict=False)[0]
+        mel = self.audio.decode(audio.to(self.audio.dtype), return_dict=False)[0]
+        return frames.float(), self.vocoder(mel).float()
+
+
+def load_pipeline(config, components):
+    """Load diffusers' ``LTX2Pipeline`` on CPU from safetensors only. The transformer comes
+    with meta weights (``empty_transformer``), streamed later into its device shards; the
+    text encoder and connectors use ``config.model.dtype``; the VAEs and the vocoder float32,
+    joined as ``pipe.vae`` = ``AudioVideoDecode``. The scheduler is ``make_scheduler``'s for
+    the run's video token count.
+
+    Raises:
+        GenerationError: the weights could not be found or read, or the video VAE asks for
+            timestep conditioning (no LTX-2 checkpoint does; not implemented).
+    """
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+    model_id, dtype = config.model.model_id, getattr(torch, config.model.dtype)
+    skip = {}
+    if "text_encoder" not in components:
+        skip.update(text_encoder=None, tokenizer=None)
+    try:
+        skip["transformer"] = empty_transformer(dict(LTX2VideoTransformer3DModel.load_config(
+            model_id, subfolder="transformer")), dtype)
+        pipe = LTX2Pipeline.from_pretrained(model_id, dtype=dtype, use_safetensors=True, **skip)
+    except (OSError, ValueError) as e:
+        raise GenerationError(f"--model_id={model_id!r}: could not load weights: "
+                              f"{first_line(e)}") from None
+    for name in ("vae", "audio_vae", "vocoder"):
+        getattr(pipe, name).float().eval()
+    if pipe.vae.config.timestep_conditioning:
+        raise GenerationError(f"--model_id={model_id!r}: a video VAE with timestep "
+                              "conditioning is not supported")
+    video = config.video
+    geometry = layout(dict(pipe.transformer.config), dict(pipe.vae.config),
+                      dict(pipe.audio_vae.config), video.height, video.width, video.frames,
+                      video.fps)
+    pipe.scheduler = make_scheduler(pipe.scheduler.config, "euler", video.flow_shift,
+                                    shift_mu(pipe.scheduler.config, geometry["video_tokens"]))
+    decode = AudioVideoDecode(pipe.vae, pipe.audio_vae, pipe.vocoder, geometry, dtype)
+    pipe.__dict__["vae"] = decode  # past DiffusionPipeline.__setattr__'s config bookkeeping
+    pipe.geometry = geometry
+    return pipe
+
+
+EMBEDDING_NAMES = tuple(f"{side}{name}" for side in ("", "negative_") for name in (
+    "prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"))
+
+
+def encode_prompts(pipe, config) -> dict:
+    """Gemma on the prompt (and the negative prompt with CFG or ``--stage encode``), then the
+    connectors on [negative, positive] as one batch, as the pipeline runs them (P:1225-1254);
+    frees Gemma.
+
+    Returns:
+        {"prompt_embeds": (1, 1024, video width), "audio_prompt_embeds": (1, 1024, audio
+        width), "prompt_attention_mask": (1, 1024)} in the run dtype, and the same with a
+        "negative_" prefix with CFG.
+    """
+    dtype, cpu = getattr(torch, config.model.dtype), torch.device("cpu")
+    cfg = passes(config)["cfg"] or config.run.stage == "encode"
+    with torch.no_grad():
+        embeds, masks = [], []
+        for prompt in ([config.video.negative_prompt or ""] if cfg else []) + [
+                config.video.prompt]:
+            e, m = pipe._get_gemma_prompt_embeds(prompt, max_sequence_length=TEXT_TOKENS,
+                                                 device=cpu, dtype=dtype)
+            embeds.append(e)
+            masks.append(m)
+        video, audio, mask = pipe.connectors(torch.cat(embeds), torch.cat(masks),
+                                             padding_side="left")
+    pipe.text_encoder = None  # Gemma 3 12B: ~24 GB in bf16; nothing needs it after this
+    sides = ("negative_", "") if cfg else ("",)
+    out = {}
+    for i, side in enumerate(sides):
+        out.update({f"{side}prompt_embeds": video[i:i + 1].to(dtype),
+                    f"{side}audio_prompt_embeds": audio[i:i + 1].to(dtype),
+                    f"{side}prompt_attention_mask": mask[i:i + 1]})
+    return out
+
+
+def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | None:
+    for name, value in embeds.items():
+        if tuple(value.shape[:2]) != (1, TEXT_TOKENS):
+            return f"{name}: expected shape (1, {TEXT_TOKENS}, ...), got {tuple(value.shape)}"
+    return None
+
+
+def prepare_latents(pipe, config):
+    """Initial noise as the pipeline draws it from one CPU generator seeded with
+    ``config.video.seed``: the video latents, then the audio latents, packed (P:1277-1341);
+    returned as one float32 (1, size) tensor (see the module docstring)."""
+    g, video = pipe.geometry, config.video
+    generator = torch.Generator("cpu").manual_seed(video.seed)
+    cpu = torch.device("cpu")
+    v = pipe.prepare_latents(1, pipe.transformer.config.in_channels, video.height, video.width,
+                             video.frames, 0.0, torch.float32, cpu, generator)
+    a = pipe.prepare_audio_latents(1, pipe.audio_vae.config.latent_channels,
+                                   g["audio_frames"], pipe.audio_vae.config.mel_bins, 0.0,
+                                   torch.float32, cpu, generator)
+    return torch.cat([v.reshape(1, -1), a.reshape(1, -1)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+
+SIGMA_TABLE = "sigma_table"
+TEXT_INPUTS = ("prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+
+
+def sigma_table(config) -> torch.Tensor:
+    """(1, 2, steps) float32: the run's timesteps and sigmas, as the run's scheduler
+    (``make_scheduler``, ``scheduler_sigmas``) sets them."""
+    video = config.video
+    cfg = read_component_config(config.model.model_id, "scheduler",
+                                 filename="scheduler_config.json")
+    g = run_layout(config.model.model_id, video.height, video.width, video.frames)
+    scheduler = make_scheduler(cfg, "euler", 1.0, shift_mu(cfg, g["video_tokens"]))
+    scheduler.set_timesteps(sigmas=scheduler_sigmas(video.num_inference_steps))
+    return torch.stack([scheduler.timesteps.float(), scheduler.sigmas[:-1].float()])[None]
+
+
+def model_inputs(embeds: dict, config) -> dict:
+    """The step's inputs, batch [negative, positive] with CFG (P:1232-1234) else [positive]:
+    "prompt_embeds" (B, 1024, video text width) and "audio_prompt_embeds" (B, 1024, audio
+    text width) in the run dtype, "prompt_attention_mask" (B, 1024), and the sigma table
+    (B, 2, steps) float32. The RoPE coordinates are built inside ``forward`` from the
+    latent sizes, by the same ``prepare_*_coords`` the pipeline calls."""
+    sides = ("negative_", "") if passes(config)["cfg"] else ("",)
+    out = {name: torch.cat([embeds[side + name] for side in sides]) for name in TEXT_INPUTS}
+    out[SIGMA_TABLE] = sigma_table(config).expand(len(sides), -1, -1).contiguous()
+    return out
+
+
+def abstract_model_inputs(cfg: dict, config) -> dict:
+    b = 2 if passes(config)["cfg"] else 1
+    dtype = getattr(jnp, config.model.dtype)
+    return {"prompt_embeds": jax.ShapeDtypeStruct((b, TEXT_TOKENS, cfg["caption_channels"]),
+                                                  dtype),
+            "audio_prompt_embeds": jax.ShapeDtypeStruct(
+                (b, TEXT_TOKENS, cfg["caption_channels"]), dtype),
+            "prompt_attention_mask": jax.ShapeDtypeStruct((b, TEXT_TOKENS), jnp.int32),
+            SIGMA_TABLE: jax.ShapeDtypeStruct((b, 2, config.video.num_inference_steps),
+                                              jnp.float32)}
+
+
+def guided(x, outs: dict, sigma, s: dict, prefix: str):
+    """One modality's guided velocity from its passes' velocities, as the pipeline computes
+    it (P:1440-1600): x0 = x - v sigma per pass, the CFG / STG / modality deltas added to the
+    positive x0, ``rescale_noise_cfg`` at 0.7, back to a velocity (x - x0) / sigma.
+
+    x: (1, S, C) float32; outs: {"cfg" or "plain": (B, S, C), "stg", "modality": (1, S, C)}
+    float32; s: ``scales``; prefix: "" (video) or "audio_"."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
+
+    def x0(v):
+        return x - v * sigma
+
+    if "cfg" in outs:
+        uncond, cond = outs["cfg"].chunk(2)
+        pred = x0(cond)
+        cfg = (s[prefix + "guidance_scale"] - 1) * (pred - x0(uncond))
+    else:
+        pred, cfg = x0(outs["plain"]), 0
+    stg = s[prefix + "stg_scale"] * (pred - x0(outs["stg"])) if "stg" in outs else 0
+    mod = (s[prefix + "modality_scale"] - 1) * (pred - x0(outs["modality"])) \
+        if "modality" in outs else 0
+    total = pred + cfg + stg + mod
+    if GUIDANCE_RESCALE > 0:
+        total = rescale_noise_cfg(total, pred, guidance_rescale=GUIDANCE_RESCALE)
+    return (x - total) / sigma
+
+
+def step_fn(jm, config):
+    """The torch function of one denoising step, to be viewed as JAX and jitted:
+    (params, buffers, latents (1, size) float32, timestep (1,) float32, inputs) -> the
+    guided velocity (1, size) float32 of both modalities, packed as the latents.
+
+    Runs the passes ``passes(config)`` asks for (diffusers' transformer ``forward``, its
+    arguments as the pipeline gives them; the model input and embeddings in the run dtype,
+    the timestep float32), then ``guided`` per modality."""
+    dtype = getattr(torch, config.model.dtype)
+    s, want = scales(config), passes(config)
+    video_cfg = config.video
+    g = run_layout(config.model.model_id, video_cfg.height, video_cfg.width, video_cfg.frames)
+    n = g["video_tokens"] * g["video_width"]
+    static = dict(num_frames=g["f"], height=g["h"], width=g["w"], fps=float(video_cfg.fps),
+                  audio_num_frames=g["audio_frames"], use_cross_timestep=True,
+                  return_dict=False)
+
+    def step(params, buffers, latents, timestep, inputs):
+        inputs = dict(inputs)
+        table = inputs.pop(SIGMA_TABLE)
+        sigma = table[0, 1, torch.argmin((table[0, 0] - timestep.float()).abs())]
+        video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
+        audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
+
+        def call(text, **kw):
+            b = text["prompt_embeds"].shape[0]
+            t = timestep.float().expand(b)
+            v, a = jm.functional_call(
+                "forward", params, buffers, hidden_states=video.expand(b, -1, -1).to(dtype),
+                audio_hidden_states=audio.expand(b, -1, -1).to(dtype),
+                encoder_hidden_states=text["prompt_embeds"],
+                audio_encoder_hidden_states=text["audio_prompt_embeds"], timestep=t, sigma=t,
+                encoder_attention_mask=text["prompt_attention_mask"],
+                audio_encoder_attention_mask=text["prompt_attention_mask"], **static, **kw)
+            return v.float(), a.float()
+
+        positive = {k: v[-1:] for k, v in inputs.items()}
+        outs = {"cfg" if want["cfg"] else "plain": call(inputs)}
+        if want["stg"]:
+            outs["stg"] = call(positive, spatio_temporal_guidance_blocks=list(STG_BLOCKS))
+        if want["modality"]:
+            outs["modality"] = call(positive, isolate_modalities=True)
+        v = guided(video, {k: o[0] for k, o in outs.items()}, sigma, s, "")
+        a = guided(audio, {k: o[1] for k, o in outs.items()}, sigma, s, "audio_")
+        return torch.cat([v.reshape(1, -1), a.reshape(1, -1)], dim=1)
+
+    return step
+
+
+def transformer_flops(cfg: dict, config) -> float:
+    """Analytic FLOPs of one step (2 per multiply-add), all its sample-passes
+    (``sample_passes``). Per block, with S video / A audio tokens, T = 1024 text tokens,
+    D / E the video / audio attention widths: self-attention 8 S D^2 + 4 S^2 D (and audio);
+    text cross-attention 4 S D^2 + 4 T D^2 + 4 S T D (and audio); audio-to-video attention
+    (width E) 4 S D E + 4 A E^2 + 4 S A E; video-to-audio 4 A E^2 + 4 S D E + 4 S A E; MLPs
+    16 S D^2 + 16 A E^2. Embedders and the output layers are left out (< 1%)."""
+    video = config.video
+    g = run_layout(config.model.model_id, video.height, video.width, video.frames)
+    s_, a_, t_ = g["video_tokens"], g["audio_tokens"], TEXT_TOKENS
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    e = cfg["audio_num_attention_heads"] * cfg["audio_attention_head_dim"]
+
+    def stream(n, w):
+        return 8 * n * w * w + 4 * n * n * w + 4 * n * w * w + 4 * t_ * w * w \
+            + 4 * n * t_ * w + 16 * n * w * w
+
+    cross = 2 * (4 * s_ * d * e + 4 * a_ * e * e + 4 * s_ * a_ * e)
+    per_block = stream(s_, d) + stream(a_, e) + cross
+    return float(per_block * cfg["num_layers"] * sample_passes(config))
+
+
+def self_attention_flops(cfg: dict, config) -> float:
+    """The 4 S^2 D (video) + 4 A^2 E (audio) self-attention terms of ``transformer_flops``."""
+    video = config.video
+    g = run_layout(config.model.model_id, video.height, video.width, video.frames)
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    e = cfg["audio_num_attention_heads"] * cfg["audio_attention_head_dim"]
+    per_block = 4 * g["video_tokens"] ** 2 * d + 4 * g["audio_tokens"] ** 2 * e
+    return float(per_block * cfg["num_layers"] * sample_passes(config))
+
+
+# Megatron tensor parallelism (torch Linear weights are (out, in)): every attention's q/k/v
+# (video and audio self-, text cross- and audio-video cross-attention) and each MLP's up
+# projection column-parallel, their out / down projections row-parallel. The q/k RMS norms
+# span all heads (their weights replicated); GSPMD adds the reduction they need.
+_ATTN = r"transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|" \
+        r"video_to_audio_attn)"
+COLUMN_PARALLEL_RULES = (
+    (_ATTN + r"\.(to_q|to_k|to_v)\.weight$", ("tp", None)),
+    (_ATTN + r"\.(to_q|to_k|to_v)\.bias$", ("tp",)),
+    (r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.0\.proj\.weight$", ("tp", None)),
+    (r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.0\.proj\.bias$", ("tp",)),
+)
+ROW_PARALLEL_RULES = (
+    (_ATTN + r"\.to_out\.0\.weight$", (None, "tp")),
+    (r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.2\.weight$", (None, "tp")),
+)
+
+
+def sharding_rules(config) -> tuple:
+    if config.layout.replicate_row_parallel:
+        return COLUMN_PARALLEL_RULES
+    return COLUMN_PARALLEL_RULES + ROW_PARALLEL_RULES
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: video VAE, audio VAE and vocoder in one program
+# ---------------------------------------------------------------------------------------------
+
+
+def is_vae_decode_weight(name: str) -> bool:
+    """Every weight of ``AudioVideoDecode`` but the two VAEs' encoders."""
+    return name.split(".")[1:2] != ["encoder"]
+
+
+def empty_vae(folder: str):
+    raise GenerationError("the LTX-2 decode has no dry-run model yet (--dry_run is refused)")
+
+
+class LtxDecoder:
+    """Packed latents (1, size) float32 -> video (1, 3, F, H, W) float32 in [-1, 1], on
+    device; the waveform of the last call is ``audio`` (``engine.files.report.Audio``:
+    (channels, samples) float32 on the host and the vocoder's rate in Hz).
+
+    One program (``AudioVideoDecode``), weights replicated (the VAEs and the vocoder are
+    conv nets of a few hundred MB; the tiny checkpoint's parity test covers it). Interface of
+    ``engine.programs.vae_decode.ChunkedDecoder``: ``compile``, ``memory``, ``spatial``,
+    call."""
+
+    def __init__(self, placed: dict, mesh, sample_rate: int):
+        self.placed, self.sample_rate = placed, sample_rate
+        self.replicated = NamedSharding(mesh, P())
+        self.program, self.waveform = None, None
+
+    def spatial(self, shape):
+        return None
+
+    def _args(self, latents):
+        return (self.placed["params"], self.placed["buffers"], latents)
+
+    def compile(self, latents) -> float:
+        t0 = time.perf_counter()
+        args, jm = self._args(latents), self.placed["module"]
+
+        def decode(params, buffers, latents):
+            return jm.functional_call("forward", params, buffers, latents)
+
+        def lower():
+            with forced_attention("xla"):
+                return jax.jit(interop.jax_view(decode),
+                               out_shardings=(self.replicated, self.replicated)).lower(*args)
+
+        self.program, _ = executables.compile_program("vae_decode_full", lower, args)
+        return time.perf_counter() - t0
+
+    def memory(self) -> dict:
+        m = self.program.memory_analysis()
+        peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+        return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                    temp_bytes=m.temp_size_in_bytes, peak_bytes=peak, programs=1)
+
+    def __call__(self, latents):
+        if self.program is None:
+            self.compile(latents)
+        video, self.waveform = self.program(*self._args(latents))
+        return video
+
+    @property
+    def audio(self):
+        """The last decode's ``Audio`` (host float32 (channels, samples), rate), or None."""
+        if self.waveform is None:
+            return None
+        return Audio(np.asarray(to_host(self.waveform))[0], self.sample_rate)
+
+
+def vae_decoder(placed: dict, vae, mesh, *, tiling: bool = False, abstract: bool = False,
+                fallbacks=None):
+    """The LTX-2 decode program (``LtxDecoder``) on ``vae`` = ``AudioVideoDecode``."""
+    return LtxDecoder(placed, mesh, int(vae.vocoder.config.output_sampling_rate))
+
+
+FAMILY = ModelFamily(
+    name="LTX-2",
+    checkpoint=Checkpoint(
+        pipeline_classes=("LTX2Pipeline",),
+        shipped_configs=("Lightricks/LTX-2", "rootonchair/LTX-2-19b-distilled"),
+        download_hint=DOWNLOAD_HINT,
+        required_files=("model_index.json", "transformer/config.json", "vae/config.json",
+                        "audio_vae/config.json", "vocoder/config.json",
+                        "connectors/config.json"),
+        components={"all": ("text_encoder", "transformer", "vae"), "encode": ("text_encoder",),
+                    "denoise": ("transformer",), "decode": ("vae",)},
+        weight_folders={"text_encoder": ("text_encoder", "connectors"),
+                        "transformer": ("transformer",),
+                        "vae": ("vae", "audio_vae", "vocoder")},
+    ),
+    flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags,
+                options=OPTIONS, refused=REFUSED),
+    sizes=Sizes(frame_step=VAE_TEMPORAL_SCALE, pixel_multiple=VAE_SPATIAL_SCALE,
+                latent_shape=latent_shape, token_count=token_count),
+    text=TextEncoding(load_pipeline=load_pipeline, encode_prompts=encode_prompts,
+                      embedding_names=EMBEDDING_NAMES, check_embeddings=check_embeddings,
+                      prepare_latents=prepare_latents),
+    transformer=Transformer(
+        empty=empty_transformer, num_heads=num_heads, flops=transformer_flops,
+        self_attention_flops=self_attention_flops, model_inputs=model_inputs,
+        abstract_model_inputs=abstract_model_inputs, step_fn=step_fn,
+        timestep_dtype="float32", sharding_rules=sharding_rules, block_stack=BLOCKS),
+    vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
+                    decoder=vae_decoder),
+    scheduler=Scheduling(default_flow_shift=default_flow_shift, sigmas=scheduler_sigmas),
+)
