@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny Wan, HunyuanVideo-1.5 and LTX-2 checkpoints, built once per session
 through save_pretrained."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,6 +30,15 @@ def _build(tmp_path_factory, tool: str, name: str, *flags) -> str:
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), "--output", str(path),
                     *flags], check=True, capture_output=True, text=True)
     return str(path)
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` imported as a module in this process (tools/ is a folder of
+    scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ entry puts a tensor in the wrong place and the forward leaves the original model
 random; no real SR checkpoint is read here.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import load_tool
 from diffusers import HunyuanVideo15Transformer3DModel
 from safetensors.torch import load_file, save_file
 
@@ -28,16 +28,9 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 PREFIX = "convert_hunyuan_sr.py: error: "
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tools():
-    return _tool("make_tiny_hunyuan_sr"), _tool("convert_hunyuan_sr")
+    return load_tool("make_tiny_hunyuan_sr"), load_tool("convert_hunyuan_sr")
 
 
 @pytest.fixture(scope="module")

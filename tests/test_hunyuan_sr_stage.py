@@ -17,7 +17,6 @@ Weights are random (tiny checkpoints): a tiny SR DiT with the first stage's text
 """
 
 import argparse
-import importlib.util
 import json
 import os
 
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_tool
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
 from diffusers.pipelines.hunyuan_video1_5.image_processor import generate_crop_size_list
 
@@ -44,18 +44,11 @@ SR_BASE = 96  # the tiny SR DiT's target_size
 STEPS, SR_STEPS, SEED = 2, 3, 3  # SR at shift 2: t = 1000, 800, 500 (the last without lq)
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def sr_dir(hunyuan_checkpoint, tmp_path_factory):
     """A tiny ``--sr_model_dir``: transformer/ (diffusers format, what
     tools/convert_hunyuan_sr.py writes) and upsampler/<version>/ (the official layout)."""
-    builder = _tool("make_tiny_hunyuan_sr")
+    builder = load_tool("make_tiny_hunyuan_sr")
     with open(os.path.join(hunyuan_checkpoint, "transformer", "config.json")) as f:
         first = json.load(f)
     widths = {k: first[k] for k in ("text_embed_dim", "text_embed_2_dim", "image_embed_dim")}
