@@ -81,6 +81,8 @@ def _cached_conv_forward(conv, original, x):
     previous = cache.take()
     if previous is None:  # replicate padding in time = the first frame, pt0 times
         previous = x[:, :, :1].expand(-1, -1, pt0, -1, -1)
+    else:  # carried with its width padded to whole shards (``_frame_fn``): the real columns
+        previous = previous[..., :x.shape[-1]]
     x = torch.cat([previous, x], dim=2)
     cache.new.append(x[:, :, -pt0:])
     x = F.pad(x, (pw0, pw1, ph0, ph1, 0, pt1), mode=conv.pad_mode)
@@ -203,18 +205,21 @@ def _frame_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None, *, widt
     new cache list: each causal conv's last two input frames).
 
     ``spatial``: the width sharding of the program's inputs and outputs (the latent width
-    divides over the devices), or None. ``width``: the same sharding, used inside the program
-    when ``spatial`` is None: the activations are then split over the devices unevenly (XLA
-    pads the last shards; 1080p's 119-wide latents over 8 chips), and each output whose width
-    does not divide is replicated. Without it such a decode ran whole frames on every chip:
-    40.7 GiB per v6e chip at 1072 x 1904."""
+    divides over the devices), or None. ``width``: the same sharding, used when ``spatial``
+    is None (1080p's 119-wide latents over 8 chips): inside the program the activations are
+    split over the devices unevenly (XLA pads the last shards), and a cache output whose
+    width does not divide is zero-padded to whole shards, its real columns taken back where
+    the next frame reads it (``_cached_conv_forward``). Replicated, those caches were 8 GiB
+    per v6e chip at 1072 x 1904, and the next frame's program 34.6 GiB of temporaries."""
     inner = spatial or width
 
-    def constrain(t, output: bool = True):
+    def constrain(t, kind: str):  # "inside", "frames" (an output) or "cache" (an output)
         if inner is None:
             return t
-        where = inner
-        if output and t.shape[-1] % inner.mesh.size:
+        where, n = inner, inner.mesh.size
+        if kind == "cache" and t.shape[-1] % n:
+            t = F.pad(t, (0, -t.shape[-1] % n))
+        elif kind == "frames" and t.shape[-1] % n:
             where = NamedSharding(inner.mesh, P())
         return interop.call_jax(jax.lax.with_sharding_constraint, t, where)
 
@@ -228,12 +233,12 @@ def _frame_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None, *, widt
         state = _Cache(None if first else list(cache))
         token = _CONV_CACHE.set(state)
         try:
-            out = jm.functional_call(run, params, buffers, constrain(x, output=False))
+            out = jm.functional_call(run, params, buffers, constrain(x, "inside"))
         finally:
             _CONV_CACHE.reset(token)
         record[(kinds, first)] = ("tensor",) * len(state.new)
         out = torch.clamp(out, min=-1.0, max=1.0)
-        return constrain(out), [constrain(t) for t in state.new]
+        return constrain(out, "frames"), [constrain(t, "cache") for t in state.new]
 
     return frame
 
