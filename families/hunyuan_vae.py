@@ -104,8 +104,8 @@ def _upsample_forward(up, original, x):
 # Bytes of one query chunk's float32 scores in the mid-block attention. One whole query frame
 # against every key is 7,973 x 247,163 x 4 B = 7.9 GB at 1080p x 121 (1.6 GB at 720p) in the
 # mid program, whose activations are otherwise about 1 GB each there. Chunks of rows bound it.
-# (The 1080p decode's peak on v6e is elsewhere: a frame program's 35.17 GiB of temporaries,
-# unchanged by this; benchmarks/dry_run_results.md.)
+# (The 1080p decode's peak on v6e was elsewhere: the frame programs' replicated conv caches,
+# see _frame_fn; benchmarks/dry_run_results.md.)
 SCORE_BYTES = 512 * 2**20
 
 
