@@ -106,9 +106,9 @@ def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks
     placed = sharding.place_expert(sr, family, stage.transformer, "transformer", mesh, fallbacks)
     up = place_module(stage.upsampler, mesh, desc="upsampler")
     timings["place_upscale_s"] = time.perf_counter() - t0
-    hand_off, timings["compile_hand_off_s"] = compile_hand_off(stage, up, mesh, lr_latents)
-    run = for_video(stage, hand_off, None, config, embeds)
-    latents0, inputs = run.hand_off(lr_latents)
+    video = _with_inputs(stage, HandOff(None, up, mesh), config, embeds)
+    video, timings["compile_hand_off_s"] = compile_hand_off(stage, video, lr_latents)
+    latents0, inputs = video(lr_latents)
     set_timesteps(pipe.scheduler, sr.video.num_inference_steps, stage.sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
     fn = stage.step_fn(placed["module"], sr)
@@ -117,22 +117,26 @@ def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks
         sr, family.transformer.block_stack, pipe, placed, None, mesh, fn, latents0, t, inputs,
         times)
     timings["compile_upscale_s"] = times["compile_transformer_s"]
-    return for_video(stage, hand_off, step, config, embeds), placed, latents0
+    return _upscale(stage, video, step), placed, latents0
 
 
-def for_video(stage, hand_off, step, config, embeds) -> Upscale:
-    """The upscale stage for one video: its initial latents, text inputs and hand-off extras
-    drawn on the host and placed (``config``: the first stage's config of this video)."""
+def _with_inputs(stage, hand_off, config, embeds):
+    """``hand_off`` with one video's initial latents, text inputs and hand-off extras, drawn
+    on the host and placed (``config``: the first stage's config of this video)."""
     latents0, extras = stage.noise(config, embeds)
     text = stage.text_inputs(embeds)
     over_dp, replicated = NamedSharding(hand_off.mesh, P("dp")), NamedSharding(hand_off.mesh, P())
-    placed = dataclasses.replace(hand_off, latents0=_put(latents0, replicated),
-                                 text=_put(text, over_dp), extras=_put(extras, replicated))
+    return dataclasses.replace(hand_off, latents0=_put(latents0, replicated),
+                               text=_put(text, over_dp), extras=_put(extras, replicated))
+
+
+def _upscale(stage, hand_off, step) -> Upscale:
+    """The loop's ``Upscale`` of one video (``hand_off`` holds its inputs)."""
     programs = Programs(step=step, scheduler_config=stage.scheduler_config,
-                        sigmas=stage.sigmas, timesteps_sharding=replicated)
+                        sigmas=stage.sigmas, timesteps_sharding=NamedSharding(hand_off.mesh, P()))
     return Upscale(programs=programs, num_inference_steps=stage.config.video.num_inference_steps,
-                   hand_off=placed,
-                   next_video=lambda c, e: for_video(stage, hand_off, step, c, e))
+                   hand_off=hand_off, next_video=lambda c, e: _upscale(
+                       stage, _with_inputs(stage, hand_off, c, e), step))
 
 
 def _put(tree, where):
@@ -144,7 +148,7 @@ class HandOff:
     """The first stage's final latents -> (the second stage's initial latents, its model
     inputs): ``compiled`` runs the family's ``hand_off_fn`` (weights ``placed``) on them and
     this video's placed ``extras``; ``latents0`` and ``text`` (this video's initial latents and
-    text inputs) are passed through (set by ``for_video``)."""
+    text inputs) are passed through (set by ``_with_inputs``)."""
 
     compiled: object
     placed: dict
@@ -160,25 +164,21 @@ class HandOff:
         return self.latents0, {**self.text, **extra_inputs}
 
 
-def compile_hand_off(stage, placed: dict, mesh, lr_latents) -> tuple[HandOff, float]:
+def compile_hand_off(stage, hand_off: HandOff, lr_latents) -> tuple[HandOff, float]:
     """AOT-compile the hand-off for the first stage's latents (the shape and dtype of
-    ``lr_latents``), through the executable cache; returns (``HandOff`` without a video's
-    inputs, seconds)."""
-    _, extras = stage.noise(stage.first, {})
+    ``lr_latents``) and the placed extras ``hand_off`` holds, through the executable cache;
+    returns (``hand_off`` with its program, seconds)."""
+    mesh, placed = hand_off.mesh, hand_off.placed
     replicated = NamedSharding(mesh, P())
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
     jitted = jax.jit(interop.jax_view(stage.hand_off_fn(placed["module"])),
                      in_shardings=(param_sh, replicated, replicated, replicated),
                      out_shardings=NamedSharding(mesh, P("dp")))
-
-    def spec(x):
-        a = placement.host_array(x)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-
     args = (placed["params"], placed["buffers"],
             jax.ShapeDtypeStruct(lr_latents.shape, lr_latents.dtype, sharding=replicated),
-            jax.tree.map(spec, extras))
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                         hand_off.extras))
     t0 = time.perf_counter()
     compiled, _ = executables.compile_program("upscale_hand_off", lambda: jitted.lower(*args),
                                               args)
-    return HandOff(compiled, placed, mesh), time.perf_counter() - t0
+    return dataclasses.replace(hand_off, compiled=compiled), time.perf_counter() - t0
