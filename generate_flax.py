@@ -332,7 +332,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                   lora_2=lora.validate(args.lora_2, family, args.model_id, args.dtype,
                                        "--lora_2"),
                   scheduler=(scheduler := resolve_scheduler(args.scheduler, family)),
-                  upscale=upscale.validate_flags(args, family, values),
+                  upscale=upscale.validate_flags(args, family, values, serve),
                   step_cache=step_cache.validate_cache_flags(
                       args, values["num_inference_steps"], make_scheduler=family.scheduler.make,
                       scheduler=scheduler, flow_shift=flow_shift, sigmas=family.scheduler.sigmas))

@@ -246,12 +246,15 @@ class Upscale:
     dry_stage: ``f(config) -> dry stage`` for ``--dry_run`` (no weights); the engine reads its
         ``config``, ``transformer_config``, ``step_fn``, ``abstract_inputs(cfg)``,
         ``estimate_config`` and ``assumed`` (see ``families.hunyuan_sr_stage.SrDryStage``).
+    for_size: ``f(settings, height, width) -> settings`` for a first stage of another size
+        (the server's buckets); raises a one-line ``UsageError`` for a size it cannot take.
     """
 
     choices: tuple[str, ...]
     validate: Callable
     stage: Callable
     dry_stage: Callable
+    for_size: Callable
 
 
 @dataclasses.dataclass(frozen=True)

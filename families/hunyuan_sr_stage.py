@@ -57,7 +57,8 @@ CONVERT_HINT = ("convert it once: python tools/convert_hunyuan_sr.py --input "
 class SrSettings:
     """The SR stage of a run: ``version`` (``SR_CONFIGS`` key), ``model_dir`` (see the module
     docstring), ``steps`` and ``flow_shift`` of its schedule, and the SR video's ``height`` and
-    ``width`` in pixels."""
+    ``width`` in pixels; ``bases``: the bucket bases of the first and the SR transformer
+    (their ``target_size``: ``hunyuan_sr.sr_size``), which map a first-stage size to these."""
 
     version: str
     model_dir: str
@@ -65,6 +66,7 @@ class SrSettings:
     flow_shift: float
     height: int
     width: int
+    bases: tuple = (None, None)
 
 
 def _read_config(folder: str, flag_value: str, what: str) -> dict:
@@ -128,9 +130,20 @@ def validate(args, values: dict) -> SrSettings:
     if not shift > 0:
         raise UsageError(f"--sr_flow_shift={shift}: must be > 0")
     first = read_component_config(args.model_id, "transformer") or {}
-    height, width = sr.sr_size(values["height"], values["width"], version,
-                               first.get("target_size"), cfg.get("target_size"))
-    return SrSettings(version, args.sr_model_dir, steps, float(shift), height, width)
+    settings = SrSettings(version, args.sr_model_dir, steps, float(shift), 0, 0,
+                          (first.get("target_size"), cfg.get("target_size")))
+    return for_size(settings, values["height"], values["width"])
+
+
+def for_size(settings: SrSettings, height: int, width: int) -> SrSettings:
+    """``settings`` for a first stage of ``height`` x ``width`` pixels (the server's other
+    buckets): the SR size by the bucket map.
+
+    Raises:
+        UsageError: the size is not a bucket of the SR version's base resolution.
+    """
+    h, w = sr.sr_size(height, width, settings.version, *settings.bases)
+    return dataclasses.replace(settings, height=h, width=w)
 
 
 def second_config(config, model_id: str):
@@ -272,4 +285,4 @@ def stage(config, pipe) -> SrStage:
 
 
 UPSCALE = Upscale(choices=tuple(SR_VERSIONS), validate=validate, stage=stage,
-                  dry_stage=SrDryStage)
+                  dry_stage=SrDryStage, for_size=for_size)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from conftest import load_tool
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
 from diffusers.pipelines.hunyuan_video1_5.image_processor import generate_crop_size_list
+from serve_util import Server, server_frames, wait_done
 
 import generate_flax
 from engine.pipeline import generate
@@ -60,36 +61,40 @@ def sr_dir(hunyuan_checkpoint, tmp_path_factory):
     return str(folder)
 
 
-def _hr_size() -> tuple[int, int]:
+def _hr_size(height: int = SHAPE["height"], width: int = SHAPE["width"]) -> tuple[int, int]:
     """The official BucketMap (hunyuan_video_sr_pipeline.py:46-72): the hr bucket whose w/h is
     nearest the lr video's (first on a tie)."""
     hr = generate_crop_size_list(base_size=SR_BASE, patch_size=16)
     ratios = np.array([w / h for w, h in hr])
-    w, h = hr[int(np.abs(ratios - SHAPE["width"] / SHAPE["height"]).argmin())]
+    w, h = hr[int(np.abs(ratios - width / height).argmin())]
     return h, w
 
 
 @pytest.fixture(scope="module")
 def reference(hunyuan_checkpoint, sr_dir):
     """The first stage (diffusers) then the official SR stage's math, eager: frames (F, H, W, 3)."""
+    return _t2v_reference(hunyuan_checkpoint, sr_dir, SHAPE["height"], SHAPE["width"])
+
+
+def _t2v_reference(checkpoint, sr_dir, height, width, seed=SEED):
     from diffusers import HunyuanVideo15Pipeline
 
-    pipe = HunyuanVideo15Pipeline.from_pretrained(hunyuan_checkpoint, use_safetensors=True)
+    pipe = HunyuanVideo15Pipeline.from_pretrained(checkpoint, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        lr = pipe(prompt=PROMPT, num_frames=SHAPE["frames"], height=SHAPE["height"],
-                  width=SHAPE["width"], num_inference_steps=STEPS, output_type="latent",
-                  generator=torch.Generator("cpu").manual_seed(SEED)).frames
-        return _sr_reference(pipe, lr, sr_dir)
+        lr = pipe(prompt=PROMPT, num_frames=SHAPE["frames"], height=height, width=width,
+                  num_inference_steps=STEPS, output_type="latent",
+                  generator=torch.Generator("cpu").manual_seed(seed)).frames
+        return _sr_reference(pipe, lr, sr_dir, seed=seed)
 
 
-def _sr_reference(pipe, lr, sr_dir, image=None):
+def _sr_reference(pipe, lr, sr_dir, image=None, seed=SEED):
     transformer = HunyuanVideo15Transformer3DModel.from_pretrained(
         os.path.join(sr_dir, "transformer")).eval()
     upsampler = SRTo720pUpsampler.from_pretrained(os.path.join(sr_dir, "upsampler",
                                                                VERSION)).eval()
-    height, width = _hr_size()
-    generator = torch.Generator("cpu").manual_seed(SEED)
+    height, width = _hr_size(lr.shape[-2] * 16, lr.shape[-1] * 16)  # VAE: 16 px per latent
+    generator = torch.Generator("cpu").manual_seed(seed)
     latents = pipe.prepare_latents(1, 32, height, width, SHAPE["frames"], torch.float32,
                                    torch.device("cpu"), generator)
     lq_noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
@@ -222,4 +227,36 @@ def test_sr_flags_are_one_line_errors(hunyuan_checkpoint, tiny_checkpoint, sr_di
                                      "--width", "48"))  # not a bucket of base 64
     assert "--stage" in refused(_argv(hunyuan_checkpoint, sr_dir, "--stage", "denoise"))
     assert "--sr_steps=0" in refused(_argv(hunyuan_checkpoint, sr_dir, "--sr_steps", "0"))
-    assert "\n" not in refused(_argv(hunyuan_checkpoint, sr_dir, "--serve"))
+    assert "--serve_sizes=48x48: not with --sr 720p" in refused(_argv(
+        hunyuan_checkpoint, sr_dir, "--serve", "--serve_sizes", "80x48,48x48"))
+
+
+def test_served_sr_jobs_match_the_reference_at_each_size(hunyuan_checkpoint, sr_dir, reference,
+                                                         tmp_path):
+    """``--serve --sr``: two buckets (the second's SR stage compiled on the SR weights placed
+    with the first), one job each with its own seed; each job's frames equal the eager
+    reference at its size, and ``/v1/models`` lists the SR sizes."""
+    argv = ["--model_id", hunyuan_checkpoint, "--dtype", "float32", "--num_inference_steps",
+            str(STEPS), "--warmup_steps", "1", "--compilation_cache_dir", "none", "--sr", "720p",
+            "--sr_model_dir", sr_dir, "--sr_steps", str(SR_STEPS), "--attention", "xla",
+            "--save_frames", "--serve_sizes", "80x48,64x64", "--serve_frames", "9"]
+    server = Server(argv, tmp_path / "out").start()
+    try:
+        server.wait_ready()
+        with server.client() as client:
+            model = client.get("/v1/models").json()["data"][0]
+            want_sizes = [f"{w}x{h}" for h, w in (_hr_size(48, 80), _hr_size(64, 64))]
+            assert model["output_sizes"] == want_sizes
+            ids = {size: client.post("/v1/videos", json=dict(
+                prompt=PROMPT, size=size, seed=seed)).json()["id"]
+                for size, seed in (("80x48", SEED), ("64x64", SEED + 1))}
+            jobs = wait_done(client, ids.values(), timeout=300)
+    finally:
+        assert server.stop() == 0, server.tail()
+    assert all(j["status"] == "completed" for j in jobs.values()), jobs
+    assert jobs[ids["80x48"]]["timings"]["upscale_s"] > 0
+    np.testing.assert_allclose(server_frames(server.out, ids["80x48"]), reference, atol=1e-3)
+    square = _t2v_reference(hunyuan_checkpoint, sr_dir, 64, 64, seed=SEED + 1)
+    frames = server_frames(server.out, ids["64x64"])
+    assert frames.shape == (SHAPE["frames"], *_hr_size(64, 64), 3)
+    np.testing.assert_allclose(frames, square, atol=1e-3)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding
@@ -57,16 +58,18 @@ def add_flags(parser) -> None:
                    help="the SR schedule's flow shift (default: the SR checkpoint's)")
 
 
-def validate_flags(args, family, values: dict):
+def validate_flags(args, family, values: dict, serve=None):
     """The family's upscale settings for ``RunConfig.upscale``, or None with ``--sr none``;
     before any model loads. ``--overlap_compile auto`` then means off
     (``Generation.start_compile``): the decode compiles for the second stage's latents.
+    ``serve``: the server's ``ServeSettings``; each of its sizes is checked with the family's
+    ``for_size`` (the first stage's size sets the second's).
 
     Raises:
         UsageError: an SR flag without ``--sr``; ``--sr`` on a family without the stage or a
-            value it lacks; with a staged run, the server or ``--overlap_compile on``
-            (each runs only the first stage's programs today); what the family's
-            ``validate`` raises.
+            value it lacks; with a staged run or ``--overlap_compile on`` (each runs only the
+            first stage's programs today); what the family's ``validate`` and ``for_size``
+            raise (a served size the stage cannot take).
     """
     if args.sr == "none":
         given = [f for f in FLAGS if getattr(args, f) is not None]
@@ -77,13 +80,31 @@ def validate_flags(args, family, values: dict):
         raise UsageError(f"--sr={args.sr}: not supported for {family.name} (it has no "
                          "super-resolution stage)")
     for flag, value, ok in (("--stage", args.stage, args.stage == "all"),
-                            ("--serve", True, not getattr(args, "serve", False)),
                             ("--overlap_compile", args.overlap_compile,
                              args.overlap_compile != "on")):
         if not ok:
             raise UsageError(f"{flag}={value}: not with --sr (the SR stage runs in a whole "
                              "run, compiled after the first stage)")
-    return family.upscale.validate(args, values)
+    settings = family.upscale.validate(args, values)
+    for width, height in (serve.sizes if serve is not None else ()):
+        try:
+            family.upscale.for_size(settings, height, width)
+        except UsageError as e:
+            raise UsageError(f"--serve_sizes={width}x{height}: not with --sr {args.sr} "
+                             f"({e})") from None
+    return settings
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedStage:
+    """The upscale stage's weights, placed once for every shape the run compiles (the server's
+    buckets): its transformer (``placement`` dict), its upsampler's, the mesh they live on,
+    and ``install(kernel, mesh)`` (routes SDPA while a program traces)."""
+
+    placed: dict
+    upsampler: dict
+    mesh: object
+    install: Callable
 
 
 def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks,
@@ -94,7 +115,9 @@ def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks
     ``devices``: the run's devices; ``install(kernel, mesh)`` routes SDPA to the attention
     backend on a mesh (``stages.install_attention``); ``lr_latents``: the first stage's
     initial latents (their shape and sharding are its final latents'). Seconds go into
-    ``timings`` (``place_upscale_s``, ``compile_upscale_s``, ``compile_hand_off_s``).
+    ``timings`` (``place_upscale_s``, ``compile_upscale_s``, ``compile_hand_off_s``). The
+    ``Upscale``'s ``for_shape`` compiles the stage for another first-stage shape on the same
+    placed weights (``compile_upscale``).
     """
     stage = family.upscale.stage(config, pipe)
     sr = stage.config
@@ -106,18 +129,38 @@ def prepare_upscale(config, family, pipe, devices, embeds, lr_latents, fallbacks
     placed = sharding.place_expert(sr, family, stage.transformer, "transformer", mesh, fallbacks)
     up = place_module(stage.upsampler, mesh, desc="upsampler")
     timings["place_upscale_s"] = time.perf_counter() - t0
-    video = _with_inputs(stage, HandOff(None, up, mesh), config, embeds)
+    weights = PlacedStage(placed, up, mesh, install)
+    upscaled, latents0 = compile_upscale(stage, family, pipe, weights, config, embeds,
+                                         lr_latents, timings)
+    return upscaled, placed, latents0
+
+
+def compile_upscale(stage, family, pipe, weights: PlacedStage, config, embeds, lr_latents,
+                    timings: dict):
+    """Compile ``stage`` (the family's stage for ``config``, the first stage's config) on
+    ``weights``: its hand-off for the first stage's latents (``lr_latents``: their shape and
+    sharding) and its step; returns (``Upscale``, an example of its final latents). SDPA is
+    routed on the stage's mesh (``weights.install``) while they trace; the caller routes it
+    back. Seconds go into ``timings`` (``compile_upscale_s``, ``compile_hand_off_s``)."""
+    sr, mesh = stage.config, weights.mesh
+    weights.install(sr.kernel, mesh)
+    video = _with_inputs(stage, HandOff(None, weights.upsampler, mesh), config, embeds)
     video, timings["compile_hand_off_s"] = compile_hand_off(stage, video, lr_latents)
     latents0, inputs = video(lr_latents)
     set_timesteps(pipe.scheduler, sr.video.num_inference_steps, stage.sigmas)
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
-    fn = stage.step_fn(placed["module"], sr)
+    fn = stage.step_fn(weights.placed["module"], sr)
     times: dict = {}
     step, _ = transformer_step.compile_transformer_step(
-        sr, family.transformer.block_stack, pipe, placed, None, mesh, fn, latents0, t, inputs,
-        times)
+        sr, family.transformer.block_stack, pipe, weights.placed, None, mesh, fn, latents0, t,
+        inputs, times)
     timings["compile_upscale_s"] = times["compile_transformer_s"]
-    return _upscale(stage, video, step), placed, latents0
+
+    def for_shape(other, other_embeds, other_lr_latents, other_timings):
+        return compile_upscale(family.upscale.stage(other, pipe), family, pipe, weights, other,
+                               other_embeds, other_lr_latents, other_timings)
+
+    return _upscale(stage, video, step, for_shape), latents0
 
 
 def _with_inputs(stage, hand_off, config, embeds):
@@ -130,13 +173,15 @@ def _with_inputs(stage, hand_off, config, embeds):
                                text=_put(text, over_dp), extras=_put(extras, replicated))
 
 
-def _upscale(stage, hand_off, step) -> Upscale:
+def _upscale(stage, hand_off, step, for_shape) -> Upscale:
     """The loop's ``Upscale`` of one video (``hand_off`` holds its inputs)."""
     programs = Programs(step=step, scheduler_config=stage.scheduler_config,
                         sigmas=stage.sigmas, timesteps_sharding=NamedSharding(hand_off.mesh, P()))
-    return Upscale(programs=programs, num_inference_steps=stage.config.video.num_inference_steps,
+    v = stage.config.video
+    return Upscale(programs=programs, num_inference_steps=v.num_inference_steps,
                    hand_off=hand_off, next_video=lambda c, e: _upscale(
-                       stage, _with_inputs(stage, hand_off, c, e), step))
+                       stage, _with_inputs(stage, hand_off, c, e), step, for_shape),
+                   for_shape=for_shape, size=(v.width, v.height))
 
 
 def _put(tree, where):

@@ -70,12 +70,18 @@ class Upscale:
     num_inference_steps: its steps.
     hand_off: ``f(first stage's final latents) -> (initial latents, model inputs)``.
     next_video: ``f(config, embeds) -> Upscale`` for another video (its seed and prompt).
+    for_shape: ``f(config, embeds, lr_latents, timings) -> (Upscale, example final latents)``
+        compiled for another first-stage shape (``config``) on the same placed weights (the
+        server's buckets).
+    size: (width, height) of the stage's video, pixels.
     """
 
     programs: Programs
     num_inference_steps: int
     hand_off: Callable
     next_video: Callable
+    for_shape: Callable | None = None
+    size: tuple | None = None
 
 
 def timestep_array(t):

@@ -45,6 +45,8 @@ class Served:
         schedule was checked for ``num_inference_steps`` only. image_mode:
         ``ModelFamily.image.mode``: "required" (image-to-video: every job sends
         ``input_reference``), "none" or "optional" (served as text-to-video).
+        output_sizes: (width, height) of the videos a job of each of ``sizes`` gets: the
+        same, or with ``--sr`` the upscale stage's size (a request names the first stage's).
     """
 
     model: str
@@ -60,6 +62,7 @@ class Served:
     variable_guidance: bool
     fixed_steps: bool
     image_mode: str
+    output_sizes: tuple = ()
 
     def describe(self) -> dict:
         """``GET /v1/models``' entry for the model."""
@@ -67,7 +70,8 @@ class Served:
                     sizes=[f"{w}x{h}" for w, h in self.sizes], frames=list(self.frames),
                     seconds=[f"{(f - 1) / self.fps:g}" for f in self.frames], fps=self.fps,
                     num_inference_steps=self.num_inference_steps,
-                    guidance_scale=self.guidance_scale, image_mode=self.image_mode)
+                    guidance_scale=self.guidance_scale, image_mode=self.image_mode,
+                    output_sizes=[f"{w}x{h}" for w, h in self.output_sizes or self.sizes])
 
 
 @dataclasses.dataclass
@@ -151,7 +155,9 @@ class WarmModel:
                                                          self.mesh)
             if os.environ.get(NAN_HOOK_ENV) == job.prompt:
                 latents0 = latents0 * float("nan")
-            programs = dataclasses.replace(bucket.programs, embeds=inputs)
+            sr = bucket.programs.upscale  # --sr: this job's SR noise and inputs
+            programs = dataclasses.replace(bucket.programs, embeds=inputs,
+                                           upscale=sr and sr.next_video(config, embeds))
             _, decoded, runs = denoise.run_benchmark(
                 programs, latents0, num_iterations=1, num_inference_steps=steps,
                 desc=f"{job_id}: ", on_step=lambda i: on_step(i, steps))
@@ -176,7 +182,7 @@ def build(config, family, devices=None) -> WarmModel:
     start = prologue.start(config, family, devices)
     prologue_s = time.perf_counter() - t0
     config, devices = start.config, start.devices
-    configs = [config.replace(width=w, height=h, frames=f) for w, h, f in config.serve.buckets]
+    configs = [_bucket_config(config, family, w, h, f) for w, h, f in config.serve.buckets]
     shapes = [prologue.resolve_mesh(c, family, len(devices), start.chip) for c in configs]
     if any(s != shapes[0] for s in shapes):
         fail("--serve_sizes", ",".join(f"{w}x{h}" for w, h in config.serve.sizes),
@@ -199,6 +205,14 @@ def build(config, family, devices=None) -> WarmModel:
                          programs_loaded=model.timings["split"].pop("programs_loaded"))
     model.served = _served(config, family, model)
     return model
+
+
+def _bucket_config(config, family, width: int, height: int, frames: int):
+    """``config`` at one bucket's shape; with ``--sr`` the upscale stage's size follows."""
+    out = config.replace(width=width, height=height, frames=frames)
+    if config.upscale is None:
+        return out
+    return out.replace(upscale=family.upscale.for_size(config.upscale, height, width))
 
 
 def ready_split(timings: dict, prologue_s: float, load_s: float, programs: dict) -> dict:
@@ -250,12 +264,13 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
         else:
             inputs, latents0 = stages.place_model_inputs(
                 config, model.family, model.pipe, bucket_embeds, model.mesh)
-            step, cache, decode = _compile_bucket(model, config, placed, second, first,
-                                                  latents0, inputs, timings, fallbacks)
+            step, cache, sr, decode = _compile_bucket(
+                model, config, (placed, second, first), latents0, inputs, bucket_embeds,
+                timings, (fallbacks, attention))
             if hasattr(first.vae_decode, "with_decoder"):  # the same --park_weights
                 decode = first.vae_decode.with_decoder(decode)
             programs = dataclasses.replace(first, step=step, cache=cache, vae_decode=decode,
-                                           embeds=inputs)
+                                           embeds=inputs, upscale=sr)
         with runtime.hardware_errors("running the warmup", model.oom_hint):
             timings.update(denoise.warmup(programs, latents0,
                                           warmup_steps=config.run.warmup_steps,
@@ -266,25 +281,33 @@ def _compile_buckets(model: WarmModel, configs: list, attention: str) -> None:
                                             if k.endswith("_s")), flush=True)
 
 
-def _compile_bucket(model: WarmModel, config, placed, second, first, latents0, inputs,
-                    timings: dict, fallbacks):
-    """A bucket after the first: its step and VAE decode compiled on the weights placed with
-    the first, through the executable cache with this bucket's settings (as
-    ``prepare_programs`` does for the first). Returns (step, step cache, decoder)."""
+def _compile_bucket(model: WarmModel, config, weights: tuple, latents0, inputs, embeds,
+                    timings: dict, routes: tuple):
+    """A bucket after the first: its step, its upscale stage (``--sr``) and its VAE decode
+    compiled on the weights placed with the first (``weights``: (placed transformer, second
+    expert, the first bucket's programs)), through the executable cache with this bucket's
+    settings (as ``prepare_programs`` does for the first). ``routes``: (fallbacks, attention
+    backend). Returns (step, step cache, upscale or None, decoder)."""
+    (placed, second, first), (fallbacks, attention) = weights, routes
     with executables.caching(config.run.executable_cache_dir,
                              stages.program_settings(config, model.pipe), model.mesh):
         with runtime.hardware_errors("compiling the transformer step", model.oom_hint):
             step, cache = stages.compile_transformer(
                 config, model.family, model.pipe, placed, model.mesh, latents0, inputs,
                 timings, second)
+        sr, final = None, latents0
+        if first.upscale is not None:  # on the SR weights placed with the first bucket
+            with runtime.hardware_errors("compiling the upscale stage", model.oom_hint):
+                sr, final = first.upscale.for_shape(config, embeds, latents0, timings)
+            stages.install_attention(config.kernel, model.mesh, attention, fallbacks)
         # The VAE decoder's weights placed with the first bucket (placing frees the host
         # copies), compiled for this shape.
         decode = model.family.vae.decoder(first.vae_decode.placed, model.pipe.vae,
                                           model.mesh, tiling=config.run.vae_tiling,
                                           fallbacks=fallbacks)
         with runtime.hardware_errors("compiling the VAE decode", model.oom_hint):
-            timings["compile_vae_s"] = decode.compile(latents0)
-    return step, cache, decode
+            timings["compile_vae_s"] = decode.compile(final)
+    return step, cache, sr, decode
 
 
 def _warmup_image(config):
@@ -304,4 +327,13 @@ def _served(config, family, model: WarmModel) -> Served:
         guidance_scale_2=v.guidance_scale_2, negative_prompt=v.negative_prompt,
         variable_guidance="guidance_scale" in programs.embeds and not two_experts,
         fixed_steps=programs.cache is not None,
-        image_mode=family.image.mode(config.model.model_id))
+        image_mode=family.image.mode(config.model.model_id),
+        output_sizes=tuple(_output_size(model, w, h) for w, h in config.serve.sizes))
+
+
+def _output_size(model: WarmModel, width: int, height: int) -> tuple:
+    """(width, height) of a job's video at a served size: the upscale stage's with --sr."""
+    bucket = next(b for b in model.buckets.values()
+                  if (b.config.video.width, b.config.video.height) == (width, height))
+    sr = bucket.programs.upscale
+    return (width, height) if sr is None else sr.size
