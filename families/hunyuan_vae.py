@@ -292,6 +292,10 @@ class HunyuanVaeDecoder:
         peak = max((mid, frames), key=lambda d: d["peak_bytes"])
         return {**peak, "programs": frames["programs"] + 1}
 
+    def program_calls(self) -> list:
+        """[(compiled program, calls per decode)]: the mid program once, then the frames'."""
+        return [(self.mid, 1), *self.frames.program_calls()]
+
     def __call__(self, latents):
         return self.frames(self.mid(*self._mid_args(latents)))
 

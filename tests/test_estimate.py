@@ -468,3 +468,23 @@ def test_a_masked_profile_that_overflows_vmem_is_extrapolated_from_lower_block_q
     assert profiled == [3328, 1280, 2304] and real["per_step"] == pytest.approx(1000 + 3 * 3328)
     with pytest.raises(RuntimeError, match="vmem"):  # no segment ids: not this case
         estimate.kernel_cost("tpu7x:2x2x1", (3328, 2048, 1024), kv_steps=120)
+
+
+def test_decode_floor_is_the_larger_of_flops_and_bytes_per_program_times_its_calls():
+    """``decode_floor`` on two compiled programs of known cost: a matmul (compute-bound on
+    v6e) and a copy-like add (bytes-bound), with 3 and 5 calls."""
+    import jax
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    matmul = jax.jit(lambda a, b: a @ b).lower(jax.ShapeDtypeStruct((4096, 4096), f32),
+                                               jax.ShapeDtypeStruct((4096, 4096), f32)).compile()
+    add = jax.jit(lambda a: a + 1).lower(jax.ShapeDtypeStruct((1 << 20,), f32)).compile()
+    peak, hbm = estimate.device_peak_flops("v6e"), estimate.device_hbm_bytes_per_s("v6e")
+    mm_flops, mm_bytes = 2 * 4096**3, 4 * 3 * 4096**2
+    add_bytes = 4 * 2 * (1 << 20)  # read once, written once
+    out = estimate.decode_floor([(matmul, 3), (add, 5)], "v6e")
+    assert mm_flops / peak > mm_bytes / hbm and add_bytes / hbm > (1 << 20) / peak
+    assert out["seconds"] == pytest.approx(3 * mm_flops / peak + 5 * add_bytes / hbm, rel=1e-6)
+    assert (out["calls"], out["programs"]) == (8, 2)
+    assert out["flops"] == pytest.approx(3 * mm_flops + 5 * (1 << 20))

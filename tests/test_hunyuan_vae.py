@@ -62,6 +62,8 @@ def test_decode_equals_diffusers(vae, latents, reference, n_devices):
     np.testing.assert_allclose(np.asarray(video), reference, atol=1e-5)
     # The mid program plus two frame programs (first frame, every later frame).
     assert decoder.memory()["programs"] == 3
+    # Calls per decode (the dry run's decode estimate): mid once, first frame, 3 later frames.
+    assert [n for _, n in decoder.program_calls()] == [1, 1, 3]
     if n_devices == 8:
         # Per-device accounting: the frames come back split over the width, 1/8 per device;
         # the decode weights are the decoder's only (the encoder stays on the host), whole

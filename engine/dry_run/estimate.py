@@ -841,6 +841,35 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
     return out
 
 
+def decode_floor(program_calls: list, chip: str) -> dict:
+    """A lower bound on the VAE decode's seconds per video on ``chip`` (ESTIMATE): per
+    compiled program, max(XLA's FLOPs / the bf16 MXU peak, XLA's bytes accessed / HBM
+    bandwidth), x its calls per decode (``program_calls``: [(compiled, calls)], the
+    decoder's ``program_calls()``), summed. XLA's whole-program ``cost_analysis`` of the
+    per-device program. A floor, not a prediction: convolutions with few channels fill the
+    MXU partly, float32 ones take several passes, and collectives (the width halos) are not
+    counted. Returns dict(seconds, flops, bytes, programs, calls, label, method).
+
+    Raises:
+        ValueError: a program without XLA cost figures.
+    """
+    peak, hbm = device_peak_flops(chip), device_hbm_bytes_per_s(chip)
+    out = dict(seconds=0.0, flops=0.0, bytes=0.0, programs=len(program_calls), calls=0)
+    for compiled, calls in program_calls:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        if not cost or "flops" not in cost:
+            raise ValueError("a decode program has no XLA cost analysis")
+        flops, nbytes = float(cost["flops"]), float(cost.get("bytes accessed", 0.0))
+        out["seconds"] += calls * max(flops / peak, nbytes / hbm)
+        out["flops"] += calls * flops
+        out["bytes"] += calls * nbytes
+        out["calls"] += calls
+    out.update(label=label(chip), method="floor: per program max(FLOPs / bf16 peak, bytes / "
+               "HBM bandwidth) from XLA's cost analysis, x calls; collectives not counted")
+    return out
+
+
 def print_estimate(est: dict) -> None:
     """The estimate as the dry-run table's footer."""
     p = est["parts"]

@@ -500,6 +500,7 @@ def dry_run(config, family) -> tuple[int, dict]:
         report["loras"] = _lora_report(config, family, placed)
     if config.dry.estimate:
         report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
+        report["decode_estimate"] = _decode_estimate(rows, decoder, chip.name)
     if up:
         report["upscale"] = _upscale_report(config, family, up, report.get("estimate"),
                                             chip.name, attention)
@@ -509,6 +510,18 @@ def dry_run(config, family) -> tuple[int, dict]:
                 config.video.num_inference_steps, read_component_config(
                     config.model.model_id, "transformer")["num_layers"])
     return (0 if fits else EXIT_DOES_NOT_FIT), report
+
+
+def _decode_estimate(rows: list, decoder, chip: str) -> dict | None:
+    """``estimate.decode_floor`` of the compiled decode, or None (not compiled, did not
+    compile, or a decoder that does not list its programs)."""
+    row = next((r for r in rows if r["program"] == "VAE decode"), None)
+    if row is None or row.get("error") or not hasattr(decoder, "program_calls"):
+        return None
+    try:
+        return estimate.decode_floor(decoder.program_calls(), chip)
+    except ValueError:
+        return None
 
 
 def _lora_report(config, family, placed) -> list:
@@ -601,11 +614,15 @@ def print_dry_run(report: dict) -> None:
           "" if report["vae_checked"] else "(transformer only: --dry_run_skip_vae)")
     if "estimate" in report:
         print_estimate(report["estimate"])
+    decode = report.get("decode_estimate")
+    if decode:
+        print(f"VAE decode (ESTIMATE, a floor): >= {decode['seconds']:.2f} s per video "
+              f"({decode['calls']} program calls; {decode['method']})")
     if "upscale" in report:
-        _print_upscale(report["upscale"])
+        _print_upscale(report["upscale"], decode)
 
 
-def _print_upscale(up: dict) -> None:
+def _print_upscale(up: dict, decode: dict | None) -> None:
     m = up["mesh"]
     print(f"SR stage ({up['version']}, {up['height']} x {up['width']}, {up['steps']} steps): "
           f"its own mesh dp{m['dp']} tp{m['tp']} sp{m['sp']}"
@@ -614,9 +631,12 @@ def _print_upscale(up: dict) -> None:
     if "estimate" in up:
         print_estimate(up["estimate"])
         d = up["denoise_s"]
-        print(f"whole video, denoising (ESTIMATE): first stage {d['first_stage']:.1f} s + SR "
-              f"stage {d['sr_stage']:.1f} s = {d['first_stage'] + d['sr_stage']:.1f} s; the "
-              "VAE decode is not estimated")
+        total = d["first_stage"] + d["sr_stage"]
+        print(f"whole video (ESTIMATE): first stage {d['first_stage']:.1f} s + SR stage "
+              f"{d['sr_stage']:.1f} s = {total:.1f} s of denoising"
+              + (f", + the VAE decode >= {decode['seconds']:.1f} s = >= "
+                 f"{total + decode['seconds']:.1f} s" if decode else
+                 "; the VAE decode is not estimated"))
 
 
 def run_dry(config, family, checked: dict) -> int:

@@ -69,6 +69,7 @@ class ChunkedDecoder:
         self.programs: dict = {}  # (kinds, first, cache shapes) -> (compiled, out cache avals)
         self._slicers: dict = {}
         self.full = None
+        self.calls: dict = {}  # program key -> frames it decodes, counted by ``compile``
 
     def _frame(self, latents, i):
         """Latent frame i as (1, C, 1, h, w), laid out as the chunk programs expect."""
@@ -135,11 +136,20 @@ class ChunkedDecoder:
         b, c, f, h, w = latents.shape
         z = jax.ShapeDtypeStruct((b, c, 1, h, w), latents.dtype,
                                  sharding=self.spatial(latents.shape) or self.replicated)
-        kinds, cache = self.initial_kinds, []
+        kinds, cache, self.calls = self.initial_kinds, [], {}
         for i in range(f):
+            key = (kinds, i == 0, tuple((c.shape, str(c.dtype)) for c in cache))
             _, cache = self._program(kinds, i == 0, z, cache)
+            self.calls[key] = self.calls.get(key, 0) + 1
             kinds = self.kinds_out[(kinds, i == 0)]
         return time.perf_counter() - t0
+
+    def program_calls(self) -> list:
+        """[(compiled program, calls per decode)] of the last ``compile``: the dry run's
+        decode estimate (``engine.dry_run.estimate.decode_floor``)."""
+        if self.full is not None:
+            return [(self.full, 1)]
+        return [(self.programs[key][0], n) for key, n in self.calls.items()]
 
     def adopt(self, other: ChunkedDecoder) -> None:
         """Take ``other``'s compiled programs (and the cache kinds learnt tracing them):
