@@ -1,0 +1,107 @@
+"""``generate_flax.py --serve`` on the tiny LTX-2 checkpoint: a served video carries its sound.
+
+One server (one CPU device, 64 x 64 x 9, 2 steps, guidance off: one pass per step) and the
+one-shot CLI on the same settings, started together. A job made through the official
+``openai`` client is downloaded from ``/content``; ffmpeg (imageio-ffmpeg's binary,
+``test_audio_mp4``'s helpers) lists one H.264 stream and one AAC stream (24 kHz, stereo) and
+decodes them: 9 frames and at least the waveform's 7,920 samples. The frames file's frames and
+waveform equal the CLI's for the same seed, bit for bit (the same compiled programs'
+computation, as ``tests/test_serve.py`` checks it for Wan). Requests LTX-2 cannot honour are
+one-line 400s.
+"""
+
+import glob
+import json
+import os
+
+import imageio_ffmpeg
+import numpy as np
+import pytest
+from openai import OpenAI
+from safetensors.numpy import load_file
+from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env
+from test_audio_mp4 import decoded_audio, streams
+
+import generate_flax
+from engine.run.errors import UsageError
+
+FRAMES, SEED = 9, 5
+SAMPLES = 7920  # the vocoder's output for 9 frames: (4 x 9 latent audio frames - 3) x 240
+# LTX-2 with every guidance pass off (one transformer pass per step: the cheapest compile).
+OFF = ["--guidance_scale", "1", "--stg_scale", "0", "--modality_scale", "1",
+       "--audio_guidance_scale", "1", "--audio_stg_scale", "0", "--audio_modality_scale", "1"]
+FLAGS = ["--frames", str(FRAMES), *OFF]
+
+
+@pytest.fixture(scope="module")
+def served(ltx2_checkpoint, tmp_path_factory):
+    """(server, the CLI's frames file for SEED). The server compiles into an executable cache
+    that the CLI then loads (``--executable_cache_dir``): one compile for both."""
+    root = tmp_path_factory.mktemp("serve-ltx2")
+    programs = ["--executable_cache_dir", str(root / "executables")]
+    server = Server(["--model_id", ltx2_checkpoint, *SETTINGS, *FLAGS, *programs, "--api_key",
+                     KEY, "--compilation_cache_dir", "none"], root / "out",
+                    environ=env(1)).start()
+    try:
+        server.wait_ready()
+        cli_frames(ltx2_checkpoint, root / "cli", [SEED], *FLAGS, *programs).result()
+        (path,) = glob.glob(str(root / "cli" / f"*_seed{SEED}.frames.safetensors"))
+        (report,) = glob.glob(str(root / "cli" / "*.json"))
+        with open(report) as f:
+            timings = json.load(f)["timings"]
+        assert timings["programs_loaded"] == 2 and timings["programs_compiled"] == 0, timings
+        yield server, load_file(path)
+    finally:
+        code = server.stop()
+        assert code == 0, server.tail()
+
+
+def test_served_mp4_has_the_audio_track_and_the_clis_frames_and_waveform(served, tmp_path):
+    server, want = served
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    video = client.videos.create_and_poll(prompt=PROMPT, size="64x64", poll_interval_ms=300,
+                                          extra_body={"num_frames": FRAMES, "seed": SEED})
+    assert video.status == "completed", video
+    extra = video.model_extra
+    assert (extra["audio_sample_rate"], extra["audio_channels"]) == (24000, 2)
+    assert extra["audio_seconds"] == pytest.approx(SAMPLES / 24000, abs=1e-12)
+    path = str(tmp_path / "served.mp4")
+    client.videos.download_content(video.id).write_to_file(path)
+    lines = streams(path)
+    assert len(lines) == 2, lines
+    assert "Video: h264" in lines[0] and "Audio: aac" in lines[1], lines
+    assert "24000 Hz" in lines[1] and "stereo" in lines[1], lines
+    assert imageio_ffmpeg.count_frames_and_secs(path)[0] == FRAMES
+    track = decoded_audio(path, 2)  # AAC pads its last 1,024-sample frame
+    assert SAMPLES <= track.shape[1] <= SAMPLES + 2 * 1024 and np.abs(track).max() > 0.05
+    saved = load_file(os.path.join(server.out, f"{video.id}.frames.safetensors"))
+    assert saved["frames"].shape == (FRAMES, 64, 64, 3) and saved["audio"].shape == (2, SAMPLES)
+    np.testing.assert_array_equal(saved["frames"], want["frames"])
+    np.testing.assert_array_equal(saved["audio"], want["audio"])
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("fps", 30, "fps=30: is fixed at 24 for LTX-2 here"),
+    ("num_inference_steps", 3, "num_inference_steps=3: only 2 steps are served (the step "
+                               "program's inputs hold a per-step table"),
+    ("guidance_scale", 3.0, "guidance_scale=3.0: this model's CFG scale is compiled in"),
+    ("guidance_scale_2", 2.0, "guidance_scale_2=2.0: only two-expert models take it"),
+])
+def test_requests_ltx2_cannot_honour_are_one_line_400s(served, field, value, needle):
+    server, _ = served
+    with server.client() as c:
+        r = c.post("/v1/videos", json={"prompt": PROMPT, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith(needle) and "\n" not in error["message"], error
+    assert error["param"] == field
+
+
+@pytest.mark.parametrize("flag,value", [("--serve_sizes", "64x64"), ("--serve_frames", "9")])
+def test_one_served_shape(ltx2_checkpoint, flag, value):
+    with pytest.raises(UsageError) as e:
+        generate_flax.validate_args(generate_flax.parse_args(
+            ["--model_id", ltx2_checkpoint, "--serve", flag, value]))
+    assert str(e.value).startswith(f"{flag}={value!r}: LTX-2 serves one shape")
+    assert "\n" not in str(e.value)
+
