@@ -1,13 +1,14 @@
 """``generate_flax.py --serve`` on the tiny LTX-2 checkpoint: a served video carries its sound.
 
-One server (one CPU device, 64 x 64 x 9, 2 steps, guidance off: one pass per step) and the
-one-shot CLI on the same settings, started together. A job made through the official
+One server (one CPU device, 64 x 64 x 9, 2 steps, guidance off: one pass per step), then the
+one-shot CLI on the same settings and seed, loading the programs the server compiled from
+their shared executable cache (one compile for both). A job made through the official
 ``openai`` client is downloaded from ``/content``; ffmpeg (imageio-ffmpeg's binary,
 ``test_audio_mp4``'s helpers) lists one H.264 stream and one AAC stream (24 kHz, stereo) and
-decodes them: 9 frames and at least the waveform's 7,920 samples. The frames file's frames and
-waveform equal the CLI's for the same seed, bit for bit (the same compiled programs'
-computation, as ``tests/test_serve.py`` checks it for Wan). Requests LTX-2 cannot honour are
-one-line 400s.
+decodes them: 9 frames and at least the waveform's 7,920 samples. The job's frames file
+(frames and waveform) equals the CLI's bit for bit, as ``tests/test_serve.py`` checks Wan's.
+Requests LTX-2 cannot honour are one-line 400s; more than one served shape is a one-line
+usage error.
 """
 
 import glob
