@@ -24,6 +24,7 @@ from serve_util import KEY, PROMPT, SETTINGS, Server, cli_frames, env
 from test_audio_mp4 import decoded_audio, streams
 
 import generate_flax
+from engine.files import plots
 from engine.run.errors import UsageError
 
 FRAMES, SEED = 9, 5
@@ -36,8 +37,9 @@ FLAGS = ["--frames", str(FRAMES), *OFF]
 
 @pytest.fixture(scope="module")
 def served(ltx2_checkpoint, tmp_path_factory):
-    """(server, the CLI's frames file for SEED). The server compiles into an executable cache
-    that the CLI then loads (``--executable_cache_dir``): one compile for both."""
+    """(server, the CLI's frames file for SEED, the CLI's JSON report). The server compiles
+    into an executable cache that the CLI then loads (``--executable_cache_dir``): one
+    compile for both."""
     root = tmp_path_factory.mktemp("serve-ltx2")
     programs = ["--executable_cache_dir", str(root / "executables")]
     server = Server(["--model_id", ltx2_checkpoint, *SETTINGS, *FLAGS, *programs, "--api_key",
@@ -49,16 +51,17 @@ def served(ltx2_checkpoint, tmp_path_factory):
         (path,) = glob.glob(str(root / "cli" / f"*_seed{SEED}.frames.safetensors"))
         (report,) = glob.glob(str(root / "cli" / "*.json"))
         with open(report) as f:
-            timings = json.load(f)["timings"]
+            report = json.load(f)
+        timings = report["timings"]
         assert timings["programs_loaded"] == 2 and timings["programs_compiled"] == 0, timings
-        yield server, load_file(path)
+        yield server, load_file(path), report
     finally:
         code = server.stop()
         assert code == 0, server.tail()
 
 
 def test_served_mp4_has_the_audio_track_and_the_clis_frames_and_waveform(served, tmp_path):
-    server, want = served
+    server, want, _ = served
     client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
     video = client.videos.create_and_poll(prompt=PROMPT, size="64x64", poll_interval_ms=300,
                                           extra_body={"num_frames": FRAMES, "seed": SEED})
@@ -89,7 +92,7 @@ def test_served_mp4_has_the_audio_track_and_the_clis_frames_and_waveform(served,
     ("guidance_scale_2", 2.0, "guidance_scale_2=2.0: only two-expert models take it"),
 ])
 def test_requests_ltx2_cannot_honour_are_one_line_400s(served, field, value, needle):
-    server, _ = served
+    server, _, _ = served
     with server.client() as c:
         r = c.post("/v1/videos", json={"prompt": PROMPT, field: value})
     assert r.status_code == 400, r.text
@@ -106,3 +109,30 @@ def test_one_served_shape(ltx2_checkpoint, flag, value):
     assert str(e.value).startswith(f"{flag}={value!r}: LTX-2 serves one shape")
     assert "\n" not in str(e.value)
 
+
+
+def test_timeline_names_the_audio_phases_and_its_legend_overlaps_nothing(served):
+    """The CLI's report (a video with sound) drawn: the decode and write phases carry their
+    audio names, the title the track; the legend (three lines here) lies below the x-axis
+    label and tick labels, inside the figure, with at most a few pixels under it (matplotlib's
+    own geometry: each artist's window extent)."""
+    import matplotlib.pyplot as plt
+
+    report = served[2]
+    fig, phases = plots.draw_timeline(report)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        (ax,), (legend,) = fig.axes, fig.legends
+        names = [t.get_text() for t in legend.get_texts()]
+        assert {"video + audio decode", "decode video + audio", "write mp4 + AAC",
+                "warmup video + audio decode"} <= set(names), names
+        assert not {"VAE decode", "decode", "write", "warmup VAE decode"} & set(names), names
+        assert ax.get_title().endswith("audio 24000 Hz x 2, 0.33 s")
+        box = legend.get_window_extent(renderer)
+        label = ax.xaxis.label.get_window_extent(renderer)
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        assert ticks and box.y1 <= min([label.y0, *(t.y0 for t in ticks)])
+        assert 0 <= box.y0 <= 12 and box.x0 >= 0 and box.x1 <= fig.bbox.width
+    finally:
+        plt.close(fig)
