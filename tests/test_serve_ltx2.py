@@ -25,7 +25,10 @@ from test_audio_mp4 import decoded_audio, streams
 
 import generate_flax
 from engine.files import plots
+from engine.files.checkpoint import read_component_config
 from engine.run.errors import UsageError
+from engine.serve import model
+from families import FAMILIES
 
 FRAMES, SEED = 9, 5
 SAMPLES = 7920  # the vocoder's output for 9 frames: (4 x 9 latent audio frames - 3) x 240
@@ -136,3 +139,22 @@ def test_timeline_names_the_audio_phases_and_its_legend_overlaps_nothing(served)
         assert 0 <= box.y0 <= 12 and box.x0 >= 0 and box.x1 <= fig.bbox.width
     finally:
         plt.close(fig)
+
+
+def test_only_the_family_rules_fix_steps_and_fps(tiny_checkpoint, ltx2_checkpoint):
+    """What the server fixes comes from the family, not from a list of names: LTX-2's
+    step inputs hold a (B, 2, steps) table and its flag check fixes fps 24; Wan 2.1 takes
+    any step count and fps (its fps is the mp4's rate only)."""
+    rules = {}
+    for name, checkpoint in (("wan", tiny_checkpoint), ("ltx2", ltx2_checkpoint)):
+        config = generate_flax.validate_args(generate_flax.parse_args(
+            ["--model_id", checkpoint, "--serve", "--height", "64", "--width", "64",
+             "--frames", "9", "--num_inference_steps", "2"]))
+        family = FAMILIES[config.model.family]
+        cfg = read_component_config(checkpoint, "transformer")
+        rules[name] = (model._steps_in_inputs(config, family, cfg),
+                       model._fps_rule(config, family))
+    assert rules["wan"] == (None, None)
+    steps, fps = rules["ltx2"]
+    assert steps == "the step program's inputs hold a per-step table of that length"
+    assert fps.startswith("is fixed at 24 for LTX-2 here")
