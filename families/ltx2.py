@@ -42,7 +42,7 @@ other attention (the text cross-attentions with their additive mask, the audio
 self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
 (``route_short_attentions``).
 
-Not done here (refused in one line): image-to-video, the step caches, --serve, staged runs,
+Not done here (refused in one line): image-to-video, the step caches, --serve_sizes, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
 --quantize, the two-stage upscale.
 """
@@ -121,7 +121,12 @@ DOWNLOAD_HINT = "hf download Lightricks/LTX-2 --local-dir PATH"
 REFUSED = (
     ("flow_shift", None, "LTX-2's scheduler shifts by the video token count (mu), not a flag"),
     ("stage", "all", "staged runs are not supported for LTX-2 yet"),
-    ("serve", False, "--serve does not run LTX-2 yet (its videos carry audio)"),
+    # --serve: one shape, the --width/--height/--frames one. The run's scheduler shift (mu,
+    # from the video token count) and the decode's geometry are set at load for that shape.
+    ("serve_sizes", None, "LTX-2 serves one shape: give it with --width and --height "
+                          "(its scheduler shift and decode are set up for it at load)"),
+    ("serve_frames", None, "LTX-2 serves one shape: give its length with --frames (its "
+                           "scheduler shift and decode are set up for it at load)"),
     ("cache", None, "the step caches are not supported for LTX-2"),
     ("enable_cache", False, "the step caches are not supported for LTX-2"),
     ("scan_layers", False, "LTX-2's blocks run unrolled: diffusers' block loop passes "

@@ -6,7 +6,12 @@
   above them, the time to first video from the process start, phase by phase
   (``engine.files.report.time_to_first_video``), on its own clock.
   The phases are laid end to end in the order the run does them; untimed work between them
-  (loading the pipeline, placing the model inputs) is not drawn.
+  (loading the pipeline, placing the model inputs) is not drawn. A video with sound (the
+  report's ``audio_sample_rate``: LTX-2) names its audio phases: the decode is one program
+  of the video VAE, the audio VAE and the vocoder ("video + audio decode", its compile and
+  warmup alike), and the write muxes the AAC track ("write mp4 + AAC"); their audio parts
+  are not timed apart (one compiled program; one ffmpeg process). The title gives the
+  track's rate, channels and length.
 - ``dry_run_hbm``: per-chip HBM bars for each program of a dry run (arguments, outputs,
   temporaries, kept) against the chip's capacity, and with ``--estimate`` a bar of the
   estimated step time's breakdown.
@@ -37,6 +42,12 @@ FIRST_VIDEO_COLOURS = {"imports_s": "#393b79", "checkpoint_check_s": "#5254a3",
                        "warmup_s": "#9467bd", "denoise_s": "#1f77b4", "decode_s": "#2ca02c",
                        "write_s": "#bcbd22", "other_s": "#dddddd"}
 FIRST_VIDEO_ROW = "time to first video"
+# The names of the phases that carry the audio of a video with sound (see the docstring);
+# each keeps its colour.
+AUDIO_PHASES = {"compile VAE decode": "compile video + audio decode",
+                "warmup VAE decode": "warmup video + audio decode",
+                "VAE decode": "video + audio decode",
+                "decode_s": "decode video + audio", "write_s": "write mp4 + AAC"}
 
 
 def first_video_phases(report: dict) -> list[tuple[str, str, float, float]]:
@@ -82,9 +93,20 @@ def _title(report: dict) -> str:
 LEGEND_COLUMNS = 6
 
 
-def _legend_name(row: str, label: str) -> str:
-    """A phase's legend entry: the time-to-first-video row's split keys without "_s"."""
+def _legend_name(row: str, label: str, audio: bool = False) -> str:
+    """A phase's legend entry: the time-to-first-video row's split keys without "_s"; with
+    ``audio`` (a video with sound), ``AUDIO_PHASES``' names."""
+    if audio and label in AUDIO_PHASES:
+        return AUDIO_PHASES[label]
     return label.removesuffix("_s").replace("_", " ") if row == FIRST_VIDEO_ROW else label
+
+
+def _audio_title(report: dict) -> str:
+    """The track of a video with sound, for the title ("" without one)."""
+    if "audio_sample_rate" not in report:
+        return ""
+    return (f"  audio {report['audio_sample_rate']} Hz x {report.get('audio_channels')}, "
+            f"{report.get('audio_seconds', 0):.2f} s")
 
 
 def draw_timeline(report: dict):
@@ -100,23 +122,23 @@ def draw_timeline(report: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = timeline_phases(report)
+    phases, audio = timeline_phases(report), "audio_sample_rate" in report
     rows = list(dict.fromkeys(r for r, *_ in phases))
-    names = list(dict.fromkeys(_legend_name(row, label) for row, label, *_ in phases))
+    names = list(dict.fromkeys(_legend_name(row, label, audio) for row, label, *_ in phases))
     legend_lines = -(-len(names) // LEGEND_COLUMNS)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows) + 0.2 * legend_lines), dpi=100,
                            layout="constrained")
     seen = set()
     for row, label, start, seconds in phases:
         colour = FIRST_VIDEO_COLOURS.get(label) if row == FIRST_VIDEO_ROW else COLOURS[label]
-        name = _legend_name(row, label)
+        name = _legend_name(row, label, audio)
         ax.barh(rows.index(row), seconds, left=start, height=0.6, color=colour,
                 edgecolor="white", linewidth=0.3, label=None if name in seen else name)
         seen.add(name)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (phases end to end; untimed work between them not drawn)")
-    ax.set_title(_title(report), fontsize=9)
+    ax.set_title(_title(report) + _audio_title(report), fontsize=9)
     fig.legend(loc="outside lower center", ncol=LEGEND_COLUMNS, fontsize=7, frameon=False)
     return fig, phases
 

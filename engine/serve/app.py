@@ -64,7 +64,9 @@ def video_object(job: Job, queue_position: int | None = None,
     """A job as OpenAI's ``video`` object, with the extension fields, ``queue_position``
     (jobs ahead of a queued one; None otherwise), ``expires_at`` (an ended job's
     ``completed_at`` + ``retention_s``; None without a retention), the timings and the
-    files of a finished job, and ``steps_done`` of a cancelled one."""
+    files of a finished job, its sound's ``audio_sample_rate`` (Hz), ``audio_channels`` and
+    ``audio_seconds`` (a model with sound; the CLI report's fields), and ``steps_done`` of a
+    cancelled one."""
     expires_at = None if retention_s is None or job.completed_at is None else \
         int(job.completed_at + retention_s)
     s = job.settings
@@ -83,6 +85,7 @@ def video_object(job: Job, queue_position: int | None = None,
         out["error"] = dict(code="generation_failed", message=job.error)
     if job.result:
         out.update(timings=job.result["timings"], files=job.result["files"])
+        out.update({k: v for k, v in job.result.items() if k.startswith("audio_")})
         if "steps_done" in job.result:
             out["steps_done"] = job.result["steps_done"]
     return out

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from PIL import Image
 
 from engine.files import report as reporting
@@ -41,12 +42,17 @@ class Served:
     start (a job that changes them would need a new compile, so it is refused).
 
     variable_guidance: the CFG scale is a traced input of the step (any value on the same
-        side of 1); else only ``guidance_scale`` as served. fixed_steps: step caching's
-        schedule was checked for ``num_inference_steps`` only. image_mode:
+        side of 1); else only ``guidance_scale`` as served. fixed_steps: only
+        ``num_inference_steps`` is served, for the reason ``steps_rule`` gives (step
+        caching's schedule was checked for that count, or the step's inputs hold a per-step
+        table whose length is compiled in). image_mode:
         ``ModelFamily.image.mode``: "required" (image-to-video: every job sends
         ``input_reference``), "none" or "optional" (served as text-to-video).
         output_sizes: (width, height) of the videos a job of each of ``sizes`` gets: the
         same, or with ``--sr`` the upscale stage's size (a request names the first stage's).
+        fps_rule: why only ``fps`` is served (the family's own flag check, ``Flags.check``,
+        refuses another fps: e.g. the audio length and the step follow it), or None (the
+        fps is the mp4's rate only: any value).
     """
 
     model: str
@@ -63,6 +69,8 @@ class Served:
     fixed_steps: bool
     image_mode: str
     output_sizes: tuple = ()
+    steps_rule: str = "step caching was set up for them"
+    fps_rule: str | None = None
 
     def describe(self) -> dict:
         """``GET /v1/models``' entry for the model."""
@@ -134,7 +142,10 @@ class WarmModel:
         programs.
 
         Returns (frames (F, H, W, 3) float32 in [0, 1], the job's config, timings: text
-        and image encode, denoise_s, s_per_step, step_seconds, vae_decode_s, total_s).
+        and image encode, denoise_s, s_per_step, step_seconds, vae_decode_s, total_s, and
+        the video's sound: ``engine.files.report.Audio`` (waveform (channels, samples)
+        float32 on the host, rate in Hz) from a decoder with sound, as the CLI takes it
+        (its ``audio``: the last decode's), else None).
         ``on_step(steps done, steps)`` is called after each denoising step; what it raises
         (a cancel: ``hosts.JobCancelled``) ends the job there, before the decode.
 
@@ -162,8 +173,9 @@ class WarmModel:
                 programs, latents0, num_iterations=1, num_inference_steps=steps,
                 desc=f"{job_id}: ", on_step=lambda i: on_step(i, steps))
             frames = reporting.to_frames(self.pipe, decoded)
+            audio = getattr(programs.vae_decode, "audio", None)
         timings.update(runs[0], job_s=time.perf_counter() - t0)
-        return frames, config, timings
+        return frames, config, timings, audio
 
 
 def build(config, family, devices=None) -> WarmModel:
@@ -320,14 +332,17 @@ def _served(config, family, model: WarmModel) -> Served:
     programs = next(iter(model.buckets.values())).programs
     two_experts = hasattr(programs.step, "experts")
     v = config.video
+    steps_rule = _steps_in_inputs(config, family, dict(model.pipe.transformer.config))
     return Served(
         model=model_name(config.model.model_id), model_id=config.model.model_id,
         sizes=config.serve.sizes, frames=config.serve.frames, frame_step=family.sizes.frame_step,
         fps=v.fps, num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
         guidance_scale_2=v.guidance_scale_2, negative_prompt=v.negative_prompt,
         variable_guidance="guidance_scale" in programs.embeds and not two_experts,
-        fixed_steps=programs.cache is not None,
+        fixed_steps=programs.cache is not None or steps_rule is not None,
+        steps_rule=steps_rule or Served.steps_rule,
         image_mode=family.image.mode(config.model.model_id),
+        fps_rule=_fps_rule(config, family),
         output_sizes=tuple(_output_size(model, w, h) for w, h in config.serve.sizes))
 
 
@@ -337,3 +352,25 @@ def _output_size(model: WarmModel, width: int, height: int) -> tuple:
                   if (b.config.video.width, b.config.video.height) == (width, height))
     sr = bucket.programs.upscale
     return (width, height) if sr is None else sr.size
+
+
+def _steps_in_inputs(config, family, cfg: dict) -> str | None:
+    """Why the step count is compiled in, or None: the step's inputs change shape with it
+    (a per-step table, such as a (B, 2, steps) timestep and sigma table)."""
+    n = config.video.num_inference_steps
+
+    def shapes(steps):
+        return [tuple(x.shape) for x in jax.tree.leaves(family.transformer.abstract_model_inputs(
+            cfg, config.replace(num_inference_steps=steps)))]
+
+    if shapes(n) == shapes(n + 1):
+        return None
+    return "the step program's inputs hold a per-step table of that length"
+
+
+def _fps_rule(config, family) -> str | None:
+    """The family's rule (``Flags.check``) against another fps than the served one, or None
+    when it takes one (then a job's fps is its mp4's rate only)."""
+    fps = config.video.fps
+    broken = family.flags.check({**config.settings(), "fps": fps + 1})
+    return broken[1] if broken is not None and broken[0] == "--fps" else None

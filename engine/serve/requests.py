@@ -5,7 +5,8 @@ SGLang Diffusion's extensions (``negative_prompt``, ``num_frames``, ``num_infere
 ``guidance_scale``, ``guidance_scale_2``, ``seed``, ``fps``) and OpenRouter's
 ``callback_url`` (``engine.serve.webhooks``).
 Anything that would need a new compile (another shape, CFG switched on or off, a CFG scale
-baked into the program, another step count under step caching) is refused: nothing is
+baked into the program, another step count under step caching or where the step's inputs
+hold a per-step table, an fps the family's programs follow) is refused: nothing is
 compiled on the request path. Every refusal is an ``ApiError`` whose message names the
 field, the value and the rule.
 """
@@ -180,8 +181,11 @@ def check(req: VideoRequest, served, image: dict | None = None) -> VideoJob:
     steps = _number("num_inference_steps", req.num_inference_steps,
                     served.num_inference_steps, 1, MAX_STEPS)
     if served.fixed_steps and steps != served.num_inference_steps:
-        refuse("num_inference_steps", steps, f"step caching was set up for "
-               f"{served.num_inference_steps} steps; only that many are served")
+        refuse("num_inference_steps", steps, f"only {served.num_inference_steps} steps are "
+               f"served ({served.steps_rule})")
+    fps = _number("fps", req.fps, served.fps, 1, MAX_FPS)
+    if served.fps_rule is not None and fps != served.fps:
+        refuse("fps", fps, served.fps_rule)
     return VideoJob(prompt=prompt, negative_prompt=served.negative_prompt
                     if req.negative_prompt is None else req.negative_prompt,
                     width=width, height=height, num_frames=frames,
@@ -190,8 +194,7 @@ def check(req: VideoRequest, served, image: dict | None = None) -> VideoJob:
                     guidance_scale_2=_guidance_2(req, served),
                     seed=secrets.randbelow(2**31) if req.seed is None
                     else _number("seed", req.seed, 0, 0, MAX_SEED),
-                    fps=_number("fps", req.fps, served.fps, 1, MAX_FPS),
-                    model=served.model)
+                    fps=fps, model=served.model)
 
 
 def _image(image: dict | None, served) -> None:

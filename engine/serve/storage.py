@@ -28,8 +28,9 @@ class Storage(Protocol):
 
     folder: str
 
-    def save(self, config, frames, job_id: str) -> list[str]:
-        """Write a job's mp4 (and frames with --save_frames) atomically; the names."""
+    def save(self, config, frames, job_id: str, audio=None) -> list[str]:
+        """Write a job's mp4 (and frames with --save_frames) atomically, with its sound
+        (``engine.files.report.Audio`` or None) muxed in; the names."""
 
     def path(self, name: str) -> str:
         """A local path to read ``name`` from."""
@@ -47,10 +48,12 @@ class SharedFolder:
     def __init__(self, folder: str):
         self.folder = folder
 
-    def save(self, config, frames, job_id: str) -> list[str]:
+    def save(self, config, frames, job_id: str, audio=None) -> list[str]:
         """(F, H, W, 3) float32 ``frames`` in [0, 1] to ``<job_id>.mp4`` (and its frames),
-        as the CLI writes them; returns the file names."""
-        return [os.path.basename(p) for p in videos.save_video(config, frames, job_id)]
+        with ``audio`` (``engine.files.report.Audio``: an AAC track, and the frames file's
+        "audio"), as the CLI writes them; returns the file names."""
+        return [os.path.basename(p) for p in videos.save_video(config, frames, job_id,
+                                                                 None, audio)]
 
     def path(self, name: str) -> str:
         return os.path.join(self.folder, name)

@@ -22,6 +22,7 @@ import time
 
 import sqlalchemy as sa
 
+from engine.files import report as reporting
 from engine.files import videos
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
@@ -121,11 +122,11 @@ class Worker:
             return
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
-        error, files, timings = None, [], {}
+        error, files, timings, audio = None, [], {}, None
         try:
-            frames, config, timings = self.model.run(job_id, job.settings, image,
-                                                     self._on_step(job_id, seq))
-            files = self.storage.save(config, frames, job_id)
+            frames, config, timings, audio = self.model.run(job_id, job.settings, image,
+                                                            self._on_step(job_id, seq))
+            files = self.storage.save(config, frames, job_id, audio)
         except (GenerationError, UsageError, hosts.JobCancelled) as e:
             error = e
         except Exception as e:
@@ -137,7 +138,7 @@ class Worker:
             if any(_kind(o) != _kind(ours) for o in theirs.values()):
                 raise GenerationError(f"the processes disagree on the job's outcome "
                                       f"(process 0: {ours}; others: {theirs})")
-        if not self._record(job, error, files, timings, time.time() - t0):
+        if not self._record(job, error, files, timings, time.time() - t0, audio):
             return  # another server holds the job now: its run announces the end
         if self.metrics is not None:
             status = "completed" if error is None else \
@@ -174,9 +175,11 @@ class Worker:
 
         return on_step
 
-    def _record(self, job: Job, error, files: list, timings: dict, wall_s: float) -> bool:
-        """Write how the job ended; False when it was no longer this server's (nothing
-        written: the server that took it over records its own run)."""
+    def _record(self, job: Job, error, files: list, timings: dict, wall_s: float,
+                audio=None) -> bool:
+        """Write how the job ended (a completed job with sound: its ``audio_fields``, as the
+        CLI's report has them); False when it was no longer this server's (nothing written:
+        the server that took it over records its own run)."""
         owner, lost = self.fleet.id, False
         if isinstance(error, LeaseLost):
             lost = True
@@ -194,7 +197,9 @@ class Worker:
                 print(f"{job.id}: failed: {line}", flush=True)
         else:
             lost = not self.store.complete(job.id, dict(files=files, timings=timings,
-                                                        wall_s=wall_s), owner)
+                                                        wall_s=wall_s,
+                                                        **reporting.audio_fields(audio)),
+                                           owner)
             if not lost:
                 print(f"{job.id}: completed in {wall_s:.2f} s ({', '.join(files)})",
                       flush=True)
