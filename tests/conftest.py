@@ -146,6 +146,12 @@ SLOW = {
         "45 s: its own I2V checkpoint and first stage | the T2V parity",
     "test_hunyuan_sr_stage.py::test_sr_stage_sharded_matches_the_reference":
         "107 s: two meshes, interpret-mode kernel | the 1-device parity",
+    "test_serve_ltx2.py::test_served_mp4_has_the_audio_track_and_the_clis_frames_and_waveform":
+        "an LTX-2 server and a CLI run (~130 s) | test_ltx2's mp4 streams, test_serve's CLI parity",
+    "test_serve_ltx2.py::test_requests_ltx2_cannot_honour_are_one_line_400s":
+        "the same server | test_only_the_family_rules_fix_steps_and_fps",
+    "test_serve_ltx2.py::test_timeline_names_the_audio_phases_and_its_legend_overlaps_nothing":
+        "the same server's report | test_videos' timeline legend test",
     "test_hunyuan_sr_stage.py::test_served_sr_jobs_match_the_reference_at_each_size":
         "a server compiling two buckets of both stages (~100 s alone) | the 1-device parity",
     "test_estimate.py::test_large_bf16_matmul_estimate_is_near_its_roofline": "| rest of file",
