@@ -42,7 +42,9 @@ other attention (the text cross-attentions with their additive mask, the audio
 self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
 (``route_short_attentions``).
 
-Not done here (refused in one line): image-to-video, the step caches, --serve, staged runs,
+Image-to-video (``--image``, any LTX-2 checkpoint): ``families.ltx2_i2v``.
+
+Not done here (refused in one line): the step caches, --serve, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
 --quantize, the two-stage upscale.
 """
@@ -67,9 +69,11 @@ from engine.programs import executables
 from engine.run.errors import GenerationError, first_line
 from engine.run.runtime import to_host
 from engine.weights.scan_layers import BlockStack
+from families import ltx2_i2v
 from families.base import (
     Checkpoint,
     Flags,
+    ImageConditioning,
     ModelFamily,
     Scheduling,
     Sizes,
@@ -130,7 +134,6 @@ REFUSED = (
     ("dry_run", False, "the LTX-2 dry run is not done yet"),
     ("overlap_compile", "off", "LTX-2 compiles after the load (its decode's meta model "
                                "does not know the video size)"),
-    ("image", None, "image-to-video is not supported for LTX-2 yet"),
 )
 
 # Unrolled only (REFUSED: scan_layers). diffusers calls each block by keyword: sequence
@@ -496,6 +499,7 @@ def model_inputs(embeds: dict, config) -> dict:
     sides = ("negative_", "") if passes(config)["cfg"] else ("",)
     out = {name: torch.cat([embeds[side + name] for side in sides]) for name in TEXT_INPUTS}
     out[SIGMA_TABLE] = sigma_table(config).expand(len(sides), -1, -1).contiguous()
+    out.update(ltx2_i2v.model_inputs(embeds, len(sides)))  # --image: frame 0's latents
     return out
 
 
@@ -508,7 +512,10 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
                 (b, TEXT_TOKENS, cfg["caption_channels"]), dtype),
             "prompt_attention_mask": jax.ShapeDtypeStruct((b, TEXT_TOKENS), jnp.int32),
             SIGMA_TABLE: jax.ShapeDtypeStruct((b, 2, config.video.num_inference_steps),
-                                              jnp.float32)}
+                                              jnp.float32),
+            **ltx2_i2v.abstract_model_inputs(config, run_layout(
+                config.model.model_id, config.video.height, config.video.width,
+                config.video.frames), b)}
 
 
 def guided(x, outs: dict, sigma, s: dict, prefix: str):
@@ -558,18 +565,21 @@ def step_fn(jm, config):
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
         table = inputs.pop(SIGMA_TABLE)
+        image = inputs.pop(ltx2_i2v.NAME, None)  # --image: frame 0's latents
         sigma = table[0, 1, torch.argmin((table[0, 0] - timestep.float()).abs())]
         video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
         audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
+        if image is not None:
+            video = ltx2_i2v.with_first_frame(video, image)
 
         def call(text, **kw):
             b = text["prompt_embeds"].shape[0]
-            t = timestep.float().expand(b)
+            times = ltx2_i2v.timesteps(timestep.float().expand(b), image, g["video_tokens"])
             v, a = jm.functional_call(
                 "forward", params, buffers, hidden_states=video.expand(b, -1, -1).to(dtype),
                 audio_hidden_states=audio.expand(b, -1, -1).to(dtype),
                 encoder_hidden_states=text["prompt_embeds"],
-                audio_encoder_hidden_states=text["audio_prompt_embeds"], timestep=t, sigma=t,
+                audio_encoder_hidden_states=text["audio_prompt_embeds"], **times,
                 encoder_attention_mask=text["prompt_attention_mask"],
                 audio_encoder_attention_mask=text["prompt_attention_mask"], **static, **kw)
             return v.float(), a.float()
@@ -582,6 +592,8 @@ def step_fn(jm, config):
             outs["modality"] = call(positive, isolate_modalities=True)
         v = guided(video, {k: o[0] for k, o in outs.items()}, sigma, s, "")
         a = guided(audio, {k: o[1] for k, o in outs.items()}, sigma, s, "audio_")
+        if image is not None:
+            v = ltx2_i2v.hold_first_frame(v, image)
         return torch.cat([v.reshape(1, -1), a.reshape(1, -1)], dim=1)
 
     return step
@@ -749,5 +761,7 @@ FAMILY = ModelFamily(
         timestep_dtype="float32", sharding_rules=sharding_rules, block_stack=BLOCKS),
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
                     decoder=vae_decoder),
+    image=ImageConditioning(mode=ltx2_i2v.image_mode, encode=ltx2_i2v.encode_image,
+                            names=(ltx2_i2v.NAME,), finish_latents=ltx2_i2v.finish),
     scheduler=Scheduling(default_flow_shift=default_flow_shift, sigmas=scheduler_sigmas),
 )
