@@ -138,13 +138,15 @@ REFUSED = (
 
 # Unrolled only (REFUSED: scan_layers). diffusers calls each block by keyword: sequence
 # parallelism shards ``hidden_states`` (the video tokens) and pads the video RoPE tables, (B,
-# heads, tokens, head_dim / 2) for the "split" RoPE of every LTX-2 config, on their token axis.
+# heads, tokens, head_dim / 2) for the "split" RoPE of every LTX-2 config, on their token axis,
+# and ``temb``, per token (B, tokens, k D) with --image (its per-token timestep; else (B, 1,
+# k D), left as it is).
 # The audio stream (126 tokens) stays whole; its attention over the video tokens masks the
 # padding as the self-attention does.
 BLOCKS = BlockStack(attr="transformer_blocks", carry=2, token_axes=(1, None),
                     self_attention="attn1", sublayers=(),
                     token_kwargs=(("hidden_states", 1), ("video_rotary_emb", 2),
-                                  ("ca_video_rotary_emb", 2)),
+                                  ("ca_video_rotary_emb", 2), ("temb", 1)),
                     video_key_attention=("video_to_audio_attn",))
 
 

@@ -2,10 +2,13 @@
 ``LTX2ImageToVideoPipeline`` on CPU.
 
 Float32 on the tiny random LTX-2 checkpoint (tools/make_tiny_ltx2_checkpoint.py; our weights
-are random), the shapes, prompts, seed, steps and bound of tests/test_ltx2.py, at the
-pipeline's default guidance (CFG batch 2, STG and modality-isolation passes). The image is
-tests/data/first_frame.png (160 x 96: resized to 64 x 64 by the pipeline's processor) and
-both sides re-compress it at the default CRF 33 with PyAV.
+are random), the prompts, seed, steps and bound of tests/test_ltx2.py, at the pipeline's
+default guidance (CFG batch 2, STG and modality-isolation passes). 96 x 96 pixels, 9
+frames: 2 x 3 x 3 = 18 video tokens (9 on the image's latent frame 0), 9 audio tokens. Ours
+runs on all 8 CPU devices as dp 2 x sp 4, so the CFG pair and the image's latents split over
+dp and the 18 tokens are padded to 20 between blocks (the per-token ``temb`` with them). The
+image is tests/data/first_frame.png (160 x 96: resized by the pipeline's processor); both
+sides re-compress it at the default CRF 33 with PyAV.
 """
 
 import os
@@ -14,14 +17,32 @@ import jax
 import numpy as np
 import pytest
 import torch
-from test_ltx2 import ATOL, NEGATIVE, PROMPT, SEED, SHAPE, STEPS, _argv, _Recorder, _unpacked
+from test_ltx2 import ATOL, NEGATIVE, PROMPT, SEED, STEPS, _argv, _Recorder
 
 import generate_flax
 from engine.pipeline import Generation
 from families import FAMILIES, ltx2_i2v
 
 FIRST_FRAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "first_frame.png")
-FRAME0 = 4  # latent frame 0's tokens: (64 / 32) x (64 / 32)
+SHAPE = dict(height=96, width=96, frames=9)
+GRID = (2, 3, 3)  # latent frames, height, width
+FRAME0 = 9  # latent frame 0's tokens
+AUDIO = 9  # latent audio frames: round(9 / 24 x 25)
+LAYOUT = ("--dp", "2", "--tp", "1", "--sp", "4")
+
+
+def _unpacked(latents):
+    """Our packed (1, size) final latents -> (video (1, 8, 2, 3, 3), audio (1, 2, 9, 16)) as
+    the pipeline unpacks them."""
+    from diffusers import LTX2Pipeline
+
+    latents = torch.from_numpy(np.array(latents))  # a writable copy
+    tokens = int(np.prod(GRID))
+    n = tokens * 8  # x 8 channels
+    video = LTX2Pipeline._unpack_latents(latents[:, :n].reshape(1, tokens, 8), *GRID, 1, 1)
+    audio = LTX2Pipeline._unpack_audio_latents(latents[:, n:].reshape(1, AUDIO, 32), AUDIO,
+                                               num_mel_bins=16)
+    return video.numpy(), audio.numpy()
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +75,13 @@ def reference(ltx2_checkpoint):
 
 @pytest.fixture(scope="module")
 def ours(ltx2_checkpoint):
-    """Our run with --image on one device (XLA attention): (frames, waveform, report,
-    (final video latents, final audio latents), the placed model inputs)."""
+    """Our run with --image on 8 devices, dp 2 x sp 4 (XLA attention): (frames, waveform,
+    report, (final video latents, final audio latents), the placed model inputs)."""
+    size = [f"--{k}={v}" for k, v in SHAPE.items()]
     config = generate_flax.validate_args(generate_flax.parse_args(
-        _argv(ltx2_checkpoint, {}, "--attention", "xla", "--image", FIRST_FRAME)))
-    run = Generation(config, FAMILIES[config.model.family], jax.devices()[:1])
+        _argv(ltx2_checkpoint, {}, *size, *LAYOUT, "--attention", "xla", "--image",
+              FIRST_FRAME)))
+    run = Generation(config, FAMILIES[config.model.family], jax.devices())
     run.load()
     run.encode()
     run.compile()
@@ -80,6 +103,7 @@ def test_frames_and_waveform_match_diffusers(reference, ours):
     np.testing.assert_allclose(frames, want_frames, atol=ATOL)
     np.testing.assert_allclose(wave, want_wave, atol=ATOL)
     assert report["settings"]["image"]["sha256"] and "image_encode_s" in report["timings"]
+    assert report["mesh"] == {"dp": 2, "tp": 1, "sp": 4}
 
 
 def test_frame_zero_is_the_images_latents(ours):
