@@ -547,6 +547,18 @@ def guided(x, outs: dict, sigma, s: dict, prefix: str):
     return (x - total) / sigma
 
 
+def rope_coords(transformer, g: dict, fps: float) -> tuple:
+    """The video (1, 3, S_v, 2) and audio (1, 1, S_a, 2) RoPE coordinates as float32 numpy
+    arrays, computed eagerly on the host as the pipeline precomputes them (P:1380-1390).
+    Traced inside ``forward`` instead, XLA's float32 division by fps (``prepare_video_coords``)
+    and the audio grid differ from torch's by an ulp from 3 latent frames on (measured: final
+    latents 6e-5 off diffusers' at 17 frames, 2e-6 at 9; 2 steps, tiny checkpoint)."""
+    cpu = torch.device("cpu")
+    video = transformer.rope.prepare_video_coords(1, g["f"], g["h"], g["w"], cpu, fps=fps)
+    audio = transformer.audio_rope.prepare_audio_coords(1, g["audio_frames"], cpu)
+    return video.numpy(), audio.numpy()
+
+
 def step_fn(jm, config):
     """The torch function of one denoising step, to be viewed as JAX and jitted:
     (params, buffers, latents (1, size) float32, timestep (1,) float32, inputs) -> the
@@ -563,9 +575,11 @@ def step_fn(jm, config):
     static = dict(num_frames=g["f"], height=g["h"], width=g["w"], fps=float(video_cfg.fps),
                   audio_num_frames=g["audio_frames"], use_cross_timestep=True,
                   return_dict=False)
+    host_coords = rope_coords(jm._model, g, float(video_cfg.fps))
 
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
+        coords = [interop.torch_view(jnp.asarray(c)) for c in host_coords]  # constants
         table = inputs.pop(SIGMA_TABLE)
         image = inputs.pop(ltx2_i2v.NAME, None)  # --image: frame 0's latents
         sigma = table[0, 1, torch.argmin((table[0, 0] - timestep.float()).abs())]
@@ -583,7 +597,9 @@ def step_fn(jm, config):
                 encoder_hidden_states=text["prompt_embeds"],
                 audio_encoder_hidden_states=text["audio_prompt_embeds"], **times,
                 encoder_attention_mask=text["prompt_attention_mask"],
-                audio_encoder_attention_mask=text["prompt_attention_mask"], **static, **kw)
+                audio_encoder_attention_mask=text["prompt_attention_mask"],
+                video_coords=coords[0].expand(b, -1, -1, -1),
+                audio_coords=coords[1].expand(b, -1, -1, -1), **static, **kw)
             return v.float(), a.float()
 
         positive = {k: v[-1:] for k, v in inputs.items()}

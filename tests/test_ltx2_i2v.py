@@ -3,10 +3,11 @@
 
 Float32 on the tiny random LTX-2 checkpoint (tools/make_tiny_ltx2_checkpoint.py; our weights
 are random), the prompts, seed, steps and bound of tests/test_ltx2.py, at the pipeline's
-default guidance (CFG batch 2, STG and modality-isolation passes). 96 x 96 pixels, 9
-frames: 2 x 3 x 3 = 18 video tokens (9 on the image's latent frame 0), 9 audio tokens. Ours
-runs on all 8 CPU devices as dp 2 x sp 4, so the CFG pair and the image's latents split over
-dp and the 18 tokens are padded to 20 between blocks (the per-token ``temb`` with them). The
+default guidance (CFG batch 2, STG and modality-isolation passes). 96 x 96 pixels, 17
+frames: 3 x 3 x 3 = 27 video tokens (9 on the image's latent frame 0), 18 audio tokens (3
+latent frames: the RoPE coordinates' float32 rounding matters from there, ``ltx2.rope_coords``).
+Ours runs on all 8 CPU devices as dp 2 x sp 4, so the CFG pair and the image's latents split
+over dp and the 27 tokens are padded to 28 between blocks (the per-token ``temb`` with them). The
 image is tests/data/first_frame.png (160 x 96: resized by the pipeline's processor); both
 sides re-compress it at the default CRF 33 with PyAV.
 """
@@ -24,15 +25,15 @@ from engine.pipeline import Generation
 from families import FAMILIES, ltx2_i2v
 
 FIRST_FRAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "first_frame.png")
-SHAPE = dict(height=96, width=96, frames=9)
-GRID = (2, 3, 3)  # latent frames, height, width
+SHAPE = dict(height=96, width=96, frames=17)
+GRID = (3, 3, 3)  # latent frames, height, width
 FRAME0 = 9  # latent frame 0's tokens
-AUDIO = 9  # latent audio frames: round(9 / 24 x 25)
+AUDIO = 18  # latent audio frames: round(17 / 24 x 25)
 LAYOUT = ("--dp", "2", "--tp", "1", "--sp", "4")
 
 
 def _unpacked(latents):
-    """Our packed (1, size) final latents -> (video (1, 8, 2, 3, 3), audio (1, 2, 9, 16)) as
+    """Our packed (1, size) final latents -> (video (1, 8, 3, 3, 3), audio (1, 2, 18, 16)) as
     the pipeline unpacks them."""
     from diffusers import LTX2Pipeline
 
