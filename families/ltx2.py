@@ -30,6 +30,8 @@ How the pipeline maps onto the engine (one latent array, one scheduler, one step
 * **RoPE in float64.** The RoPE modules build their frequencies in float64
   (``rope_double_precision``, T:1029); JAX runs without x64, which moved outputs by 4e-5.
   Their forwards run under ``jax.enable_x64`` (``install_x64_ropes``); nothing else does.
+  Their coordinates are computed on the host, as the pipeline precomputes them, and enter
+  the step as constants (``rope_coords``: traced, they came out an ulp off).
 * **Decode.** The video VAE decode, the audio VAE decode and the vocoder run as ONE compiled
   program (``AudioVideoDecode`` through ``LtxDecoder``): latents -> (video, waveform). The
   audio side is small (126 latent frames -> 120,240 stereo samples at 24 kHz) but compiled
