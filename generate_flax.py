@@ -158,7 +158,7 @@ def _add_generation_flags(g) -> None:
                         "card says: 5.0 when the shorter side is >= 720 px, else 3.0; "
                         "HunyuanVideo: the checkpoint scheduler's shift")
     g.add_argument("--image", default=None, metavar="PATH",
-                   help="first frame for an image-to-video checkpoint or Wan 2.2 TI2V-5B "
+                   help="first frame for an image-to-video checkpoint, Wan 2.2 TI2V-5B or LTX-2 "
                         "(PNG, JPEG or WebP; default: none, text-to-video); see docs/models.md")
     g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                    help="a LoRA .safetensors (Wan: diffusers/PEFT or original/lightx2v "

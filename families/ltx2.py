@@ -30,6 +30,8 @@ How the pipeline maps onto the engine (one latent array, one scheduler, one step
 * **RoPE in float64.** The RoPE modules build their frequencies in float64
   (``rope_double_precision``, T:1029); JAX runs without x64, which moved outputs by 4e-5.
   Their forwards run under ``jax.enable_x64`` (``install_x64_ropes``); nothing else does.
+  Their coordinates are computed on the host, as the pipeline precomputes them, and enter
+  the step as constants (``rope_coords``: traced, they came out an ulp off).
 * **Decode.** The video VAE decode, the audio VAE decode and the vocoder run as ONE compiled
   program (``AudioVideoDecode`` through ``LtxDecoder``): latents -> (video, waveform). The
   audio side is small (126 latent frames -> 120,240 stereo samples at 24 kHz) but compiled
@@ -42,7 +44,9 @@ other attention (the text cross-attentions with their additive mask, the audio
 self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
 (``route_short_attentions``).
 
-Not done here (refused in one line): image-to-video, the step caches, --serve_sizes, staged runs,
+Image-to-video (``--image``, any LTX-2 checkpoint): ``families.ltx2_i2v``.
+
+Not done here (refused in one line): the step caches, --serve_sizes, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
 --quantize, the two-stage upscale.
 """
@@ -67,9 +71,11 @@ from engine.programs import executables
 from engine.run.errors import GenerationError, first_line
 from engine.run.runtime import to_host
 from engine.weights.scan_layers import BlockStack
+from families import ltx2_i2v
 from families.base import (
     Checkpoint,
     Flags,
+    ImageConditioning,
     ModelFamily,
     Scheduling,
     Sizes,
@@ -135,18 +141,19 @@ REFUSED = (
     ("dry_run", False, "the LTX-2 dry run is not done yet"),
     ("overlap_compile", "off", "LTX-2 compiles after the load (its decode's meta model "
                                "does not know the video size)"),
-    ("image", None, "image-to-video is not supported for LTX-2 yet"),
 )
 
 # Unrolled only (REFUSED: scan_layers). diffusers calls each block by keyword: sequence
 # parallelism shards ``hidden_states`` (the video tokens) and pads the video RoPE tables, (B,
-# heads, tokens, head_dim / 2) for the "split" RoPE of every LTX-2 config, on their token axis.
+# heads, tokens, head_dim / 2) for the "split" RoPE of every LTX-2 config, on their token axis,
+# and ``temb``, per token (B, tokens, k D) with --image (its per-token timestep; else (B, 1,
+# k D), left as it is).
 # The audio stream (126 tokens) stays whole; its attention over the video tokens masks the
 # padding as the self-attention does.
 BLOCKS = BlockStack(attr="transformer_blocks", carry=2, token_axes=(1, None),
                     self_attention="attn1", sublayers=(),
                     token_kwargs=(("hidden_states", 1), ("video_rotary_emb", 2),
-                                  ("ca_video_rotary_emb", 2)),
+                                  ("ca_video_rotary_emb", 2), ("temb", 1)),
                     video_key_attention=("video_to_audio_attn",))
 
 
@@ -501,6 +508,7 @@ def model_inputs(embeds: dict, config) -> dict:
     sides = ("negative_", "") if passes(config)["cfg"] else ("",)
     out = {name: torch.cat([embeds[side + name] for side in sides]) for name in TEXT_INPUTS}
     out[SIGMA_TABLE] = sigma_table(config).expand(len(sides), -1, -1).contiguous()
+    out.update(ltx2_i2v.model_inputs(embeds, len(sides)))  # --image: frame 0's latents
     return out
 
 
@@ -513,7 +521,10 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
                 (b, TEXT_TOKENS, cfg["caption_channels"]), dtype),
             "prompt_attention_mask": jax.ShapeDtypeStruct((b, TEXT_TOKENS), jnp.int32),
             SIGMA_TABLE: jax.ShapeDtypeStruct((b, 2, config.video.num_inference_steps),
-                                              jnp.float32)}
+                                              jnp.float32),
+            **ltx2_i2v.abstract_model_inputs(config, run_layout(
+                config.model.model_id, config.video.height, config.video.width,
+                config.video.frames), b)}
 
 
 def guided(x, outs: dict, sigma, s: dict, prefix: str):
@@ -543,6 +554,18 @@ def guided(x, outs: dict, sigma, s: dict, prefix: str):
     return (x - total) / sigma
 
 
+def rope_coords(transformer, g: dict, fps: float) -> tuple:
+    """The video (1, 3, S_v, 2) and audio (1, 1, S_a, 2) RoPE coordinates as float32 numpy
+    arrays, computed eagerly on the host as the pipeline precomputes them (P:1380-1390).
+    Traced inside ``forward`` instead, XLA's float32 division by fps (``prepare_video_coords``)
+    and the audio grid differ from torch's by an ulp from 3 latent frames on (measured: final
+    latents 6e-5 off diffusers' at 17 frames, 2e-6 at 9; 2 steps, tiny checkpoint)."""
+    cpu = torch.device("cpu")
+    video = transformer.rope.prepare_video_coords(1, g["f"], g["h"], g["w"], cpu, fps=fps)
+    audio = transformer.audio_rope.prepare_audio_coords(1, g["audio_frames"], cpu)
+    return video.numpy(), audio.numpy()
+
+
 def step_fn(jm, config):
     """The torch function of one denoising step, to be viewed as JAX and jitted:
     (params, buffers, latents (1, size) float32, timestep (1,) float32, inputs) -> the
@@ -559,24 +582,31 @@ def step_fn(jm, config):
     static = dict(num_frames=g["f"], height=g["h"], width=g["w"], fps=float(video_cfg.fps),
                   audio_num_frames=g["audio_frames"], use_cross_timestep=True,
                   return_dict=False)
+    host_coords = rope_coords(jm._model, g, float(video_cfg.fps))
 
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
+        coords = [interop.torch_view(jnp.asarray(c)) for c in host_coords]  # constants
         table = inputs.pop(SIGMA_TABLE)
+        image = inputs.pop(ltx2_i2v.NAME, None)  # --image: frame 0's latents
         sigma = table[0, 1, torch.argmin((table[0, 0] - timestep.float()).abs())]
         video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
         audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
+        if image is not None:
+            video = ltx2_i2v.with_first_frame(video, image)
 
         def call(text, **kw):
             b = text["prompt_embeds"].shape[0]
-            t = timestep.float().expand(b)
+            times = ltx2_i2v.timesteps(timestep.float().expand(b), image, g["video_tokens"])
             v, a = jm.functional_call(
                 "forward", params, buffers, hidden_states=video.expand(b, -1, -1).to(dtype),
                 audio_hidden_states=audio.expand(b, -1, -1).to(dtype),
                 encoder_hidden_states=text["prompt_embeds"],
-                audio_encoder_hidden_states=text["audio_prompt_embeds"], timestep=t, sigma=t,
+                audio_encoder_hidden_states=text["audio_prompt_embeds"], **times,
                 encoder_attention_mask=text["prompt_attention_mask"],
-                audio_encoder_attention_mask=text["prompt_attention_mask"], **static, **kw)
+                audio_encoder_attention_mask=text["prompt_attention_mask"],
+                video_coords=coords[0].expand(b, -1, -1, -1),
+                audio_coords=coords[1].expand(b, -1, -1, -1), **static, **kw)
             return v.float(), a.float()
 
         positive = {k: v[-1:] for k, v in inputs.items()}
@@ -587,6 +617,8 @@ def step_fn(jm, config):
             outs["modality"] = call(positive, isolate_modalities=True)
         v = guided(video, {k: o[0] for k, o in outs.items()}, sigma, s, "")
         a = guided(audio, {k: o[1] for k, o in outs.items()}, sigma, s, "audio_")
+        if image is not None:
+            v = ltx2_i2v.hold_first_frame(v, image)
         return torch.cat([v.reshape(1, -1), a.reshape(1, -1)], dim=1)
 
     return step
@@ -754,5 +786,7 @@ FAMILY = ModelFamily(
         timestep_dtype="float32", sharding_rules=sharding_rules, block_stack=BLOCKS),
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
                     decoder=vae_decoder),
+    image=ImageConditioning(mode=ltx2_i2v.image_mode, encode=ltx2_i2v.encode_image,
+                            names=(ltx2_i2v.NAME,), finish_latents=ltx2_i2v.finish),
     scheduler=Scheduling(default_flow_shift=default_flow_shift, sigmas=scheduler_sigmas),
 )

@@ -208,7 +208,6 @@ def test_mp4_has_one_video_and_one_audio_stream(cli_run):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--flow_shift", "3"], "--flow_shift=3.0: LTX-2's scheduler shifts"),
-    (["--image", "x.png"], "--image='x.png': image-to-video is not supported for LTX-2"),
     (["--cache", "deepcache"], "--cache='deepcache': the step caches"),
     (["--scan_layers"], "--scan_layers=True: LTX-2's blocks run unrolled"),
     (["--stage", "denoise"], "--stage='denoise': staged runs"),
