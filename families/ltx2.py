@@ -42,6 +42,11 @@ other attention (the text cross-attentions with their additive mask, the audio
 self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
 (``route_short_attentions``).
 
+Dry run and ``--estimate``: ``empty_vae`` builds ``AudioVideoDecode`` with meta weights for
+the run's video size, ``latent_shape`` reads the checkpoint's audio VAE config, and the
+estimate compiles the first block once per distinct pass of the step (the CFG pair, the STG
+pass, the modality pass) and counts each (docs/dry_run.md, "Dry-run figures: LTX-2").
+
 Not done here (refused in one line): image-to-video, the step caches, --serve, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
 --quantize, the two-stage upscale.
