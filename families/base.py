@@ -75,7 +75,9 @@ class Sizes:
 
     frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
     pixel_multiple: height and width must be multiples of it (VAE x patch).
-    latent_shape(vae_cfg, height, width, frames) -> (1, C, F', h, w).
+    latent_shape(vae_cfg, height, width, frames, model_id=None) -> (1, C, F', h, w) (or the
+        family's packed layout); ``model_id`` (the checkpoint, for a family whose latents
+        also follow other components' configs, e.g. LTX-2's audio VAE) may be ignored.
     token_count(cfg, height, width, frames) -> video tokens per sample.
     """
 
@@ -158,7 +160,9 @@ class Transformer:
 class VaePrograms:
     """The VAE on device: the family's programs on the engine's chunked decoder.
 
-    empty(folder) -> VAE with meta weights (dry run).
+    empty(folder, config) -> VAE with meta weights (dry run, ahead-of-time compiles);
+        ``config`` is the run's ``RunConfig``, for a decode module whose shapes follow the
+        video size (LTX-2's joint video and audio decode); a family may ignore it.
     is_decode_weight(name) -> whether the decode reads this VAE weight.
     decoder(placed, vae, mesh, *, tiling, abstract, fallbacks) ->
         ``engine.programs.vae_decode.ChunkedDecoder`` or an object with its interface

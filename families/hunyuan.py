@@ -165,7 +165,9 @@ def scheduler_sigmas(num_inference_steps: int) -> list:
     return list(np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1])
 
 
-def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
+def latent_shape(vae_cfg: dict, height: int, width: int, frames: int,
+                 model_id: str | None = None) -> tuple:
+    """(1, C, F', h, w) from the VAE config alone (``model_id`` unused)."""
     return (1, vae_cfg.get("latent_channels", 32), (frames - 1) // VAE_TEMPORAL_SCALE + 1,
             height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE)
 
@@ -231,7 +233,7 @@ def empty_transformer(cfg: dict, dtype):
     return transformer
 
 
-def empty_vae(folder: str):
+def empty_vae(folder: str, config=None):
     """``AutoencoderKLHunyuanVideo15`` of ``folder``'s config with meta weights (dry run)."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLHunyuanVideo15

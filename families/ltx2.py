@@ -46,6 +46,11 @@ self-attention and the audio-video cross-attentions: 126 audio tokens) runs on X
 
 Image-to-video (``--image``, any LTX-2 checkpoint): ``families.ltx2_i2v``.
 
+Dry run and ``--estimate``: ``empty_vae`` builds ``AudioVideoDecode`` with meta weights for
+the run's video size, ``latent_shape`` reads the checkpoint's audio VAE config, and the
+estimate compiles the first block once per distinct pass of the step (the CFG pair, the STG
+pass, the modality pass) and counts each (docs/dry_run.md, "Dry-run figures: LTX-2").
+
 Not done here (refused in one line): the step caches, --serve_sizes, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
 --quantize, the two-stage upscale.
@@ -138,7 +143,6 @@ REFUSED = (
     ("scan_layers", False, "LTX-2's blocks run unrolled: diffusers' block loop passes "
                            "per-block STG arguments by keyword"),
     ("vae_tiling", False, "LTX-2's decode is one program of video and audio"),
-    ("dry_run", False, "the LTX-2 dry run is not done yet"),
     ("overlap_compile", "off", "LTX-2 compiles after the load (its decode's meta model "
                                "does not know the video size)"),
 )
@@ -237,10 +241,12 @@ def run_layout(model_id: str, height: int, width: int, frames: int) -> dict:
                   read_component_config(model_id, "audio_vae") or {}, height, width, frames)
 
 
-def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
-    """(1, size) of the packed latents, with the real LTX-2 audio layout (8 channels x 16
-    mel bins; the dry run's; staged runs, which would read other checkpoints, are refused)."""
-    return (1, layout({}, vae_cfg, {}, height, width, frames)["size"])
+def latent_shape(vae_cfg: dict, height: int, width: int, frames: int,
+                 model_id: str | None = None) -> tuple:
+    """(1, size) of the packed latents: the audio layout from ``model_id``'s audio VAE
+    config, or without one the real LTX-2 layout (8 channels x 16 mel bins)."""
+    audio = (read_component_config(model_id, "audio_vae") if model_id else None) or {}
+    return (1, layout({}, vae_cfg, audio, height, width, frames)["size"])
 
 
 def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
@@ -690,8 +696,24 @@ def is_vae_decode_weight(name: str) -> bool:
     return name.split(".")[1:2] != ["encoder"]
 
 
-def empty_vae(folder: str):
-    raise GenerationError("the LTX-2 decode has no dry-run model yet (--dry_run is refused)")
+def empty_vae(folder: str, config) -> AudioVideoDecode:
+    """``AudioVideoDecode`` of ``folder``'s video VAE, audio VAE and vocoder configs with meta
+    weights (float32, as ``load_pipeline`` runs them), laid out for ``config``'s video size
+    (``layout``) and run dtype: the dry run's decode, the same module a run compiles."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2 import LTX2Vocoder
+
+    with init_empty_weights():
+        parts = [cls.from_config(cls.load_config(folder, subfolder=sub)).float().eval()
+                 for cls, sub in ((AutoencoderKLLTX2Video, "vae"),
+                                  (AutoencoderKLLTX2Audio, "audio_vae"),
+                                  (LTX2Vocoder, "vocoder"))]
+    video = config.video
+    geometry = layout(read_component_config(folder, "transformer") or {},
+                      dict(parts[0].config), dict(parts[1].config), video.height, video.width,
+                      video.frames, video.fps)
+    return AudioVideoDecode(*parts, geometry, getattr(torch, config.model.dtype))
 
 
 class LtxDecoder:

@@ -225,7 +225,9 @@ def default_flow_shift(height: int, width: int) -> float:
     return 5.0 if min(height, width) >= 720 else 3.0
 
 
-def latent_shape(vae_cfg: dict, height: int, width: int, frames: int) -> tuple:
+def latent_shape(vae_cfg: dict, height: int, width: int, frames: int,
+                 model_id: str | None = None) -> tuple:
+    """(1, C, F', h, w) from the VAE config alone (``model_id`` unused)."""
     scale = vae_spatial_scale(vae_cfg)
     return (1, vae_cfg["z_dim"], (frames - 1) // VAE_TEMPORAL_SCALE + 1,
             height // scale, width // scale)
@@ -278,7 +280,7 @@ def empty_transformer(cfg: dict, dtype):
     return transformer
 
 
-def empty_vae(folder: str):
+def empty_vae(folder: str, config=None):
     """``AutoencoderKLWan`` of ``folder``'s config with meta weights (dry run)."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLWan

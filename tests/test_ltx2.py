@@ -211,7 +211,6 @@ def test_mp4_has_one_video_and_one_audio_stream(cli_run):
     (["--cache", "deepcache"], "--cache='deepcache': the step caches"),
     (["--scan_layers"], "--scan_layers=True: LTX-2's blocks run unrolled"),
     (["--stage", "denoise"], "--stage='denoise': staged runs"),
-    (["--dry_run", "--topology", "v6e:2x4"], "--dry_run=True: the LTX-2 dry run"),
     (["--fps", "25"], "--fps=25: is fixed at 24"),
     (["--overlap_compile", "on"], "--overlap_compile='on': LTX-2 compiles after the load"),
     (["--guidance_scale_2", "3"], "--guidance_scale_2=3.0"),

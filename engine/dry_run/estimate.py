@@ -458,43 +458,57 @@ def stub_attention_kernel(calls: list):
         yield
 
 
-def _block_inputs(config, family, cfg: dict, mesh, placed) -> tuple:
-    """Abstract shapes and dtypes of the first block's call in the real model: the model's
-    step is traced (``jax.eval_shape``, no compile) with a hook that records them."""
+def _block_calls(config, family, cfg: dict, mesh, placed) -> list:
+    """Every call of the first block in one traced step, as dicts of ``args`` and ``kwargs``
+    (tensors as abstract shapes and dtypes, other values as given), ``order`` (the keywords
+    in call order) and ``count``, equal calls merged. One call per model pass the step
+    runs: a CFG pair is one call of batch 2, and a step with more guidance passes (LTX-2's
+    spatio-temporal and modality-isolation passes, batch 1 each, with their own flags) calls
+    the block once per pass. The step is traced
+    (``jax.eval_shape``, no compile) with a hook that records them."""
     vae_cfg = read_component_config(config.model.model_id, "vae")
     latents, t, inputs = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     seen = []
 
-    def record(_module, args):
-        if not seen:
-            seen.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                tuple(x.shape), mappings.t2j_dtype(x.dtype)) if isinstance(x, torch.Tensor)
-                else x, args))
+    def abstract(x):
+        return jax.ShapeDtypeStruct(tuple(x.shape), mappings.t2j_dtype(x.dtype)) \
+            if isinstance(x, torch.Tensor) else x
+
+    def record(_module, args, kwargs):
+        seen.append((*jax.tree.map(abstract, (args, kwargs)), list(kwargs)))
 
     blocks = getattr(placed["module"]._model, family.transformer.block_stack.attr)
-    handle = blocks[0].register_forward_pre_hook(record)
+    handle = blocks[0].register_forward_pre_hook(record, with_kwargs=True)
     try:
         jax.eval_shape(interop.jax_view(family.transformer.step_fn(placed["module"], config)),
                        placed["params"], placed["buffers"], latents, t, inputs)
     finally:
         handle.remove()
-    return seen[0]
+    calls = {}
+    for args, kwargs, order in seen:
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        key = repr((tree, leaves, order))
+        calls.setdefault(key, dict(args=args, kwargs=kwargs, order=order, count=0))["count"] += 1
+    return list(calls.values())
 
 
-def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
+def _residual(call: dict, stack):
+    """The call's residual stream (batch, tokens, dim): its first positional argument, or
+    for a block called by keyword the first name of ``stack.token_kwargs``."""
+    return call["kwargs"][stack.token_kwargs[0][0]] if stack.token_kwargs else call["args"][0]
+
+
+def _compile_block(config, family, mesh, shape, placed, call: dict) -> tuple:
     """(compiled, seconds, kernel calls) of ONE transformer block at the real per-chip
-    shapes: the inputs the model hands its first block, batch over "dp" and, with sequence
-    parallelism, tokens over "sp" (as the residual stream is laid out between blocks).
+    shapes, called as ``call`` (``_block_calls``): batch over "dp" and, with sequence
+    parallelism, tokens over "sp" (as the residual stream is laid out between blocks);
+    values that are not tensors (a pass's flags) stay static.
 
     Only a block, not the whole model: libtpu 0.0.42.1's static profiler exhausted this
     host's memory (over 14 GB) on the whole model's program and aborted on a tiny one
     ("Unsupported DMA direction"), in ops outside the blocks (patch embedding)."""
-    cfg = dict(cfg, num_layers=1)
-    unrolled = config.replace(scan_layers=False)
-    placed = abstract_transformer(unrolled, family, cfg, mesh)
-    args = _block_inputs(unrolled, family, cfg, mesh, placed)
-    batch, tokens = args[0].shape[:2]
     stack = family.transformer.block_stack
+    batch, tokens = _residual(call, stack).shape[:2]
     axes = sharding_mod.residual_token_axes(mesh, config.layout.megatron_sp)
     shards = math.prod(mesh.shape[a] for a in axes)
 
@@ -507,17 +521,26 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
             spec[1] = axes if len(axes) > 1 else axes[0]
         return NamedSharding(mesh, P(*spec))
 
-    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)),
-                        args)
+    leaves, tree = jax.tree.flatten((call["args"], call["kwargs"]))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+    sharded = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype,
+                                    sharding=sharding(leaves[i])) for i in arrays]
     jm = placed["module"]
 
-    def block(params, buffers, *block_args):
-        return jm.functional_call(lambda model, *a: getattr(model, stack.attr)[0](*a), params,
-                                  buffers, *block_args)
+    def block(params, buffers, *values):
+        full = list(leaves)
+        for i, v in zip(arrays, values, strict=True):
+            full[i] = v
+        args, kwargs = jax.tree.unflatten(tree, full)
+        return jm.functional_call(lambda model, *a, **k: getattr(model, stack.attr)[0](*a, **k),
+                                  params, buffers, *args, **kwargs)
 
-    # The carried streams come out laid out as they went in (HunyuanVideo-1.5: two).
-    out_sh = args[0].sharding if stack.carry == 1 else tuple(
-        a.sharding for a in args[:stack.carry])
+    # The carried streams (the first ``carry`` arguments, positional or keyword in call
+    # order: HunyuanVideo-1.5 and LTX-2 carry two) come out laid out as they went in.
+    carried = [*call["args"], *(call["kwargs"][k] for k in call["order"])][:stack.carry]
+    out_sh = [next(x.sharding for i, x in zip(arrays, sharded, strict=True)
+                   if leaves[i] is c) for c in carried]
+    out_sh = out_sh[0] if stack.carry == 1 else tuple(out_sh)
 
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
     calls = []
@@ -527,10 +550,46 @@ def _compile_block(config, family, cfg: dict, mesh, shape) -> tuple:
             return interop.jax_view(block)(*a)
 
         compiled = jax.jit(estimate_block, in_shardings=(
-            param_sh, NamedSharding(mesh, P()), *jax.tree.map(lambda x: x.sharding, args)),
+            param_sh, NamedSharding(mesh, P()), *[x.sharding for x in sharded]),
             out_shardings=out_sh).lower(
-            placed["params"], placed["buffers"], *args).compile()
+            placed["params"], placed["buffers"], *sharded).compile()
     return compiled, time.perf_counter() - t0, calls
+
+
+_SUMMED = ("linear_s", "other_s", "other_hbm_floor_s", "hbm_bound_s", "flops",
+           "eight_bit_flops", "eight_bit_ops", "bytes", "ops", "collective_sent_bytes")
+
+
+def _first_block(config, family, cfg: dict, mesh, shape, chip: str) -> dict:
+    """``program_summary`` of the first block's work in one step, with its ``kernel_calls``,
+    ``compile_s`` and ``passes``: each distinct call the step makes (``_block_calls``: one per
+    model pass) compiled once and counted as often as the step makes it. ``passes``: per
+    distinct call, its batch (samples), how many times a step makes it and its compile
+    seconds; a step of a CFG pair alone is one call of batch 2."""
+    cfg = dict(cfg, num_layers=1)
+    unrolled = config.replace(scan_layers=False)
+    placed = abstract_transformer(unrolled, family, cfg, mesh)
+    stack = family.transformer.block_stack
+    out = dict({k: 0.0 for k in _SUMMED}, source={}, collectives={}, top_ops=[],
+               kernel_calls=[], compile_s=0.0, passes=[])
+    for call in _block_calls(unrolled, family, cfg, mesh, placed):
+        compiled, seconds, kernel_calls = _compile_block(unrolled, family, mesh, shape,
+                                                         placed, call)
+        one, n = program_summary(block_hlo_text(compiled), chip), call["count"]
+        for k in _SUMMED:
+            out[k] += n * one[k]
+        for k, v in one["source"].items():
+            out["source"][k] = out["source"].get(k, 0) + n * v
+        for kind, c in one["collectives"].items():
+            agg = out["collectives"].setdefault(kind, dict(calls=0, sent_bytes=0.0))
+            agg["calls"] += n * c["calls"]
+            agg["sent_bytes"] += n * c["sent_bytes"]
+        out["top_ops"] = sorted(out["top_ops"] + one["top_ops"], key=lambda op: -op["seconds"])[:8]
+        out["kernel_calls"] += kernel_calls * n
+        out["compile_s"] += seconds
+        out["passes"].append(dict(batch=_residual(call, stack).shape[0], count=n,
+                                  compile_s=seconds))
+    return out
 
 
 def kernel_cost(topology: str, block_sizes, *, kv_steps: int, **kw) -> dict:
@@ -782,6 +841,8 @@ def combine(block: dict, kernels: dict, *, chip: str, layers: int,
         collectives={k: dict(calls=layers * v["calls"], sent_bytes=layers * v["sent_bytes"])
                      for k, v in block["collectives"].items()},
         attention=attn, kernels=kernels,
+        passes=block.get("passes", []),
+        samples_per_step=sum(p["batch"] * p["count"] for p in block.get("passes", [])),
         layers=layers, block=dict(compile_s=block["compile_s"], ops=block["ops"],
                                   cycle_sources=block["source"], top_ops=block["top_ops"],
                                   linear_flops=block["flops"],
@@ -820,9 +881,8 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
         raise ValueError("--estimate profiles our Splash kernel or XLA attention; JAX's stock "
                          "splash kernel gates its work on mask data the profile undercounts")
     t0 = time.perf_counter()
-    compiled, seconds, calls = _compile_block(config, family, cfg, mesh, mesh_shape)
-    block = dict(program_summary(block_hlo_text(compiled), chip), compile_s=seconds,
-                 kernel_calls=calls)
+    block = _first_block(config, family, cfg, mesh, mesh_shape, chip)
+    calls = block["kernel_calls"]
     kernels = {}
     if calls:
         request = dict(topology=config.dry.topology, kernel_calls=calls)
@@ -891,6 +951,11 @@ def print_estimate(est: dict) -> None:
           f"{est['ici_egress_gbps']:.0f} GB/s ICI egress)")
     print(f"{'total per denoising step':<26}{est['seconds_per_step']:8.3f} s   "
           f"(MXU use {_pct(est['mxu_use'])} of the model's FLOPs)")
+    passes = est.get("passes") or []
+    if sum(p["count"] for p in passes) > 1:
+        print(f"{'model passes per step':<26}{sum(p['count'] for p in passes):8d}     ("
+              + ", ".join(f"{p['count']} x batch {p['batch']}" for p in passes)
+              + f": {est['samples_per_step']} samples, each block compiled per distinct pass)")
     print(f"{'  by XLA cost model':<26}"
           f"{est['seconds_per_step_elementwise_by_xla_cost_model']:8.3f} s   (elementwise "
           f"{est['elementwise_xla_cost_model_s']:.3f} s by XLA's fusion cost model: pessimistic)")

@@ -369,7 +369,8 @@ def _upscale_latents(config, family, vae_cfg: dict, mesh):
     if config.upscale is None:
         return None
     s = config.upscale
-    shape = family.sizes.latent_shape(vae_cfg, s.height, s.width, config.video.frames)
+    shape = family.sizes.latent_shape(vae_cfg, s.height, s.width, config.video.frames,
+                                      model_id=config.model.model_id)
     return jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=NamedSharding(mesh, P()))
 
 
@@ -454,7 +455,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     lowering.install(torchax.default_env())
     _route_sdpa(config, mesh, attention)
     placed = abstract_transformer(config, family, cfg, mesh)
-    vae, vae_placed = abstract_vae(family, folder, mesh)
+    vae, vae_placed = abstract_vae(family, folder, mesh, config)
     inputs_abstract = abstract_inputs(config, family, cfg, vae_cfg, mesh)
     latents, inputs = inputs_abstract[0], inputs_abstract[2]
     n_experts = expert_count(read_model_index(config.model.model_id))

@@ -180,7 +180,8 @@ def read_intermediates(config, family):
             folder = video_dir(config.run.work_dir, video)
             latents, settings = load_latents(
                 folder, vae_cfg, config.model.model_id,
-                lambda s: family.sizes.latent_shape(vae_cfg, s["height"], s["width"], s["frames"]))
+                lambda s: family.sizes.latent_shape(vae_cfg, s["height"], s["width"], s["frames"],
+                                                    model_id=config.model.model_id))
             _check_video(os.path.join(folder, LATENTS_FILE), settings, video,
                          ("prompt", "negative_prompt", "seed"))
             out.append(latents)

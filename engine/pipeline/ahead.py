@@ -192,7 +192,7 @@ def start(config, family, mesh, settings_of, fallbacks, *, decode: bool) -> Ahea
         return None
     step_on = config.step_cache is None or not config.step_cache.on
     placed = abstract_transformer(config, family, cfg, mesh)
-    vae, vae_placed = abstract_vae(family, folder, mesh)
+    vae, vae_placed = abstract_vae(family, folder, mesh, config)
     cfg2 = read_component_config(model_id, "transformer_2")
     parts = types.SimpleNamespace(
         transformer=placed["module"]._model, vae=vae,

@@ -57,10 +57,11 @@ def abstract_transformer(config, family, cfg: dict, mesh) -> dict:
                 buffers=abstract_arrays(jm.buffers, mesh))
 
 
-def abstract_vae(family, folder: str, mesh):
-    """(VAE module with meta weights from ``folder``'s config, its decode weights as
-    replicated ``ShapeDtypeStruct``s, as ``stages.prepare_decode`` places them)."""
-    vae = family.vae.empty(folder)
+def abstract_vae(family, folder: str, mesh, config):
+    """(VAE module with meta weights from ``folder``'s config and the run's ``config``, its
+    decode weights as replicated ``ShapeDtypeStruct``s, as ``stages.prepare_decode`` places
+    them)."""
+    vae = family.vae.empty(folder, config)
     jv = interop.JittableModule(vae)
     keep = family.vae.is_decode_weight
     params = {k: v for k, v in jv.params.items() if keep(k)}
@@ -76,7 +77,8 @@ def abstract_inputs(config, family, cfg: dict, vae_cfg: dict, mesh):
     over "dp") as ``ShapeDtypeStruct``s, as ``stages.place_model_inputs`` places them."""
     rep, over_dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     video = config.video
-    shape = family.sizes.latent_shape(vae_cfg, video.height, video.width, video.frames)
+    shape = family.sizes.latent_shape(vae_cfg, video.height, video.width, video.frames,
+                                      model_id=config.model.model_id)
     latents = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
     inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=over_dp),
                           family.transformer.abstract_model_inputs(cfg, config))
