@@ -128,6 +128,10 @@ class Transformer:
         (``engine.weights.layout.resolve_run_mesh``; ``chips.prefers_ulysses`` gives tp 1 and
         all of sp where the replicated weights leave room): chosen where the static estimate
         says it is faster and the dry run says every such checkpoint fits (docs/dry_run.md).
+    layout_batch: ``f(config) -> int``, the batch the default layout serves: the smallest
+        batch of the step's model calls (LTX-2's STG and modality passes run batch 1 beside
+        the CFG pair, and a batch-1 call on dp2 runs twice, its attention off the kernel's
+        dp split); None: ``config.video.batch``.
     masks: the attention mask classes (``custom_splash_attention``) its self-attention
         accepts; ``LocalMask`` among them makes ``--window_size`` apply (self-attention over
         video tokens only, in the flattened frames x height x width order).
@@ -151,6 +155,7 @@ class Transformer:
     sharding_rules: Callable
     block_stack: Any
     default_sp: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    layout_batch: Callable | None = None
     masks: tuple[type, ...] = ()
     lora_state_dict: Callable | None = None
     quantized_linears: str | None = None

@@ -191,6 +191,16 @@ def sample_passes(config) -> int:
     return (2 if p["cfg"] else 1) + p["stg"] + p["modality"]
 
 
+def layout_batch(config) -> int:
+    """The batch the default layout serves: 1 when a step runs a batch-1 pass (STG or
+    modality isolation) beside the CFG pair. Under dp2 such a pass runs twice, once per dp
+    half, and its attention cannot take the kernel's dp split; the static estimate of the
+    default 768 x 512 x 121 video: tpu7x:2x2x1 dp2 x sp4 0.434 s/step against dp1 x sp8 0.183,
+    v6e:2x4 dp2 x tp4 0.496 against dp1 x tp8 0.445 (benchmarks/dry_run_results.md)."""
+    p = passes(config)
+    return 1 if p["stg"] or p["modality"] else (2 if p["cfg"] else 1)
+
+
 def checkpoint_defaults(model_id: str) -> dict:
     return {}
 
@@ -805,7 +815,8 @@ FAMILY = ModelFamily(
         empty=empty_transformer, num_heads=num_heads, flops=transformer_flops,
         self_attention_flops=self_attention_flops, model_inputs=model_inputs,
         abstract_model_inputs=abstract_model_inputs, step_fn=step_fn,
-        timestep_dtype="float32", sharding_rules=sharding_rules, block_stack=BLOCKS),
+        timestep_dtype="float32", sharding_rules=sharding_rules, block_stack=BLOCKS,
+        layout_batch=layout_batch),
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
                     decoder=vae_decoder),
     image=ImageConditioning(mode=ltx2_i2v.image_mode, encode=ltx2_i2v.encode_image,

@@ -178,7 +178,8 @@ def cli_run(ltx2_checkpoint, tmp_path_factory):
 
 def test_sharded_cli_run_equals_diffusers_and_one_device(ltx2_checkpoint, reference, cli_run):
     out, report = cli_run
-    assert report["mesh"]["dp"] == 2 and report["audio_sample_rate"] == 24000
+    # The default layout: dp1 (STG and modality passes are batch 1: ltx2.layout_batch).
+    assert report["mesh"] == {"dp": 1, "tp": 2, "sp": 4} and report["audio_sample_rate"] == 24000
     (name,) = [f for f in os.listdir(out) if f.endswith(".frames.safetensors")]
     saved = load_file(str(out / name))
     want_frames, want_wave = reference["defaults"][:2]

@@ -18,6 +18,8 @@ import types
 import pytest
 import torch
 
+import generate_flax
+from engine.files.checkpoint import read_component_config
 from families import ltx2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,13 +71,15 @@ def test_decode_meta_model_is_the_runs_decode(ltx2_checkpoint):
 
 
 def test_dry_run_estimate_counts_every_guidance_pass(ltx2_checkpoint, tmp_path):
-    """The tiny checkpoint's dry run with --estimate on v5e:2x2 (the default mesh dp2 x tp2),
-    one block compiled, at the family's default scales (CFG + STG + modality isolation)."""
+    """The tiny checkpoint's dry run with --estimate on v5e:2x2 at dp2 x tp2 (given: the
+    default is dp1, ``test_default_layout_serves_the_batch_1_passes``), one block compiled,
+    at the family's default scales (CFG + STG + modality isolation)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "generate_flax.py"), "--model_id", ltx2_checkpoint,
          "--dry_run", "--estimate", "--topology", "v5e:2x2", "--dry_run_layers", "1",
-         "--dry_run_skip_vae", "--height", str(SIZE["height"]), "--width", str(SIZE["width"]),
+         "--dry_run_skip_vae", "--dp", "2", "--tp", "2", "--height", str(SIZE["height"]),
+         "--width", str(SIZE["width"]),
          "--frames", str(SIZE["frames"]), "--output_dir", str(tmp_path), "--no_plots"],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -121,3 +125,25 @@ def test_dry_run_estimate_counts_every_guidance_pass(ltx2_checkpoint, tmp_path):
     # The one host reads every weight once; a chip holds half of each tp-split weight.
     assert report["hosts"]["weight_bytes"] == [total + decode]
     assert step["argument_bytes"] >= total - split // 2
+
+
+@pytest.mark.parametrize("topology,chip,scales,want", [
+    ("v6e:2x4", "v6e", [], (1, 8, 1)),  # defaults: CFG + STG + modality
+    ("tpu7x:2x2x1", "tpu7x", [], (1, 1, 8)),
+    ("tpu7x:2x2x1", "tpu7x", ["--stg_scale", "0", "--audio_stg_scale", "0", "--modality_scale",
+                              "1", "--audio_modality_scale", "1"], (2, 1, 4)),  # CFG only
+])
+def test_default_layout_serves_the_batch_1_passes(topology, chip, scales, want):
+    """The real LTX-2 config's default mesh: dp1 when a step runs batch-1 passes (STG,
+    modality isolation), which on dp2 would run twice and miss the kernel's dp split (the
+    static estimates in benchmarks/dry_run_results.md: tpu7x 0.434 -> 0.183 s/step, v6e
+    0.496 -> 0.445); dp2 for the CFG pair alone, as for the other families."""
+    from engine.run import chips
+    from engine.weights.layout import resolve_run_mesh
+    from families import FAMILIES
+
+    config = generate_flax.validate_args(generate_flax.parse_args(
+        ["--model_id", "Lightricks/LTX-2", "--dry_run", "--topology", topology, *scales]))
+    cfg = read_component_config("Lightricks/LTX-2", "transformer")
+    shape = resolve_run_mesh(config, FAMILIES["ltx2"], cfg, 8, chips.CHIPS[chip])
+    assert (shape.dp, shape.tp, shape.sp) == want

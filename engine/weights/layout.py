@@ -112,14 +112,18 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
     park_over = n_devices if config.run.park_weights != "off" else None
     # The Ulysses candidate's sp (tp 1; dp as resolve_mesh_shape picks it), for the weights
     # the family's rules split over sp even then.
-    dp = layout.dp or (2 if video.batch == 2 and n_devices % 2 == 0 else 1)
+    # The batch the default dp serves (the family's smallest pass); a given --dp is checked
+    # against the step's whole batch.
+    batch = (family.transformer.layout_batch(config)
+             if family.transformer.layout_batch and not layout.dp else video.batch)
+    dp = layout.dp or (2 if batch == 2 and n_devices % 2 == 0 else 1)
     weights = resident_weight_bytes(
         family, config.model.model_id, cfg, config.model.dtype, park_over,
         config.run.park_memory, chip, sp_over=max(n_devices // dp, 1),
         rules=family.transformer.sharding_rules(config),
         quantize=config.model.quantize) if weighed else None
     return resolve_mesh_shape(
-        layout.dp, layout.tp, layout.sp, n_devices, batch=video.batch,
+        layout.dp, layout.tp, layout.sp, n_devices, batch=batch,
         num_heads=family.transformer.num_heads(cfg) if cfg else None,
         tokens=(family.sizes.token_count(cfg, video.height, video.width, video.frames) if cfg
                 else None),
