@@ -488,3 +488,24 @@ def test_decode_floor_is_the_larger_of_flops_and_bytes_per_program_times_its_cal
     assert out["seconds"] == pytest.approx(3 * mm_flops / peak + 5 * add_bytes / hbm, rel=1e-6)
     assert (out["calls"], out["programs"]) == (8, 2)
     assert out["flops"] == pytest.approx(3 * mm_flops + 5 * (1 << 20))
+
+
+def test_dry_run_reads_the_decode_floor_from_its_vae_row():
+    """``fit._decode_estimate`` finds the decode's row by its printed name ("VAE decode (N
+    programs, peak)") and skips a decode that did not compile."""
+    import jax
+    import jax.numpy as jnp
+
+    from engine.dry_run import fit
+
+    add = jax.jit(lambda a: a + 1).lower(jax.ShapeDtypeStruct((1 << 20,), jnp.float32)).compile()
+
+    class Decoder:
+        def program_calls(self):
+            return [(add, 4)]
+
+    rows = [dict(program="transformer step"), dict(program="VAE decode (3 programs, peak)")]
+    got = fit._decode_estimate(rows, Decoder(), "v6e")
+    assert got == estimate.decode_floor([(add, 4)], "v6e") and got["calls"] == 4
+    rows[1]["error"] = "RESOURCE_EXHAUSTED"
+    assert fit._decode_estimate(rows, Decoder(), "v6e") is None

@@ -516,7 +516,7 @@ def dry_run(config, family) -> tuple[int, dict]:
 def _decode_estimate(rows: list, decoder, chip: str) -> dict | None:
     """``estimate.decode_floor`` of the compiled decode, or None (not compiled, did not
     compile, or a decoder that does not list its programs)."""
-    row = next((r for r in rows if r["program"] == "VAE decode"), None)
+    row = next((r for r in rows if r["program"].startswith("VAE decode")), None)
     if row is None or row.get("error") or not hasattr(decoder, "program_calls"):
         return None
     try:
