@@ -769,6 +769,10 @@ class LtxDecoder:
         return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
                     temp_bytes=m.temp_size_in_bytes, peak_bytes=peak, programs=1)
 
+    def program_calls(self) -> list:
+        """[(the compiled program, 1)]: the dry run's decode floor."""
+        return [(self.program, 1)]
+
     def __call__(self, latents):
         if self.program is None:
             self.compile(latents)
