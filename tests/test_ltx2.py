@@ -116,19 +116,25 @@ class _Recorder:
 _OURS: dict = {}
 
 
+def run_recorded(config, devices):
+    """(the finished-loading ``Generation``, its frames, the ``_Recorder`` of its decode's
+    latents): one video of ``config`` on ``devices``."""
+    run = Generation(config, FAMILIES[config.model.family], devices)
+    run.load()
+    run.encode()
+    run.compile()
+    recorder = _Recorder(run.programs.vae_decode.decoder)
+    run.programs.vae_decode.decoder = recorder
+    return run, run.time_videos(), recorder
+
+
 def _ours(checkpoint, case):
     """Our run on one device (XLA attention): (frames, waveform, sample rate, report,
     (final video latents, final audio latents))."""
     if case not in _OURS:
         config = generate_flax.validate_args(generate_flax.parse_args(
             _argv(checkpoint, CASES[case], "--attention", "xla")))
-        run = Generation(config, FAMILIES[config.model.family], jax.devices()[:1])
-        run.load()
-        run.encode()
-        run.compile()
-        recorder = _Recorder(run.programs.vae_decode.decoder)
-        run.programs.vae_decode.decoder = recorder
-        frames = run.time_videos()
+        run, frames, recorder = run_recorded(config, jax.devices()[:1])
         audio = run.programs.vae_decode.audio
         _OURS[case] = (frames, audio.waveform, audio.sample_rate, run.finish(),
                        _unpacked(recorder.latents))

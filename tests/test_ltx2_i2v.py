@@ -18,11 +18,10 @@ import jax
 import numpy as np
 import pytest
 import torch
-from test_ltx2 import ATOL, NEGATIVE, PROMPT, SEED, STEPS, _argv, _Recorder
+from test_ltx2 import ATOL, NEGATIVE, PROMPT, SEED, STEPS, _argv, run_recorded
 
 import generate_flax
-from engine.pipeline import Generation
-from families import FAMILIES, ltx2_i2v
+from families import ltx2_i2v
 
 FIRST_FRAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "first_frame.png")
 SHAPE = dict(height=96, width=96, frames=17)
@@ -82,13 +81,7 @@ def ours(ltx2_checkpoint):
     config = generate_flax.validate_args(generate_flax.parse_args(
         _argv(ltx2_checkpoint, {}, *size, *LAYOUT, "--attention", "xla", "--image",
               FIRST_FRAME)))
-    run = Generation(config, FAMILIES[config.model.family], jax.devices())
-    run.load()
-    run.encode()
-    run.compile()
-    recorder = _Recorder(run.programs.vae_decode.decoder)
-    run.programs.vae_decode.decoder = recorder
-    frames = run.time_videos()
+    run, frames, recorder = run_recorded(config, jax.devices())
     wave = run.programs.vae_decode.audio.waveform
     return frames, wave, run.finish(), _unpacked(recorder.latents), run.programs.embeds
 
