@@ -97,8 +97,13 @@ class ChunkedDecoder:
         p = self.placed
         return (p["params"], p["buffers"], z, self.mean, self.inv_std, cache)
 
+    @staticmethod
+    def _key(kinds, first, cache) -> tuple:
+        """A frame program's key: its cache kinds, first frame or not, the cache's shapes."""
+        return (kinds, first, tuple((c.shape, str(c.dtype)) for c in cache))
+
     def _program(self, kinds, first, z, cache):
-        key = (kinds, first, tuple((c.shape, str(c.dtype)) for c in cache))
+        key = self._key(kinds, first, cache)
         if key not in self.programs:
             spatial = self.spatial(z.shape)
             args = self._args(z, cache)
@@ -138,7 +143,7 @@ class ChunkedDecoder:
                                  sharding=self.spatial(latents.shape) or self.replicated)
         kinds, cache, self.calls = self.initial_kinds, [], {}
         for i in range(f):
-            key = (kinds, i == 0, tuple((c.shape, str(c.dtype)) for c in cache))
+            key = self._key(kinds, i == 0, cache)
             _, cache = self._program(kinds, i == 0, z, cache)
             self.calls[key] = self.calls.get(key, 0) + 1
             kinds = self.kinds_out[(kinds, i == 0)]
