@@ -89,7 +89,8 @@ def measure_layer(tokens: int, d_in: int, d_out: int, scheme: str) -> dict:
         start = time.perf_counter()
         compiled = jax.jit(fn).lower(*args).compile()
         compile_s = time.perf_counter() - start
-        out[name] = dict(compile_s=round(compile_s, 3), call_ms=round(time_calls(compiled, *args), 3),
+        out[name] = dict(compile_s=round(compile_s, 3),
+                         call_ms=round(time_calls(compiled, *args), 3),
                          kernels=kernels(compiled.as_text()))
         out[name]["y"] = compiled(*args)
     ref, got = (out[k].pop("y").astype(jnp.float32) for k in ("bf16", scheme))

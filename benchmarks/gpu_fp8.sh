@@ -6,14 +6,17 @@
 #
 # Why a script of its own: on 2026-11-27 gpu_check.sh's fp8 row did not finish (placement
 # 47 s, then the step's compile still running after ~180 s). This one
-#   1. builds the checkpoint in the background (CPU only) while
+#   1. builds the checkpoint in the background (CPU only) while (PROBE=1)
 #   2. benchmarks/fp8_probe.py compiles and times one quantized linear per Wan layer shape
-#      under three XLA flag sets (default, no Triton GEMM, no autotuning) and picks one;
-#   3. runs ours in bf16 (the baseline, same script, same card), then
-#   4. ours with --quantize fp8 under the picked flags, its log live in $OUT/fp8.log;
-#   5. compares the two runs' frames in 0-255 levels and prints s/step, cold start and peak
-#      device memory of each (benchmarks/gpu_fp8_compare.py).
-# Budgets (timeout): probe 150 s, bf16 150 s, fp8 200 s: worst case ~520 s with installs.
+#      under three XLA flag sets (default, no Triton GEMM, no autotuning), for the record;
+#   3. runs ours in bf16 twice (the baselines, same script, same card): with XLA's default
+#      GEMMs (Triton, autotuned) and with cuBLAS (--xla_gpu_enable_triton_gemm=false, the
+#      flag an fp8 run sets itself: quantize.prefer_cublas_fp8), then
+#   4. ours with --quantize fp8, its log live in $OUT/fp8.log;
+#   5. compares fp8 against each bf16 run, and the two bf16 runs, in 0-255 levels, with
+#      s/step, cold start and peak device memory (benchmarks/gpu_fp8_compare.py).
+# Budgets (timeout): probe 150 s, bf16 150 s each, fp8 200 s: ~650 s worst case with the
+# probe (over one device call: run PROBE=1 only to diagnose), ~300 s without (H200, 2026-11-27).
 # SCALE/HEIGHT/WIDTH/FRAMES/TOKENS override the sizes (a CPU rehearsal: SCALE=cpu HEIGHT=64
 # WIDTH=96 FRAMES=9 TOKENS=256 JAX_PLATFORMS=cpu).
 set -uo pipefail
@@ -58,21 +61,26 @@ main() {
 r.build_checkpoint(r.parse_args(['--scale', '$SCALE', '--checkpoint', '$CKPT']))" \
     > "$OUT/checkpoint.log" 2>&1 &
   local build=$!
-  echo "== probe ($SECONDS s in)"
-  timeout -k 10 150 "$PY" benchmarks/fp8_probe.py --tokens "$TOKENS" --timeout 45 \
-    > "$OUT/probe.log" 2>&1
-  echo "== probe: exit $? at $SECONDS s"
-  cut -c1-600 "$OUT/probe.log"
-  local flags
-  flags="$(tail -n 1 "$OUT/probe.log" | "$PY" -c \
-    "import json, sys; print(json.loads(sys.stdin.read())['pick_flags'])" 2>/dev/null)"
+  if [[ -n "${PROBE:-}" ]]; then
+    echo "== probe ($SECONDS s in)"
+    timeout -k 10 150 "$PY" benchmarks/fp8_probe.py --tokens "$TOKENS" --timeout 45 \
+      > "$OUT/probe.log" 2>&1
+    echo "== probe: exit $? at $SECONDS s"
+    cut -c1-600 "$OUT/probe.log"
+  fi
   wait "$build"
   echo "== checkpoint: exit $? at $SECONDS s"; tail -n 2 "$OUT/checkpoint.log"
 
   ours bf16 150
-  XLA_FLAGS="${XLA_FLAGS:-} $flags" ours fp8 200 --quantize fp8
-  "$PY" benchmarks/gpu_fp8_compare.py /tmp/gpu_fp8/bf16 /tmp/gpu_fp8/fp8 \
-    "--xla_flags=$flags" | tee "$OUT/compare.txt"
+  # bf16 with cuBLAS GEMMs too (the flag fp8 runs get: quantize.prefer_cublas_fp8), so the
+  # fp8 ratio compares the same GEMM library
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" ours bf16-cublas 150
+  ours fp8 200 --quantize fp8  # no XLA_FLAGS of ours: generate_flax.py adds the flag itself
+  for base in bf16 bf16-cublas; do
+    "$PY" benchmarks/gpu_fp8_compare.py "/tmp/gpu_fp8/$base" /tmp/gpu_fp8/fp8 | tee "$OUT/$base-vs-fp8.txt"
+  done
+  "$PY" benchmarks/gpu_fp8_compare.py /tmp/gpu_fp8/bf16 /tmp/gpu_fp8/bf16-cublas \
+    | tee "$OUT/bf16-vs-cublas.txt"
   echo "== gpu_fp8 done at $SECONDS s"
 }
 

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("base")
     p.add_argument("other")
-    p.add_argument("--xla_flags", default="")
+    p.add_argument("--xla_flags", default="", help="the other run's XLA_FLAGS, for the record")
     args = p.parse_args(argv)
     (base, base_frames), (other, other_frames) = load_run(args.base), load_run(args.other)
     if base is None or other is None:

@@ -187,6 +187,22 @@ def test_scale_specs_follow_the_weights_output_axis():
     assert out["s.weight_scale"] == P(None, ("tp", "sp"))
 
 
+def test_fp8_run_sends_gpu_dots_to_cublaslt_unless_the_user_chose(monkeypatch):
+    # An fp8 run adds the flag before the backend starts; a user's own setting wins; a dry
+    # run (TPU, deviceless) and int8 leave XLA_FLAGS alone.
+    family = FAMILIES["wan"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    quantize.check_flag("fp8", family, None)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    quantize.prefer_cublas_fp8(env)
+    assert env == {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    monkeypatch.delenv("XLA_FLAGS")
+    quantize.check_flag("int8", family, None)
+    quantize.check_flag("fp8", family, "tpu7x:2x2x1")
+    assert "XLA_FLAGS" not in os.environ
+
+
 def test_lora_is_fused_before_the_8_bits(tiny_checkpoint_8h, tmp_path):
     """Placement with a PEFT LoRA at scale 0.7 and --quantize int8, on dp1 x tp4 x sp2 (q/k/v
     split by rows, to_out and ffn.2 by columns): each placed weight equals W + 0.7 B @ A,

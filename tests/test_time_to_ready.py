@@ -220,6 +220,8 @@ def _damage_payload(directory):
     ("source", "stale: the program sources changed"),
     ("version", "version mismatch (jax "),
     ("flag", "settings changed (bq)"),
+    # another GEMM library on a GPU is other code (seen on an H200: a Triton build loaded)
+    ("compiler_flags", "compiler flags changed ("),
     ("corrupt", "corrupt payload (sha256 differs)"),
     ("header", "unreadable header"),
     ("writable", "untrusted: "),  # a payload is code: another user must not have written it
@@ -238,6 +240,9 @@ def test_a_mismatched_entry_is_a_named_miss_then_a_compile(mesh, tmp_path, monke
         monkeypatch.setattr(executables, "versions", lambda: dict(real, jax="0.0.1"))
     elif change == "flag":
         settings = dict(settings, bq=256)
+    elif change == "compiler_flags":
+        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
+                           + " --xla_gpu_enable_triton_gemm=false")
     elif change == "corrupt":
         _damage_payload(tmp_path)
     elif change == "writable":
@@ -254,6 +259,13 @@ def test_a_mismatched_entry_is_a_named_miss_then_a_compile(mesh, tmp_path, monke
     # The compile replaced the entry: the same run now loads it.
     healed, _ = _compile(mesh, tmp_path, settings)
     assert (healed["compiled"], healed["loaded"]) == (0, 1)
+
+
+def test_dump_flags_are_not_part_of_the_key():
+    env = {"XLA_FLAGS": "--xla_b=1 --xla_dump_to=/x --xla_dump_hlo_as_text --xla_a",
+           "LIBTPU_INIT_ARGS": "--xla_jf_dump_static_llo_profile_to=/p --xla_c=0"}
+    assert executables.compiler_flags(env) == ["--xla_a", "--xla_b=1", "--xla_c=0"]
+    assert executables.compiler_flags({}) == []
 
 
 def test_another_input_signature_is_another_entry(mesh, tmp_path):

@@ -11,8 +11,9 @@ This cache is keyed by what decides the program instead, known before tracing:
 - the header's parts, compared on read so a miss can name its reason: a digest of our
   sources that shape programs (``engine``, ``families``, ``splash``,
   ``custom_splash_attention.py``), the versions of jax, jaxlib, libtpu, torch, torchax and
-  diffusers, the platform, device kind and count, and the run's program-shaping settings
-  (block sizes, attention backend, step cache, dtype, model configs...; the caller's dict).
+  diffusers, the compiler's flags (``XLA_FLAGS``, ``LIBTPU_INIT_ARGS``), the platform,
+  device kind and count, and the run's program-shaping settings (block sizes, attention
+  backend, step cache, dtype, model configs...; the caller's dict).
 
 An entry is two files, ``<entry>.bin`` (``jax.experimental.serialize_executable``'s payload)
 then ``<entry>.json`` (the header, with the payload's size and sha256), each written to a
@@ -111,9 +112,22 @@ def versions() -> dict:
     return out
 
 
+def compiler_flags(env=os.environ) -> list[str]:
+    """The compiler's flags from ``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, sorted, without the
+    dump flags (``--xla_dump*``, ``--xla_jf_dump*``: they write files, not code; the dry
+    run's estimate sets them, and its exported programs must match a run's key).
+
+    Part of every entry's key: a program compiled under other flags is other code (on an
+    H200, ``--xla_gpu_enable_triton_gemm=false`` changes every GEMM's kernel; before this
+    was keyed, a run with that flag loaded the Triton build and its frames and s/step were
+    the first run's, 2026-11-27)."""
+    tokens = f"{env.get('XLA_FLAGS', '')} {env.get('LIBTPU_INIT_ARGS', '')}".split()
+    return sorted(t for t in tokens if "_dump" not in t.split("=")[0])
+
+
 def run_parts(settings: dict, devices) -> dict:
     """The header parts every entry of a run shares (JSON values)."""
-    return dict(source=source_digest(), versions=versions(),
+    return dict(source=source_digest(), versions=versions(), compiler_flags=compiler_flags(),
                 platform=devices[0].platform, device_kind=devices[0].device_kind,
                 device_count=len(devices), processes=jax.process_count(),
                 settings=json.loads(json.dumps(settings, sort_keys=True, default=str)))
@@ -257,6 +271,9 @@ def _mismatch(header: dict, parts: dict) -> str | None:
     changed = [f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k]]
     if changed:
         return f"version mismatch ({', '.join(changed)})"
+    if stored.get("compiler_flags") != parts["compiler_flags"]:
+        return (f"compiler flags changed ({' '.join(stored.get('compiler_flags') or []) or 'none'}"
+                f" -> {' '.join(parts['compiler_flags']) or 'none'})")
     for key in ("platform", "device_kind", "device_count", "processes"):
         if stored.get(key) != parts[key]:
             return f"{key} mismatch ({stored.get(key)} -> {parts[key]})"

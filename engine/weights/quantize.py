@@ -37,6 +37,7 @@ output head stay in the run dtype.
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -108,11 +109,29 @@ def check_scheme(scheme: str, family, where: str, allowed) -> None:
 def check_flag(scheme: str, family, topology: str | None) -> None:
     """``--quantize`` before any model loads: the family must name 8-bit layers and a dry
     run's ``topology`` ("v6e:2x4") must run ``scheme`` at its 8-bit rate. A real run checks
-    its devices in the prologue (``engine.pipeline.prologue.start``)."""
+    its devices in the prologue (``engine.pipeline.prologue.start``), and an fp8 one gets
+    ``prefer_cublas_fp8``'s XLA flag before the backend starts."""
     if topology:
         check_scheme(scheme, family, topology, eight_bit_for(topology.split(":")[0]))
     else:
         check_scheme(scheme, family, "this host", CHOICES[1:])
+        if scheme == "fp8":
+            prefer_cublas_fp8(os.environ)
+
+
+def prefer_cublas_fp8(env) -> None:
+    """Add ``--xla_gpu_enable_triton_gemm=false`` to ``env["XLA_FLAGS"]`` unless the user set
+    that flag: XLA's GPU compiler then sends the f8e4m3fn dots to cuBLASLt's fp8 GEMM.
+
+    Why (one H200, jax 0.11.2, 2026-11-27, ``benchmarks/fp8_probe.py``): with Triton GEMMs on,
+    compiling one (2, 32760, 1536) x (8960, 1536) fp8 linear had not finished after 45 s (its
+    autotuning), and a whole Wan 1.3B step had not after ~180 s; with them off each linear
+    compiled in under 0.25 s as ``__cublas$lt$matmul$f8``. The flag is read when the backend
+    starts (so this must run before); CPU and TPU backends do not read it.
+    """
+    flags = env.get("XLA_FLAGS", "")
+    if "--xla_gpu_enable_triton_gemm" not in flags:
+        env["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_triton_gemm=false".strip()
 
 
 def apply(module: torch.nn.Module, family, scheme: str) -> list[str]:
