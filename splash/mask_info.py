@@ -24,11 +24,13 @@ from splash.mask import EMPTY, PARTIAL, Mask
 class InfoLayout:
     """Where things sit in the scalar-prefetch table (static, hashable).
 
-    The table is int32 ``[q_offset, first_kv_block[num_q_blocks], kv_blocks[num_q_blocks],
-    tile_class[num_q_blocks * num_kv_steps * num_sub]]``: the global position of q's first
-    row, per q block the first kv block it visits and how many (a contiguous range), and the
-    class of each sub-tile of each visited step (steps past a q block's range: ``EMPTY``).
-    Without a mask (``num_kv_steps == 0``) it is ``[q_offset]`` alone.
+    The table is int32 ``[q_offset, count[num_q_blocks], kv_block[num_q_blocks *
+    num_kv_steps], tile_class[num_q_blocks * num_kv_steps * num_sub]]``: the global position
+    of q's first row, per q block how many kv blocks it visits, the kv block of each visited
+    step in increasing order (only the non-empty ones: a band plus an anchor far from it
+    visits the two and nothing between), and the class of each sub-tile of each visited step
+    (steps past a q block's count: ``EMPTY``). Without a mask (``num_kv_steps == 0``) it is
+    ``[q_offset]`` alone.
     """
 
     num_q_blocks: int
@@ -39,19 +41,21 @@ class InfoLayout:
     def size(self) -> int:
         if not self.num_kv_steps:
             return 1
-        return 1 + 2 * self.num_q_blocks + self.num_q_blocks * self.num_kv_steps * self.num_sub
+        steps = self.num_q_blocks * self.num_kv_steps
+        return 1 + self.num_q_blocks + steps + steps * self.num_sub
 
     def q_offset(self, ref):
         return ref[0]
 
     def kv_block(self, ref, q_block, kv_step):
-        """The kv block that q block ``q_block`` visits at ``kv_step``; past its range the
+        """The kv block that q block ``q_block`` visits at ``kv_step``; past its count the
         last one again (an unchanged block index is not fetched again)."""
-        count = ref[1 + self.num_q_blocks + q_block]
-        return ref[1 + q_block] + jnp.minimum(kv_step, jnp.maximum(count - 1, 0))
+        count = ref[1 + q_block]
+        step = jnp.minimum(kv_step, jnp.maximum(count - 1, 0))
+        return ref[1 + self.num_q_blocks + q_block * self.num_kv_steps + step]
 
     def tile_class(self, ref, q_block, kv_step, sub):
-        base = 1 + 2 * self.num_q_blocks
+        base = 1 + self.num_q_blocks * (1 + self.num_kv_steps)
         return ref[base + (q_block * self.num_kv_steps + kv_step) * self.num_sub + sub]
 
 
@@ -97,27 +101,27 @@ def build_mask_info(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes,
                     q_offsets: tuple[int, ...] = (0,)) -> MaskInfo:
     """The kernel's table for ``mask`` at fitted blocks ``bs``, one row per q offset.
 
-    Each q block visits the kv blocks from its first to its last non-empty one; the grid's
-    kv axis is the longest such range over all q blocks and shards (at least 1).
+    Each q block visits exactly its non-empty kv blocks, in increasing order; the grid's kv
+    axis is the largest such count over all q blocks and shards (at least 1).
     """
     num_q_blocks, num_kv_blocks = -(-q_len // bs.block_q), -(-kv_len // bs.block_kv)
     num_sub = bs.block_kv // bs.block_kv_compute
     per_shard = [sub_tile_classes(mask, q_len, kv_len, bs, num_kv_blocks, off)
                  for off in q_offsets]
-    ranges = []
-    for classes in per_shard:
-        busy = (classes != EMPTY).any(axis=2)  # (num_q_blocks, num_kv_blocks)
-        first = np.where(busy.any(axis=1), busy.argmax(axis=1), 0)
-        last = np.where(busy.any(axis=1), num_kv_blocks - 1 - busy[:, ::-1].argmax(axis=1), -1)
-        ranges.append((first, last - first + 1))
-    steps = max(1, max(int(count.max()) for _, count in ranges))
+    busy = [[np.flatnonzero((c[i] != EMPTY).any(axis=1)) for i in range(num_q_blocks)]
+            for c in per_shard]
+    steps = max(1, max(len(b) for rows in busy for b in rows))
     layout = InfoLayout(num_q_blocks, steps, num_sub)
     table = np.zeros((len(q_offsets), layout.size), np.int32)
-    for row, off, classes, (first, count) in zip(table, q_offsets, per_shard, ranges, strict=True):
+    for row, off, classes, rows in zip(table, q_offsets, per_shard, busy, strict=True):
+        blocks = np.zeros((num_q_blocks, steps), np.int32)
         visited = np.full((num_q_blocks, steps, num_sub), EMPTY, np.int8)
-        for i in range(num_q_blocks):
-            visited[i, :count[i]] = classes[i, first[i]:first[i] + count[i]]
-        row[:] = np.concatenate([[off], first, count, visited.ravel()])
+        for i, b in enumerate(rows):
+            blocks[i, :len(b)] = b
+            blocks[i, len(b):] = b[-1] if len(b) else 0  # repeat: no new fetch
+            visited[i, :len(b)] = classes[i, b]
+        count = [len(b) for b in rows]
+        row[:] = np.concatenate([[off], count, blocks.ravel(), visited.ravel()])
     return MaskInfo(layout, table)
 
 

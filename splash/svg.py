@@ -1,0 +1,165 @@
+"""Sparse VideoGen (SVG 1) in kernel terms: its one mask, its two token orders, its width
+rule and its per-head routing rule.
+
+Source: svg-project/Sparse-VideoGen @ 5ce7b01 (read, not copied):
+- ``svg/models/wan/utils.py`` ``generate_temporal_head_mask_mod``: the sparse path's one block
+  mask, ``|q - kv| <= round_up_128(multiplier * frame_size)`` or ``kv < frame_size``, applied
+  to every head on its own token order; ``sparsity_to_width``: the multiplier (in frames).
+- ``svg/models/wan/placement.py`` ``ref_wan_sparse_head_placement``: spatial heads keep the
+  frame-major order, temporal heads are reordered position-major (the (frame, position)
+  grid transposed) before that mask and back after.
+- ``svg/models/wan/attention.py`` ``sample_mse`` and ``attention_core_logic``: per (batch,
+  head) the MSE, over the sampled query rows and the head dimension, between the rows under
+  each pattern and the rows of full attention; ``torch.argmin`` over [spatial, temporal]
+  (a tie picks spatial, the first). ``svg/models/wan/inference.py``: 64 rows.
+
+So the anchor is the first ``frame_size`` keys of the head's own order: frame 0 for a spatial
+head; for a temporal head (position-major) the first ``frame_size / num_frames`` positions of
+every frame. That is what SVG's sparse kernel runs, and what this module reproduces.
+
+Here the kernel sees one ``AnchoredBandMask`` per call; the temporal order is a permutation in
+the graph (``to_position_major``). The per-(batch, head) choice inside one kernel call is not
+built (issue 53): ``route`` gives the index, the caller runs the pattern(s) it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from splash.mask import EMPTY, FULL, PARTIAL, Mask
+
+# SVG's sparse mask rounds its band half-width up to this many tokens (its flex block).
+WIDTH_ROUND = 128
+# Query rows SVG samples per head to route (``inference.py``: num_sampled_rows=64).
+NUM_SAMPLED_ROWS = 64
+SPATIAL, TEMPORAL = 0, 1
+
+
+def sparsity_to_width(sparsity: float, num_frames: int, frame_size: int,
+                      context_length: int = 0) -> float:
+    """SVG's band half-width in frames for ``sparsity`` (the fraction of scores kept, in
+    (0, 1]): w = N (1 - sqrt(1 - s')) / frame_size with N the sequence length and s' the
+    fraction left after the text context's rows and columns (none for Wan: 0).
+
+    Raises:
+        ValueError: ``sparsity`` outside (0, 1].
+    """
+    if not 0.0 < sparsity <= 1.0:
+        raise ValueError(f"sparsity: expected a fraction in (0, 1], got {sparsity!r}")
+    n = context_length + num_frames * frame_size
+    kept = (sparsity * n * n - 2 * n * context_length) / (n * n)
+    return n * (1 - math.sqrt(1 - kept)) / frame_size
+
+
+def band_tokens(sparsity: float, num_frames: int, frame_size: int) -> int:
+    """The mask's ``window``: ``sparsity_to_width`` frames in tokens, rounded up to 128 as
+    SVG's ``temporal_mask_mod`` does."""
+    width = sparsity_to_width(sparsity, num_frames, frame_size) * frame_size
+    return int(math.ceil(width / WIDTH_ROUND) * WIDTH_ROUND)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchoredBandMask(Mask):
+    """Query ``i`` attends key ``j`` iff ``|i - j| <= window`` or ``j < anchor`` (positions
+    in the call's token order). SVG's mask with ``anchor`` = frame_size.
+
+    Raises:
+        ValueError: ``window`` or ``anchor`` is not an int >= 0.
+    """
+
+    window: int
+    anchor: int
+
+    def __post_init__(self):
+        for name in ("window", "anchor"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {x!r}")
+            object.__setattr__(self, name, int(x))
+
+    def tile_predicate(self, q_pos, kv_pos):
+        return (jnp.abs(q_pos - kv_pos) <= self.window) | (kv_pos < self.anchor)
+
+    def block_classes(self, q_len: int, kv_len: int, block_q: int, block_kv: int, *,
+                      q_offset: int = 0) -> np.ndarray:
+        w, a = self.window, self.anchor
+        q_lo = q_offset + np.arange(0, q_len, block_q, dtype=np.int64)[:, None]
+        q_hi = np.minimum(q_lo + block_q, q_offset + q_len) - 1
+        kv_lo = np.arange(0, kv_len, block_kv, dtype=np.int64)[None, :]
+        kv_hi = np.minimum(kv_lo + block_kv, kv_len) - 1
+        band_empty = (kv_lo > q_hi + w) | (kv_hi < q_lo - w)
+        empty = band_empty & (kv_lo >= a)
+        # Full: the keys at or past the anchor (if any) are all inside every row's band.
+        rest_lo = np.maximum(kv_lo, a)
+        full = (rest_lo > kv_hi) | (np.maximum(q_hi - rest_lo, kv_hi - q_lo) <= w)
+        return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+def svg_mask(sparsity: float, num_frames: int, frame_size: int) -> AnchoredBandMask:
+    """SVG's mask for one video: the band of ``band_tokens`` and the first frame_size keys."""
+    return AnchoredBandMask(band_tokens(sparsity, num_frames, frame_size), frame_size)
+
+
+def to_position_major(x, num_frames: int, frame_size: int):
+    """(..., F * P, D) frame-major tokens -> position-major ((P, F) order); any array type."""
+    lead, d = x.shape[:-2], x.shape[-1]
+    y = x.reshape(*lead, num_frames, frame_size, d)
+    return jnp.swapaxes(y, -3, -2).reshape(*lead, num_frames * frame_size, d)
+
+
+def to_frame_major(x, num_frames: int, frame_size: int):
+    """The inverse of ``to_position_major``."""
+    lead, d = x.shape[:-2], x.shape[-1]
+    y = x.reshape(*lead, frame_size, num_frames, d)
+    return jnp.swapaxes(y, -3, -2).reshape(*lead, num_frames * frame_size, d)
+
+
+def position_major_index(t, num_frames: int, frame_size: int):
+    """Frame-major token index ``t`` -> its index in the position-major order."""
+    return (t % frame_size) * num_frames + t // frame_size
+
+
+def sample_rows(seq_len: int, count: int = NUM_SAMPLED_ROWS, seed: int = 0) -> np.ndarray:
+    """``count`` query rows in [0, seq_len), drawn once on the host (SVG draws
+    ``torch.randint`` rows per call; a fixed draw keeps the compiled step static)."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.integers(0, seq_len, size=min(count, seq_len))).astype(np.int32)
+
+
+def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: int,
+          scale: float | None = None) -> jax.Array:
+    """SVG's per-head pattern choice on the sampled ``rows`` (frame-major positions).
+
+    Args:
+        q, k, v: (batch, heads, N, head_dim), frame-major, N = num_frames * frame_size.
+        rows: int32 (R,) query rows.
+        mask: the mask both patterns apply, each on its own token order.
+        scale: softmax scale (default head_dim ** -0.5).
+
+    Returns:
+        int32 (batch, heads): ``SPATIAL`` (0) or ``TEMPORAL`` (1), the lower MSE to full
+        attention over the rows and head_dim; a tie picks ``SPATIAL``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    f32 = jnp.float32
+    s = jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows].astype(f32), k.astype(f32),
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    vf = v.astype(f32)
+    kv = jnp.arange(q.shape[2], dtype=jnp.int32)[None, :]
+    r = jnp.asarray(rows, jnp.int32)[:, None]
+    pm = lambda t: position_major_index(t, num_frames, frame_size)  # noqa: E731
+    allowed = (mask.tile_predicate(r, kv), mask.tile_predicate(pm(r), pm(kv)))
+
+    def rows_out(ok):
+        p = jax.nn.softmax(s if ok is None else jnp.where(ok, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhrk,bhkd->bhrd", p, vf, precision=jax.lax.Precision.HIGHEST)
+
+    golden = rows_out(None)
+    mse = jnp.stack([jnp.mean((rows_out(ok) - golden) ** 2, axis=(2, 3)) for ok in allowed])
+    return jnp.argmin(mse, axis=0).astype(jnp.int32)
+
