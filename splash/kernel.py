@@ -282,18 +282,17 @@ class _Step:
                 cond = jnp.logical_and(self.kv_block >= lo, self.kv_block < hi)
             pl.when(cond)(functools.partial(self.lazy_tiles, runs))
 
-    def tile_branches(self, cls, segmented: bool) -> list:
-        """[(condition, step, mask kinds)] of a sub-tile of class ``cls``: ``FULL``
-        unmasked, ``PARTIAL`` masked by the predicate and the key tail. With ``HeadMasks``
-        one ``PARTIAL`` branch per mask, each a step whose ``mask`` is that mask, taken
-        where ``which`` names it (``EMPTY``: no branch, skipped)."""
+    def tile_branches(self, segmented: bool) -> list:
+        """[(class, mask number or None, step, mask kinds)]: the branches of a sub-tile,
+        ``FULL`` unmasked, ``PARTIAL`` masked by the predicate and the key tail. With
+        ``HeadMasks`` one ``PARTIAL`` branch per mask, each a step whose ``mask`` is that
+        mask, taken where ``which`` names it (``EMPTY``: no branch, skipped)."""
         base = ("segment",) if segmented else ()
         masked = base + ("mask", "tail")
         if not isinstance(self.mask, HeadMasks):
-            return [(cls == FULL, self, base), (cls == PARTIAL, self, masked)]
-        return [(cls == FULL, self, base)] + [
-            (jnp.logical_and(cls == PARTIAL, self.which == m),
-             dataclasses.replace(self, mask=mask), masked)
+            return [(FULL, None, self, base), (PARTIAL, None, self, masked)]
+        return [(FULL, None, self, base)] + [
+            (PARTIAL, m, dataclasses.replace(self, mask=mask), masked)
             for m, mask in enumerate(self.mask.masks)]
 
     def masked_tiles(self, layout: InfoLayout, q_block, kv_step, segmented: bool):
@@ -303,7 +302,10 @@ class _Step:
 
         def tile(c, _):
             cls = layout.tile_class(self.info_ref, q_block, kv_step, c, self.which)
-            for cond, step, kinds in self.tile_branches(cls, segmented):
+            for kind, m, step, kinds in self.tile_branches(segmented):
+                cond = cls == kind
+                if m is not None:
+                    cond = jnp.logical_and(cond, self.which == m)
 
                 @pl.when(cond)
                 def _tile(step=step, kinds=kinds):
