@@ -17,9 +17,11 @@ So the anchor is the first ``frame_size`` keys of the head's own order: frame 0 
 head; for a temporal head (position-major) the first ``frame_size / num_frames`` positions of
 every frame. That is what SVG's sparse kernel runs, and what this module reproduces.
 
-Here the kernel sees one ``AnchoredBandMask`` per call; the temporal order is a permutation in
-the graph (``to_position_major``). The per-(batch, head) choice inside one kernel call is not
-built (issue 53): ``route`` gives the index, the caller runs the pattern(s) it needs.
+The temporal order is a permutation in the graph (``to_position_major``). One kernel call
+can run both patterns: ``HeadMasks((spatial, temporal))`` with ``route``'s (batch, heads)
+index as the call's ``mask_index`` (``SPATIAL`` = 0, ``TEMPORAL`` = 1), the temporal heads'
+q, k, v permuted position-major in the graph first. Wiring it into the model graph is not
+built yet (issue 53).
 """
 
 from __future__ import annotations
