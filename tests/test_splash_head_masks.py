@@ -75,13 +75,16 @@ def _per_head(index, x, y):
     return jnp.where((index == 1)[:, :, None, None], y, x)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_svg_patterns_per_head_equal_dense_reference(dtype):
+@pytest.mark.parametrize("dtype,masks", [
+    (jnp.float32, (SPATIAL, TEMPORAL)), (jnp.bfloat16, (SPATIAL, TEMPORAL)),
+    (jnp.float32, (svg.svg_mask(0.3, F, P),) * 2)], ids=["f32", "bf16", "f32-svg-widths"])
+def test_svg_patterns_per_head_equal_dense_reference(dtype, masks):
     """SVG's two patterns in one call: temporal heads' q, k, v permuted position-major in
-    the graph (and the output back), every head's mask from the index. All-spatial,
-    all-temporal and mixed index sets run through one compiled function: no retrace."""
+    the graph (and the output back), every head's mask from the index (last case: SVG's own
+    setting, one width for both). All-spatial, all-temporal and mixed index sets run
+    through one compiled function: no retrace."""
     q, k, v = _inputs((2, 2, N, 64), dtype, seed=11)
-    options = csa.AttentionOptions(block_sizes=BS, mask=HeadMasks((SPATIAL, TEMPORAL)))
+    options = csa.AttentionOptions(block_sizes=BS, mask=HeadMasks(masks))
     traces = []
 
     def call(q, k, v, index):
@@ -91,7 +94,7 @@ def test_svg_patterns_per_head_equal_dense_reference(dtype):
         return _per_head(index, out, svg.to_frame_major(out, F, P))
 
     run = jax.jit(call)
-    dense = np.stack([_band(N, SPATIAL.window, P), _temporal_dense(TEMPORAL.window, P)])
+    dense = np.stack([_band(N, masks[0].window, P), _temporal_dense(masks[1].window, P)])
     for index in INDEX_SETS.values():
         index = np.asarray(index, np.int32)
         _check(run(q, k, v, jnp.asarray(index)), _reference(q, k, v, dense[index]), dtype)
