@@ -37,6 +37,7 @@ import functools
 import jax
 import torch
 
+from splash import svg as _svg
 from splash.blocks import (
     DEFAULT_BLOCK_SIZES,
     NUM_LANES,
@@ -331,6 +332,9 @@ def _sdpa(
         if options.k_smoothing:  # as for "xla"
             k = _smooth_keys(k, None if real is None else _key_segment_ids(q, k, real))
         out = _cudnn_route(q, k, v, options, routing, scale=scale, real=real, tail=tail)
+    elif attention == "splash" and forced is None and _svg.active_scope() is not None \
+            and q.shape[2] == k.shape[2]:
+        out = _svg_route(q, k, v, options, routing, scale=scale, real=real, tail=tail)
     elif attention in SPLASH_KERNELS:
         out = _splash_route(q, k, v, attention, options, routing, scale=scale, real=real,
                             segment_ids=segment_ids, before=before, tail=tail)
@@ -370,6 +374,30 @@ def _splash_route(q, k, v, attention: str, options: AttentionOptions, routing: d
             q, k, v, mesh=mesh, options=options, scale=scale, segment_ids=segment_ids,
             interpret=routing["interpret"], kernel=attention,
             real_keys_before=before if attention == "splash" else 0, valid_kv_len=tail)
+    return out
+
+
+def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real, tail):
+    """A self-attention call under ``splash.svg.sparse_scope``: SVG's routing, the temporal
+    heads permuted, one ``_splash_route`` call with the scope's mask (``sparse_attention``).
+    Sequence parallelism's declared tail padding (``tail``: the real token count) is cut
+    off first and the padded rows come back as zeros (no real token reads them). Raises
+    ValueError for any other key mask (SVG's band has no place for one)."""
+    if real is not None and tail is None:
+        raise ValueError("sparse attention: a key mask other than sequence parallelism's tail "
+                         "padding is not supported")
+    n = q.shape[2]
+    if tail is not None:
+        q, k, v = (x[:, :, :tail] for x in (q, k, v))
+
+    def attend(q, k, v, mask):
+        return _splash_route(q, k, v, "splash", dataclasses.replace(options, mask=mask),
+                             routing, scale=scale, real=None, segment_ids=None, before=0,
+                             tail=None)
+
+    out = _svg.sparse_attention(q, k, v, _svg.active_scope(), attend, scale=scale)
+    if tail is not None:
+        out = jax.numpy.pad(out, ((0, 0), (0, 0), (0, n - tail), (0, 0)))
     return out
 
 

@@ -20,12 +20,20 @@ every frame. That is what SVG's sparse kernel runs, and what this module reprodu
 The temporal order is a permutation in the graph (``to_position_major``). One kernel call
 can run both patterns: ``HeadMasks((spatial, temporal))`` with ``route``'s (batch, heads)
 index as the call's ``mask_index`` (``SPATIAL`` = 0, ``TEMPORAL`` = 1), the temporal heads'
-q, k, v permuted position-major in the graph first. Wiring it into the model graph is not
-built yet (issue 53).
+q, k, v permuted position-major in the graph first.
+
+In the model graph (``--sparse svg``): ``sparse_scope(SparseScope(...))`` declares, while a
+step program is traced, that its self-attention calls are sparse; the SDPA override then
+runs ``sparse_attention`` (route, permute the temporal heads position-major with
+``jnp.where`` per head, one single-mask kernel call with ``svg_mask``, permute back), and a
+scanned block stack splits its scan at ``SparseScope.layers`` (``layer_segments``), the
+layers outside running dense.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -165,3 +173,84 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
     mse = jnp.stack([jnp.mean((rows_out(ok) - golden) ** 2, axis=(2, 3)) for ok in allowed])
     return jnp.argmin(mse, axis=0).astype(jnp.int32)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseScope:
+    """What a traced step's self-attention runs sparse: SVG with ``sparsity`` (in (0, 1]) on
+    a video of ``num_frames`` x ``frame_size`` tokens (post-patch frames and tokens per
+    frame), in layers [``layers[0]``, ``layers[1]``) of the block stack (the rest dense)."""
+
+    sparsity: float
+    num_frames: int
+    frame_size: int
+    layers: tuple[int, int]
+
+    @property
+    def mask(self) -> AnchoredBandMask:
+        return svg_mask(self.sparsity, self.num_frames, self.frame_size)
+
+
+_SCOPE: contextvars.ContextVar[SparseScope | None] = contextvars.ContextVar(
+    "svg_sparse_scope", default=None)
+
+
+@contextlib.contextmanager
+def sparse_scope(scope: SparseScope | None):
+    """Declare, for the code traced inside, that self-attention is SVG-sparse as ``scope``
+    says (``None``: dense). Trace-time state, as ``splash.sdpa``'s declarations."""
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def active_scope() -> SparseScope | None:
+    """The ``sparse_scope`` in force for the code being traced, else None."""
+    return _SCOPE.get()
+
+
+def layer_segments(start: int, stop: int) -> list[tuple[int, int, SparseScope | None]]:
+    """Layers [start, stop) split into runs of one kind: [(a, b, scope or None)], in order;
+    one run with the active scope (or None) when no scope is active or it covers them all."""
+    scope = active_scope()
+    if scope is None:
+        return [(start, stop, None)]
+    lo, hi = max(start, scope.layers[0]), min(stop, scope.layers[1])
+    if lo >= hi:
+        return [(start, stop, None)]
+    runs = [(start, lo, None), (lo, hi, scope), (hi, stop, None)]
+    return [r for r in runs if r[0] < r[1]]
+
+
+def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = None):
+    """SVG's sparse self-attention of one call.
+
+    Args:
+        q, k, v: (batch, heads, N, head_dim), frame-major video tokens, N = num_frames *
+            frame_size (no text tokens, no padding).
+        scope: the sparsity and token grid.
+        attend: ``(q, k, v, mask) -> out`` (batch, heads, N, head_dim): one kernel call
+            with ``mask`` for every head.
+        scale: softmax scale (default head_dim ** -0.5).
+
+    Returns:
+        (batch, heads, N, head_dim) in q.dtype, frame-major.
+
+    Raises:
+        ValueError: N is not num_frames * frame_size.
+    """
+    f, p = scope.num_frames, scope.frame_size
+    if q.shape[2] != f * p or k.shape[2] != f * p:
+        raise ValueError(f"sparse attention: expected {f} x {p} = {f * p} tokens (no padding),"
+                         f" got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    mask = scope.mask
+    which = route(q, k, v, sample_rows(f * p), mask, f, p, scale)
+    temporal = (which == TEMPORAL)[:, :, None, None]
+
+    def order(x):  # the temporal heads position-major, the spatial ones as they are
+        return jnp.where(temporal, to_position_major(x, f, p), x)
+
+    out = attend(order(q), order(k), order(v), mask)
+    return jnp.where(temporal, to_frame_major(out, f, p), out)
