@@ -1,0 +1,193 @@
+"""``--sparse svg`` end to end on the tiny Wan checkpoint (CPU, 8 devices, our kernel in
+Pallas interpret mode), against the dense run and against an independent eager float32
+reference.
+
+The reference is diffusers' own ``WanPipeline`` with a test-only attention processor: each
+block's self-attention, on the plan's sparse steps and layers, applies SVG's routing as a
+torch port of ``sample_mse`` + ``torch.argmin`` (svg-project/Sparse-VideoGen @ 5ce7b01,
+``svg/models/wan/attention.py``; 64 rows, the MSE over rows and head_dim to full attention,
+a tie picks spatial) and then the chosen pattern as a dense boolean mask in frame-major
+order: the band |i - j| <= w plus the first frame's keys for a spatial head, and for a
+temporal head the same mask on position-major order mapped back as SVG's
+``get_attention_mask`` maps it (svg/models/wan/utils.py @ 5ce7b01: reshape (P, F, P, F),
+permute (1, 0, 3, 2)). No permutation, no kernel, no code of ours but the width rule
+(``svg.band_tokens``, checked against SVG's formula in tests/test_splash_svg.py) and the
+fixed row draw (``svg.sample_rows``: our documented stand-in for SVG's per-call
+``torch.randint``).
+
+Shapes: 128 x 128 x 17 frames -> 5 latent frames of 8 x 8 = 64 tokens, N = 320; s = 0.3
+gives SVG's w = 52, rounded up to 128: a band narrower than the sequence, so the masks
+drop scores and a wrong routing or mask changes the frames (checked below).
+"""
+
+import contextlib
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+import generate_flax
+from engine.pipeline import generate
+from families import FAMILIES, wan
+from splash import svg
+
+SHAPE = dict(height=128, width=128, frames=17)
+STEPS = 4
+F, P = 5, 64  # post-patch frames x tokens per frame for SHAPE
+N = F * P
+
+
+def _ours(checkpoint, extra=()):
+    config = generate_flax.validate_args(generate_flax.parse_args([
+        "--model_id", checkpoint, "--dtype", "float32", "--seed", "7", "--flow_shift", "5.0",
+        "--num_inference_steps", str(STEPS), "--num_iterations", "1", "--warmup_steps", "0",
+        "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
+        "--frames", str(SHAPE["frames"]), "--attention", "splash",
+        "--compilation_cache_dir", "none", *extra]))
+    return generate(config, FAMILIES[config.model.family])
+
+
+def _dense_mask(window):
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    return (np.abs(i - j) <= window) | (j < P)
+
+
+def _masks(window):
+    """(spatial, temporal) allowed-key masks in frame-major order, SVG's construction."""
+    spatial = _dense_mask(window)
+    temporal = spatial.reshape(P, F, P, F).transpose(1, 0, 3, 2).reshape(N, N)
+    return torch.from_numpy(spatial), torch.from_numpy(temporal)
+
+
+def _svg_attention(q, k, v, masks, rule):
+    """(B, S, H, D) q, k, v -> (B, S, H, D): per (batch, head) SVG's sample_mse routing
+    (``rule`` picks the index from the two MSEs) and full attention under that mask."""
+    q, k, v = (x.transpose(1, 2).double() for x in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    rows = torch.from_numpy(svg.sample_rows(N).astype(np.int64))
+
+    def attend(s, allowed):
+        return torch.softmax(s.masked_fill(~allowed, -torch.inf), dim=-1) @ v
+
+    golden = attend(scores[:, :, rows], torch.ones(N, dtype=torch.bool))
+    mse = torch.stack([((attend(scores[:, :, rows], m[rows]) - golden) ** 2).mean(dim=(2, 3))
+                       for m in masks])  # (2, B, H)
+    which = rule(mse)
+    out = torch.stack([torch.stack([attend(scores[b, h], masks[int(which[b, h])])
+                                    for h in range(q.shape[1])]) for b in range(q.shape[0])])
+    return out.transpose(1, 2).float()
+
+
+def _reference(checkpoint, settings, rule=lambda mse: torch.argmin(mse, dim=0)):
+    """diffusers' WanPipeline (float32, eager) with SVG on ``settings``' steps and layers;
+    ``settings`` None: dense."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers.models.transformers import transformer_wan
+
+    vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae", dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(checkpoint, vae=vae, dtype=torch.float32)
+    pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=5.0)
+    pipe.set_progress_bar_config(disable=True)
+    state = dict(step=0)
+    dispatch = transformer_wan.dispatch_attention_fn
+
+    class Processor(transformer_wan.WanAttnProcessor):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kw):
+            s = settings
+            sparse = (s is not None and encoder_hidden_states is None
+                      and s.steps[0] <= state["step"] < s.steps[1]
+                      and s.layers[0] <= self.layer < s.layers[1])
+            masks = _masks(svg.band_tokens(s.densities[0], F, P)) if sparse else None
+
+            def attention(q, k, v, **_):
+                return _svg_attention(q, k, v, masks, rule)
+
+            patch = (mock.patch.object(transformer_wan, "dispatch_attention_fn", attention)
+                     if sparse else contextlib.nullcontext())
+            with patch:
+                return super().__call__(attn, hidden_states, encoder_hidden_states, *args,
+                                        **kw)
+
+    for i, block in enumerate(pipe.transformer.blocks):
+        block.attn1.set_processor(Processor(i))
+
+    def next_step(_pipe, i, _t, kwargs):
+        state["step"] = i + 1
+        return kwargs
+
+    assert dispatch is transformer_wan.dispatch_attention_fn
+    with torch.no_grad():
+        out = pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
+                   num_inference_steps=STEPS, guidance_scale=5.0,
+                   generator=torch.Generator("cpu").manual_seed(7), output_type="np",
+                   num_frames=SHAPE["frames"], height=SHAPE["height"], width=SHAPE["width"],
+                   callback_on_step_end=next_step)
+    return out.frames[0]
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_checkpoint):
+    frames, _ = _ours(tiny_checkpoint)
+    return frames
+
+
+def test_density_one_equals_dense(tiny_checkpoint, dense):
+    """Every score kept (w >= N): routing, permutation and the sparse program change
+    nothing but float32 rounding."""
+    frames, report = _ours(tiny_checkpoint, ("--sparse", "svg", "--sparse_density", "1"))
+    plan = report["step_plan"]
+    assert plan["programs"] == ["dense", "svg1", "svg1", "svg1"]
+    assert np.abs(frames - dense).max() <= 1e-4
+
+
+def test_default_density_equals_eager_svg_reference(tiny_checkpoint, dense):
+    """Wan 2.1 T2V's published setting at 4 steps: step 0 dense (round(10 * 4 / 50) = 1),
+    layer 0 dense, s = 0.3 (w = 128 of N = 320) on layer 1 of steps 1-3."""
+    frames, report = _ours(tiny_checkpoint, ("--sparse", "svg"))
+    settings = report["settings"]["sparse"]
+    assert [list(settings[k]) for k in ("steps", "layers", "densities")] == \
+        [[1, 4], [1, 2], [0.3]]
+    assert (settings["num_frames"], settings["frame_size"]) == (F, P)
+    assert svg.band_tokens(0.3, F, P) == 128 < N
+
+    class S:  # the run's settings as the reference reads them
+        steps, layers, densities = settings["steps"], settings["layers"], settings["densities"]
+
+    ref = _reference(tiny_checkpoint, S)
+    assert ref.std() > 0.01
+    err = np.abs(frames - ref).max()
+    assert err <= 1e-3, err
+    # The test can fail: the dense run, and SVG with the routing inverted, are far from it.
+    assert np.abs(dense - ref).max() > 10 * max(err, 1e-4)
+    wrong = _reference(tiny_checkpoint, S, rule=lambda mse: torch.argmax(mse, dim=0))
+    assert np.abs(wrong - ref).max() > 10 * max(err, 1e-4)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (("--sparse", "svg", "--attention", "xla"), "needs --attention splash"),
+    (("--sparse", "svg", "--sparse_density", "0"), "(0, 1]"),
+    (("--sparse", "svg", "--sparse_density", "1.5"), "(0, 1]"),
+    (("--sparse_density", "0.3"), "needs --sparse svg"),
+    (("--sparse", "svg", "--cache", "deepcache"), "step cache"),
+    (("--sparse", "svg", "--window_size", "16"), "--window_size"),
+])
+def test_refusals(tiny_checkpoint, capsys, extra, words):
+    """One line naming the flag, exit 2, before any model loads (validation only)."""
+    assert generate_flax.cli(["--model_id", tiny_checkpoint, "--attention", "splash",
+                              *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_refused_families(hunyuan_checkpoint, ti2v_checkpoint, capsys):
+    for checkpoint, words in ((hunyuan_checkpoint, "not supported for HunyuanVideo"),
+                              (ti2v_checkpoint, "TI2V-5B")):
+        assert generate_flax.cli(["--model_id", checkpoint, "--attention", "splash",
+                                  "--sparse", "svg"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
