@@ -127,8 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--coordinator_address", default=None,
                    help="HOST:PORT of process 0's coordinator, for jax.distributed.initialize "
                         "(default: found by JAX on Cloud TPU, else one process)")
-    m.add_argument("--num_processes", type=int, default=None,
-                   help="processes (hosts) in all (default: found by JAX)")
+    m.add_argument("--num_processes", type=int, help="hosts in all (default: found by JAX)")
     m.add_argument("--process_id", type=int, help="this process, 0-based (default: found by JAX)")
     return p
 
@@ -173,8 +172,8 @@ def _add_generation_flags(g) -> None:
                         "FlowMatchEulerDiscreteScheduler, from the checkpoint's scheduler "
                         "config with --flow_shift (family default: Wan unipc, HunyuanVideo "
                         "euler)")
-    g.add_argument("--seed", type=int, default=d["seed"], help="CPU torch.Generator seed of the "
-                   "initial latents")
+    g.add_argument("--seed", type=int, default=d["seed"],
+                   help="seed of the CPU torch.Generator that draws the initial latents")
     g.add_argument("--max_sequence_length", type=int, default=None,
                    help=f"text tokens the prompt embeddings are padded to ({fam})")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default=d["dtype"],

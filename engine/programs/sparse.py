@@ -77,19 +77,17 @@ def add_sparse_flags(g) -> None:
     """``--sparse`` and ``--sparse_density`` (argparse group ``g``)."""
     g.add_argument("--sparse", choices=KINDS, default="none",
                    help="sparse self-attention: svg = Sparse VideoGen (each head, per layer "
-                        "and step, routed by 64 sampled queries to a spatial or temporal band "
-                        "plus the first frame's keys; --attention splash; Wan 2.1 T2V/I2V, "
-                        "Wan 2.2 A14B). Dense warmup steps and layer 0 dense as published "
-                        "(T2V: first 10 of 50 steps; I2V: 14 of 40; Wan 2.2: steps [11, 40) "
-                        "and layers [1, 40) sparse), dense steps scaled to "
-                        "--num_inference_steps as round(k * steps / published steps), halves "
-                        "up (docs/features.md)")
+                        "and step, routed by 64 sampled queries to a spatial or a temporal "
+                        "band plus the first frame's keys; needs --attention splash; families "
+                        "with a published setting, see docs/features.md). Its dense warmup "
+                        "steps and dense layers are the checkpoint's published ones, the "
+                        "steps scaled to --num_inference_steps as round(k * steps / published "
+                        "steps), halves up")
     g.add_argument("--sparse_density", type=float, default=None,
                    help="SVG's sparsity: the fraction of scores kept, in (0, 1]; the band "
                         "half-width is w = N (1 - sqrt(1 - s)) tokens (N = video tokens), "
                         "rounded up to 128 as SVG does (default: the checkpoint's published "
-                        "value: Wan 2.1 0.3; Wan 2.2 A14B 0.5 high-noise, 0.2 low-noise "
-                        "expert)")
+                        "value, per expert for a two-expert model; docs/features.md)")
 
 
 def scaled_step(k: int, steps: int, reference: int) -> int:
