@@ -21,7 +21,6 @@ gives SVG's w = 52, rounded up to 128: a band narrower than the sequence, so the
 drop scores and a wrong routing or mask changes the frames (checked below).
 """
 
-import contextlib
 from unittest import mock
 
 import numpy as np
@@ -39,25 +38,22 @@ F, P = 5, 64  # post-patch frames x tokens per frame for SHAPE
 N = F * P
 
 
-def _ours(checkpoint, extra=()):
+def _ours(checkpoint, extra=(), shape=SHAPE):
     config = generate_flax.validate_args(generate_flax.parse_args([
         "--model_id", checkpoint, "--dtype", "float32", "--seed", "7", "--flow_shift", "5.0",
         "--num_inference_steps", str(STEPS), "--num_iterations", "1", "--warmup_steps", "0",
-        "--height", str(SHAPE["height"]), "--width", str(SHAPE["width"]),
-        "--frames", str(SHAPE["frames"]), "--attention", "splash",
+        "--height", str(shape["height"]), "--width", str(shape["width"]),
+        "--frames", str(shape["frames"]), "--attention", "splash",
         "--compilation_cache_dir", "none", *extra]))
     return generate(config, FAMILIES[config.model.family])
 
 
-def _dense_mask(window):
-    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
-    return (np.abs(i - j) <= window) | (j < P)
-
-
-def _masks(window):
+def _masks(window, f=F, p=P):
     """(spatial, temporal) allowed-key masks in frame-major order, SVG's construction."""
-    spatial = _dense_mask(window)
-    temporal = spatial.reshape(P, F, P, F).transpose(1, 0, 3, 2).reshape(N, N)
+    n = f * p
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    spatial = (np.abs(i - j) <= window) | (j < p)
+    temporal = spatial.reshape(p, f, p, f).transpose(1, 0, 3, 2).reshape(n, n)
     return torch.from_numpy(spatial), torch.from_numpy(temporal)
 
 
@@ -66,13 +62,14 @@ def _svg_attention(q, k, v, masks, rule, seen: list):
     (``rule`` picks the index from the two MSEs; each pick is appended to ``seen``) and full
     attention under that mask."""
     q, k, v = (x.transpose(1, 2).double() for x in (q, k, v))
+    n = q.shape[2]
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    rows = torch.from_numpy(svg.sample_rows(N).astype(np.int64))
+    rows = torch.from_numpy(svg.sample_rows(n).astype(np.int64))
 
     def attend(s, allowed, v):
         return torch.softmax(s.masked_fill(~allowed, -torch.inf), dim=-1) @ v
 
-    golden = attend(scores[:, :, rows], torch.ones(N, dtype=torch.bool), v)
+    golden = attend(scores[:, :, rows], torch.ones(n, dtype=torch.bool), v)
     mse = torch.stack([((attend(scores[:, :, rows], m[rows], v) - golden) ** 2).mean(
         dim=(2, 3)) for m in masks])  # (2, B, H)
     which = rule(mse)
@@ -82,9 +79,10 @@ def _svg_attention(q, k, v, masks, rule, seen: list):
     return out.transpose(1, 2).float()
 
 
-def _reference(checkpoint, settings, rule=lambda mse: torch.argmin(mse, dim=0), seen=None):
-    """diffusers' WanPipeline (float32, eager) with SVG on ``settings``' steps and layers
-    (``seen``: receives every routing pick)."""
+def _reference(checkpoint, settings, rule=lambda mse: torch.argmin(mse, dim=0), seen=None,
+               shape=SHAPE, grid=(F, P), **kw):
+    """diffusers' WanPipeline (float32, eager) with SVG on ``settings``' steps and layers,
+    each expert at its own density (``seen``: receives every routing pick)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from diffusers.models.transformers import transformer_wan
 
@@ -93,43 +91,40 @@ def _reference(checkpoint, settings, rule=lambda mse: torch.argmin(mse, dim=0), 
     pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=5.0)
     pipe.set_progress_bar_config(disable=True)
     state = dict(step=0)
-    dispatch = transformer_wan.dispatch_attention_fn
 
     class Processor(transformer_wan.WanAttnProcessor):
-        def __init__(self, layer):
+        def __init__(self, layer, expert):
             super().__init__()
-            self.layer = layer
+            self.layer, self.expert = layer, expert
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kw):
             s = settings
-            sparse = (s is not None and encoder_hidden_states is None
-                      and s.steps[0] <= state["step"] < s.steps[1]
+            sparse = (encoder_hidden_states is None and s.steps[0] <= state["step"] < s.steps[1]
                       and s.layers[0] <= self.layer < s.layers[1])
-            masks = _masks(svg.band_tokens(s.densities[0], F, P)) if sparse else None
+            if not sparse:
+                return super().__call__(attn, hidden_states, encoder_hidden_states, *args, **kw)
+            masks = _masks(svg.band_tokens(s.densities[self.expert], *grid), *grid)
 
             def attention(q, k, v, **_):
                 return _svg_attention(q, k, v, masks, rule, [] if seen is None else seen)
 
-            patch = (mock.patch.object(transformer_wan, "dispatch_attention_fn", attention)
-                     if sparse else contextlib.nullcontext())
-            with patch:
-                return super().__call__(attn, hidden_states, encoder_hidden_states, *args,
-                                        **kw)
+            with mock.patch.object(transformer_wan, "dispatch_attention_fn", attention):
+                return super().__call__(attn, hidden_states, encoder_hidden_states, *args, **kw)
 
-    for i, block in enumerate(pipe.transformer.blocks):
-        block.attn1.set_processor(Processor(i))
+    for expert, model in enumerate((pipe.transformer, getattr(pipe, "transformer_2", None))):
+        for i, block in enumerate(model.blocks if model is not None else ()):
+            block.attn1.set_processor(Processor(i, expert))
 
     def next_step(_pipe, i, _t, kwargs):
         state["step"] = i + 1
         return kwargs
 
-    assert dispatch is transformer_wan.dispatch_attention_fn
     with torch.no_grad():
         out = pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
                    num_inference_steps=STEPS, guidance_scale=5.0,
                    generator=torch.Generator("cpu").manual_seed(7), output_type="np",
-                   num_frames=SHAPE["frames"], height=SHAPE["height"], width=SHAPE["width"],
-                   callback_on_step_end=next_step)
+                   num_frames=shape["frames"], height=shape["height"], width=shape["width"],
+                   callback_on_step_end=next_step, **kw)
     return out.frames[0]
 
 
@@ -199,3 +194,50 @@ def test_refused_families(hunyuan_checkpoint, ti2v_checkpoint, capsys):
                                   "--sparse", "svg"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err
+
+
+# Wan 2.2 A14B: 33 frames -> 9 latent frames of 64 tokens, N = 576, where the two experts'
+# published densities give different bands (s = 0.5: w = 169 -> 256; s = 0.2: 61 -> 128).
+SHAPE22 = dict(height=128, width=128, frames=33)
+GRID22 = (9, 64)
+
+
+@pytest.fixture(scope="module")
+def two_experts_8h(tmp_path_factory):
+    from conftest import _build
+
+    # UniPC's 4 timesteps at flow_shift 5.0 are [999, 937, 833, 625]: boundary 0.9 gives
+    # steps 0-1 to transformer and 2-3 to transformer_2.
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-a14b-8h",
+                  "--experts", "2", "--boundary_ratio", "0.9", "--heads", "8", "--head_dim",
+                  "12", "--ffn_dim", "64")
+
+
+def test_two_experts_per_expert_density(two_experts_8h):
+    """maxdiffusion's moderate policy at 4 steps: steps [round(1.1), 4) = 1-3 sparse, layer
+    0 dense; step 1 on the high-noise expert at s = 0.5, steps 2-3 on the low-noise one at
+    s = 0.2; against the eager reference with each expert's own band."""
+    assert (svg.band_tokens(0.5, *GRID22), svg.band_tokens(0.2, *GRID22)) == (256, 128)
+    frames, report = _ours(two_experts_8h, ("--sparse", "svg", "--guidance_scale", "5.0",
+                                            "--guidance_scale_2", "3.0"),
+                           shape=SHAPE22)
+    plan = report["step_plan"]
+    assert plan["programs"] == ["dense", "svg0.5", "svg0.2", "svg0.2"]
+    assert plan["experts"] == [0, 0, 1, 1] and plan["compiled_programs"] == 3
+    assert report["experts"]["steps"] == {"transformer": [0, 1], "transformer_2": [2, 3]}
+    settings = report["settings"]["sparse"]
+
+    class S:
+        steps, layers, densities = settings["steps"], settings["layers"], settings["densities"]
+
+    assert list(S.densities) == [0.5, 0.2]
+    ref = _reference(two_experts_8h, S, shape=SHAPE22, grid=GRID22, guidance_scale_2=3.0)
+    err = np.abs(frames - ref).max()
+    assert ref.std() > 0.01 and err <= 1e-4, err
+
+    class Swapped(S):  # the experts' densities the other way round
+        densities = S.densities[::-1]
+
+    swapped = _reference(two_experts_8h, Swapped, shape=SHAPE22, grid=GRID22,
+                         guidance_scale_2=3.0)
+    assert np.abs(swapped - ref).max() > 10 * max(err, 1e-4)
