@@ -99,7 +99,8 @@ def _reference(checkpoint, settings, rule=lambda mse: torch.argmin(mse, dim=0), 
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kw):
             s = settings
-            sparse = (encoder_hidden_states is None and s.steps[0] <= state["step"] < s.steps[1]
+            sparse = (s is not None and encoder_hidden_states is None
+                      and s.steps[0] <= state["step"] < s.steps[1]
                       and s.layers[0] <= self.layer < s.layers[1])
             if not sparse:
                 return super().__call__(attn, hidden_states, encoder_hidden_states, *args, **kw)
@@ -130,6 +131,7 @@ def _reference(checkpoint, settings, rule=lambda mse: torch.argmin(mse, dim=0), 
 
 @pytest.fixture(scope="module")
 def dense(tiny_checkpoint_8h):
+    """Our dense run (--attention splash, no --sparse)."""
     frames, _ = _ours(tiny_checkpoint_8h)
     return frames
 
