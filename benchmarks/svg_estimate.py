@@ -166,22 +166,24 @@ def sparse_call_cycles(counts: TileCounts, cost: dict, *, batch: int, heads: int
 
 
 def class_costs(profiles: dict, num_sub: int) -> dict:
-    """Cost model of the masked path from its static-class profiles ({"full 2x2": cycles,
-    "full 2x3", "partial 2x2", "empty 2x2"}; 2 q blocks x K kv blocks each).
+    """Cost model of the masked path from its static-class profiles (cycles of grids of Q
+    q blocks x K kv blocks, keyed "<class> QxK": "full 2x2", "full 2x3", "empty 2x2",
+    "full 1x2", "partial 1x2").
 
-    FULL's two grids split into a per-step slope and a per-q-block rest, as
-    ``estimate.grid_cost`` does; PARTIAL and EMPTY share that per-q-block rest (init and
-    finish do not depend on the class). Returns cycles: per_q_block, step (EMPTY's per
-    step: the overhead of any grid step), full and partial (per sub-tile, above it)."""
+    FULL's two 2 x K grids split into a per-step slope and a per-q-block rest, as
+    ``estimate.grid_cost`` does; EMPTY (a step with every sub-tile skipped) shares that rest
+    (init and finish do not depend on the class). PARTIAL is FULL plus the mask's work,
+    taken from one q block: libtpu's profile of the masked sub-tile on two q blocks of
+    4,736 rows outgrew 8 GB of host memory (as it does for segment ids,
+    ``estimate.MASKED_PROFILE_MAX_BLOCK_Q``), and on one q block the same grids differ by
+    that work alone. Returns cycles: per_q_block, step (EMPTY's per step: the overhead of
+    any grid step), full and partial (per computed sub-tile, above the step's)."""
     full_step = (profiles["full 2x3"] - profiles["full 2x2"]) / 2
     per_q_block = profiles["full 2x2"] / 2 - 2 * full_step
-
-    def per_step(name):
-        return (profiles[f"{name} 2x2"] / 2 - per_q_block) / 2
-
-    step = per_step("empty")
-    return dict(per_q_block=per_q_block, step=step, full=(full_step - step) / num_sub,
-                partial=(per_step("partial") - step) / num_sub)
+    step = (profiles["empty 2x2"] / 2 - per_q_block) / 2
+    full = (full_step - step) / num_sub
+    mask_work = (profiles["partial 1x2"] - profiles["full 1x2"]) / (2 * num_sub)
+    return dict(per_q_block=per_q_block, step=step, full=full, partial=full + mask_work)
 
 
 def sparse_step(dense_step: float, dense_self: float, sparse_layer: float,
@@ -230,8 +232,9 @@ def a14b_experts(steps: int = A14B_STEPS) -> list[int]:
 # ---------------------------------------------------------------------------------------
 
 
-def _profiled_cycles(topology: str, bs: BlockSizes, *, kv_blocks: int, mask, cls) -> int:
-    """Cycles of our kernel on a 2 x ``kv_blocks`` grid (1 head, bf16, head_dim 128) from
+def _profiled_cycles(topology: str, bs: BlockSizes, *, q_blocks: int, kv_blocks: int, mask,
+                     cls) -> int:
+    """Cycles of our kernel on a ``q_blocks`` x ``kv_blocks`` grid (1 head, bf16, head_dim 128) from
     libtpu's static profile: unmasked (``mask`` None, the dense path) or with ``mask`` and
     every sub-tile's class ``cls`` made static (None: read from the table, as it runs).
     Mirrors ``estimate.kernel_cycles``, which knows no mask but ``LocalMask``."""
@@ -245,7 +248,7 @@ def _profiled_cycles(topology: str, bs: BlockSizes, *, kv_blocks: int, mask, cls
     from splash.blocks import vmem_limit_bytes
     from splash.mask_info import InfoLayout
 
-    q_len, kv_len = 2 * bs.block_q, kv_blocks * bs.block_kv
+    q_len, kv_len = q_blocks * bs.block_q, kv_blocks * bs.block_kv
     assert fit_block_sizes(bs, q_len, kv_len) == bs, bs
     rep = NamedSharding(Mesh(np.array([estimate.topology_device(topology)]), ("x",)), P())
     args = [jax.ShapeDtypeStruct((1, 1, n, CALL["head_dim"]), jnp.bfloat16, sharding=rep)
@@ -268,13 +271,17 @@ def _profiled_cycles(topology: str, bs: BlockSizes, *, kv_blocks: int, mask, cls
     return cycles
 
 
-PROFILES = (("full", FULL, 2), ("full", FULL, 3), ("partial", PARTIAL, 2),
-            ("empty", EMPTY, 2), ("data", None, 2))
+# (class, static class or None for the table's own, q blocks, kv blocks): what
+# ``class_costs`` reads, then "data", the masked kernel as it runs (branches on the table),
+# to show what the profile makes of it.
+PROFILES = (("full", FULL, 2, 2), ("full", FULL, 2, 3), ("empty", EMPTY, 2, 2),
+            ("full", FULL, 1, 2), ("partial", PARTIAL, 1, 2), ("data", None, 1, 2))
 
 
 def profile_chip(chip: str, blocks: list, out: str) -> None:
     """Worker: for each block size, the dense cost model (``estimate.kernel_cost``) and
-    the masked path's class profiles; one JSON line per profile appended to ``out``."""
+    the masked path's class profiles; one JSON line per profile appended to ``out`` (rows
+    already there are kept, not profiled again)."""
     from engine.dry_run import estimate
     from engine.run import runtime
 
@@ -284,19 +291,25 @@ def profile_chip(chip: str, blocks: list, out: str) -> None:
     for b in blocks:
         bs = fit_block_sizes(b, SEQ, SEQ)
         key = f"{bs.block_q}/{bs.block_kv}/{bs.block_kv_compute}"
+        done = {r["kind"] for r in read_rows(out) if r.get("chip") == chip
+                and r.get("blocks") == key and "error" not in r}
         t0 = time.perf_counter()
-        dense = estimate.kernel_cost(TOPOLOGY[chip], bs, kv_steps=-(-SEQ // bs.block_kv),
-                                     head_dim=CALL["head_dim"])
-        _emit(out, dict(chip=chip, blocks=key, kind="dense", cost=dense,
-                        wall_s=time.perf_counter() - t0))
-        for name, cls, k in PROFILES:
+        if "dense" not in done:
+            dense = estimate.kernel_cost(TOPOLOGY[chip], bs, kv_steps=-(-SEQ // bs.block_kv),
+                                         head_dim=CALL["head_dim"])
+            _emit(out, dict(chip=chip, blocks=key, kind="dense", cost=dense,
+                            wall_s=time.perf_counter() - t0))
+        for name, cls, q, k in PROFILES:
+            kind = f"{name} {q}x{k}"
+            if kind in done:
+                continue
             t0 = time.perf_counter()
             try:
-                cycles = _profiled_cycles(TOPOLOGY[chip], bs, kv_blocks=k, mask=mask, cls=cls)
-                row = dict(cycles=cycles)
+                row = dict(cycles=_profiled_cycles(TOPOLOGY[chip], bs, q_blocks=q,
+                                                   kv_blocks=k, mask=mask, cls=cls))
             except Exception as e:  # noqa: BLE001 - a failed profile says why, the rest go on
                 row = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            _emit(out, dict(chip=chip, blocks=key, kind=f"{name} 2x{k}",
+            _emit(out, dict(chip=chip, blocks=key, kind=kind,
                             wall_s=time.perf_counter() - t0, **row))
 
 
@@ -378,7 +391,7 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
     from engine.dry_run import estimate
 
     mine = {r["kind"]: r for r in rows if r.get("chip") == chip and r.get("blocks") == key}
-    need = ["dense"] + [f"{n} 2x{k}" for n, _, k in PROFILES if n != "data"]
+    need = ["dense"] + [f"{n} {q}x{k}" for n, _, q, k in PROFILES if n != "data"]
     if any(k not in mine or "error" in mine[k] for k in need):
         return None
     bs = BlockSizes(*map(int, key.split("/")))
@@ -389,7 +402,7 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
     grid = [CALL["batch"], CALL["heads"], nq, nkv]
     dense_s = estimate.call_cycles(dict(grid=grid), mine["dense"]["cost"]) / hz
     out = dict(blocks=key, grid=grid, dense_call_s=dense_s, dense_cost=mine["dense"]["cost"],
-               class_cost=cost, data_2x2=mine.get("data 2x2", {}).get("cycles"),
+               class_cost=cost, data_1x2=mine.get("data 1x2", {}).get("cycles"),
                profile_wall_s=sum(r.get("wall_s", 0) for r in mine.values()), sparsity={})
     for sp in SPARSITIES:
         counts = tile_counts(svg_mask(sp, FRAMES, FRAME_SIZE), SEQ, bs)
@@ -427,13 +440,29 @@ def steps_summary(chip: str, blocks: dict, extra: dict) -> dict:
 LAYERS_SPARSE = LAYERS - DENSE_LAYERS
 
 
+# A worker past this much resident host memory is stopped: every estimate stays within 8 GB.
+RSS_LIMIT_BYTES = 7_500_000_000
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def _run(cmd: list) -> float:
-    """Run a worker to the end (one compile at a time); its wall seconds."""
+    """Run a worker to the end (one compile at a time), stopped past ``RSS_LIMIT_BYTES`` of
+    resident memory; its wall seconds."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
-    if proc.returncode:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        print(f"worker {cmd[-1]} failed: {tail}", file=sys.stderr)
+    proc = subprocess.Popen(cmd)
+    while proc.poll() is None:
+        if _rss(proc.pid) > RSS_LIMIT_BYTES:
+            proc.kill()
+            print(f"worker {cmd[-1]} stopped: over {RSS_LIMIT_BYTES / 1e9:.1f} GB of host "
+                  "memory", file=sys.stderr)
+        time.sleep(1.0)
     return time.perf_counter() - t0
 
 

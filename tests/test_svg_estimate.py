@@ -68,12 +68,13 @@ def test_score_density_is_the_dense_masks_mean():
 
 def test_class_costs_split_made_up_profiles():
     # per q block 1000, step overhead 100, FULL 800 and PARTIAL 1200 per sub-tile, 2 subs:
-    # a 2 x K grid costs 2 * (1000 + K * (100 + 2 * class cost)).
-    def grid(k, sub):
-        return 2 * (1000 + k * (100 + 2 * sub))
+    # a Q x K grid costs Q * (1000 + K * (100 + 2 * class cost)).
+    def grid(q, k, sub):
+        return q * (1000 + k * (100 + 2 * sub))
 
-    cost = se.class_costs({"full 2x2": grid(2, 800), "full 2x3": grid(3, 800),
-                           "partial 2x2": grid(2, 1200), "empty 2x2": grid(2, 0)}, 2)
+    cost = se.class_costs({"full 2x2": grid(2, 2, 800), "full 2x3": grid(2, 3, 800),
+                           "empty 2x2": grid(2, 2, 0), "full 1x2": grid(1, 2, 800),
+                           "partial 1x2": grid(1, 2, 1200)}, 2)
     assert cost == pytest.approx(dict(per_q_block=1000, step=100, full=800, partial=1200))
     counts = se.TileCounts(q_blocks=3, kv_blocks=10, num_sub=2, grid_kv_steps=4, visited=9,
                            full_subs=10, partial_subs=5)
