@@ -26,8 +26,9 @@ the machinery of ``engine/dry_run/estimate.py``:
   64 sampled rows per (batch, head) scored against all keys, full attention and both
   patterns): each compiled as its own XLA program at the per-device shapes; per op
   max(FLOPs / MXU peak, HBM bytes / bandwidth) (``estimate.program_summary``, the rule of
-  the dry run's block). The routing's matmuls are float32 at HIGHEST precision; the
-  roofline charges them at the bf16 rate, so a x6 figure (six bf16 passes) is given beside.
+  the dry run's block). The routing's matmuls are float32 at HIGHEST precision, which
+  the roofline charges at the bf16 rate; they come out HBM-bound (see the results).
+  ``_permute_gather`` (one gather per tensor) is costed beside the ``jnp.where`` form.
 * **The step.** sparse step = dense step - dense self-attention + layer 0's dense
   self-attention + 39 x (sparse call + permutation + routing); the dense figures are the
   recorded ``--estimate`` results (``benchmarks/dry_run_results.md``). Averages follow
@@ -301,7 +302,7 @@ def profile_chip(chip: str, blocks: list, out: str) -> None:
                             wall_s=time.perf_counter() - t0))
         for name, cls, q, k in PROFILES:
             kind = f"{name} {q}x{k}"
-            if kind in done:
+            if kind in done or (name == "data" and b is not blocks[0]):
                 continue
             t0 = time.perf_counter()
             try:
@@ -337,10 +338,30 @@ def _permute(q, k, v, o, index):
     return (*into, jnp.where(temporal, to_frame_major(o, FRAMES, FRAME_SIZE), o))
 
 
+def _permute_gather(q, k, v, o, index):
+    """``_permute`` as one gather per tensor: each head's rows in its own order (the
+    temporal heads' position-major index, the others' identity), read once, written once."""
+    import jax.numpy as jnp
+
+    from splash.svg import TEMPORAL, position_major_index
+
+    t = jnp.arange(SEQ, dtype=jnp.int32)
+    pm = position_major_index(t, FRAMES, FRAME_SIZE)
+    back = jnp.zeros_like(t).at[pm].set(t)  # position-major slot -> frame-major token
+    temporal = (index == TEMPORAL)[:, :, None]
+
+    def take(x, order):
+        rows = jnp.where(temporal, order[None, None, :], t[None, None, :])
+        return jnp.take_along_axis(x, rows[..., None], axis=2)
+
+    return (*(take(x, back) for x in (q, k, v)), take(o, pm))
+
+
 def xla_programs(chip: str, out: str) -> None:
-    """Worker: compile the permutation (``_permute``) and SVG's routing (``splash.svg.route``
-    at s = 0.3; the band width changes no shape) for one device of ``chip`` at the call's
-    shapes, and append ``estimate.program_summary``'s figures per call to ``out``."""
+    """Worker: compile the permutation (``_permute``, and ``_permute_gather`` beside it) and
+    SVG's routing (``splash.svg.route`` at s = 0.3; the band width changes no shape) for one
+    device of ``chip`` at the call's shapes, and append ``estimate.program_summary``'s
+    figures per call to ``out``."""
     from engine.dry_run import estimate
     from engine.run import runtime
 
@@ -359,13 +380,13 @@ def xla_programs(chip: str, out: str) -> None:
     mask, rows = svg_mask(0.3, FRAMES, FRAME_SIZE), sample_rows(SEQ)
     programs = dict(
         permute=(jax.jit(_permute), (x, x, x, x, index)),
+        permute_gather=(jax.jit(_permute_gather), (x, x, x, x, index)),
         route=(jax.jit(lambda q, k, v: route(q, k, v, rows, mask, FRAMES, FRAME_SIZE)),
                (x, x, x)))
     for name, (fn, args) in programs.items():
         t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile()
-        text = estimate.block_hlo_text(compiled)
-        summary = estimate.program_summary(text, chip)
+        summary = estimate.program_summary(estimate.block_hlo_text(fn.lower(*args).compile()),
+                                           chip)
         _emit(out, dict(chip=chip, kind=name, wall_s=time.perf_counter() - t0,
                         seconds=summary["linear_s"] + summary["other_hbm_floor_s"],
                         linear_s=summary["linear_s"], other_s=summary["other_hbm_floor_s"],
@@ -471,9 +492,10 @@ def print_report(chip: str, blocks: list, extra: dict) -> None:
     print(f"\n### {chip} ({TOPOLOGY[chip]}, dp2 x sp4, per device call "
           f"({CALL['batch']}, {CALL['heads']}, {SEQ}, {CALL['head_dim']}) bf16) -- "
           "STATIC ESTIMATE")
-    print(f"permutation {extra['permute'] * 1e3:.2f} ms/call, routing "
-          f"{extra['route'] * 1e3:.2f} ms/call (x6 for f32 HIGHEST: "
-          f"{6 * extra['route_linear'] * 1e3 + extra['route_other'] * 1e3:.2f} ms)")
+    print(f"per call: permutation {extra['permute'] * 1e3:.2f} ms (jnp.where; as one gather "
+          f"per tensor {extra['permute_gather'] * 1e3:.2f} ms), routing "
+          f"{extra['route'] * 1e3:.2f} ms ({extra['route_flops'] / 1e9:.1f} GFLOP, "
+          f"{extra['route_bytes'] / 1e9:.2f} GB)")
     print("| blocks | s | band | grid kv steps | visited | sub-tiles | dense call s | "
           "sparse call s | ratio | sparse step s | 50-step avg s | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -530,7 +552,8 @@ def main(argv=None) -> int:
         rows = read_rows(args.jsonl)
         xla = {r["kind"]: r for r in rows if r.get("chip") == chip and "seconds" in r}
         extra = dict(permute=xla["permute"]["seconds"], route=xla["route"]["seconds"],
-                     route_linear=xla["route"]["linear_s"], route_other=xla["route"]["other_s"])
+                     permute_gather=xla["permute_gather"]["seconds"],
+                     route_flops=xla["route"]["flops"], route_bytes=xla["route"]["bytes"])
         found = [b for b in (chip_blocks(rows, chip, k) for k in keys) if b]
         print_report(chip, found, extra)
         results[chip] = dict(extra=extra, blocks=found,
