@@ -435,8 +435,9 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
             sub_tile_density=counts.sub_tile_density,
             score_density=score_density(svg_mask(sp, FRAMES, FRAME_SIZE), SEQ),
             sparse_call_s=call_s, ratio=call_s / dense_s,
-            # What a masked path as fast per sub-tile as the dense path would give.
-            pipelined_call_s=dense_s * counts.sub_tile_density)
+            # The masked sub-tiles' extra over unmasked ones: what a free mask would save.
+            partial_excess_s=counts.partial_subs * (cost["partial"] - cost["full"])
+            * CALL["batch"] * CALL["heads"] / hz)
     return out
 
 
@@ -450,6 +451,15 @@ def steps_summary(chip: str, blocks: dict, extra: dict) -> dict:
     out = dict(sparse_step=step, extra_layer_s=extra_layer,
                routing_share=LAYERS_SPARSE * extra["route"] / step[0.3],
                wan21_average=average(wan21), wan21_speedup=d["step"] / average(wan21))
+    # What if (arithmetic on the same figures): masked sub-tiles at the unmasked cost and
+    # the permutation as one gather per tensor.
+    v = blocks["sparsity"][0.3]
+    step_if = sparse_step(d["step"], d["self_attention"],
+                          v["sparse_call_s"] - v["partial_excess_s"],
+                          extra["permute_gather"] + extra["route"])
+    avg_if = average(wan21[:WAN21_DENSE_STEPS] + [step_if] * (WAN21_STEPS - WAN21_DENSE_STEPS))
+    out.update(what_if_step=step_if, what_if_average=avg_if,
+               what_if_speedup=d["step"] / avg_if)
     if chip == "v6e":
         plan = a14b_plan(a14b_experts(), A14B_SPARSE, A14B_S)
         times = [d["step"] if s is None else step[s] for s in plan]
@@ -510,6 +520,16 @@ def print_report(chip: str, blocks: list, extra: dict) -> None:
                   f"{v['sub_tile_density']:.3f} | {b['dense_call_s'] * 1e3:.2f} ms | "
                   f"{v['sparse_call_s'] * 1e3:.2f} ms | {v['ratio']:.3f} | "
                   f"{summ['sparse_step'][sp]:.3f} | {avg} |")
+        c = b["class_cost"]
+        print(f"{b['blocks']}: cycles per q block {c['per_q_block']:,.0f}, per grid step "
+              f"{c['step']:,.0f}, per FULL sub-tile {c['full']:,.0f}, per PARTIAL "
+              f"{c['partial']:,.0f} (dense path: {b['dense_cost']['per_step']:,.0f} per step "
+              f"of {b['grid'][3]} per q block); masked kernel as it runs, 1 x 2 grid: "
+              f"{b['data_1x2'] or '-'} cycles (the profile does not see its branches); "
+              f"PARTIAL's extra at s = 0.3: {b['sparsity'][0.3]['partial_excess_s'] * 1e3:.2f} "
+              f"ms/call. What if PARTIAL cost FULL's and the permutation were one gather: "
+              f"step {summ['what_if_step']:.3f} s, 50-step average "
+              f"{summ['what_if_average']:.3f} s ({summ['what_if_speedup']:.2f}x)")
         if "a14b_average" in summ:
             print(f"A14B moderate ({b['blocks']}): 40-step average {summ['a14b_average']:.3f} s "
                   f"({summ['a14b_speedup']:.2f}x); routing share of the sparse step "
