@@ -166,7 +166,7 @@ def sparse_call_cycles(counts: TileCounts, cost: dict, *, batch: int, heads: int
     return batch * heads * per_head
 
 
-def class_costs(profiles: dict, num_sub: int) -> dict:
+def class_costs(profiles: dict, num_sub: int, block_q: int | None = None) -> dict:
     """Cost model of the masked path from its static-class profiles (cycles of grids of Q
     q blocks x K kv blocks, keyed "<class> QxK": "full 2x2", "full 2x3", "empty 2x2",
     "full 1x2", "partial 1x2").
@@ -177,13 +177,25 @@ def class_costs(profiles: dict, num_sub: int) -> dict:
     taken from one q block: libtpu's profile of the masked sub-tile on two q blocks of
     4,736 rows outgrew 8 GB of host memory (as it does for segment ids,
     ``estimate.MASKED_PROFILE_MAX_BLOCK_Q``), and on one q block the same grids differ by
-    that work alone. Returns cycles: per_q_block, step (EMPTY's per step: the overhead of
-    any grid step), full and partial (per computed sub-tile, above the step's)."""
+    that work alone. Where that profile overflowed VMEM under the profile flag (tpu7x), the
+    mask's work is taken from the same pair of grids at two smaller block_q ("full 1x2
+    q<rows>", "partial 1x2 q<rows>") and extrapolated linearly to ``block_q`` (it is
+    elementwise work on the (block_kv_compute, block_q) score tile), as
+    ``estimate.reduced_q_cost`` does for segment ids. Returns cycles: per_q_block, step
+    (EMPTY's per step: the overhead of any grid step), full and partial (per computed
+    sub-tile, above the step's)."""
     full_step = (profiles["full 2x3"] - profiles["full 2x2"]) / 2
     per_q_block = profiles["full 2x2"] / 2 - 2 * full_step
     step = (profiles["empty 2x2"] / 2 - per_q_block) / 2
     full = (full_step - step) / num_sub
-    mask_work = (profiles["partial 1x2"] - profiles["full 1x2"]) / (2 * num_sub)
+    if "partial 1x2" in profiles:
+        mask_work = (profiles["partial 1x2"] - profiles["full 1x2"]) / (2 * num_sub)
+    else:
+        rows = sorted(int(k.split(" q")[1]) for k in profiles if k.startswith("partial 1x2 q"))
+        lo, hi = rows[0], rows[-1]
+        work = {r: (profiles[f"partial 1x2 q{r}"] - profiles[f"full 1x2 q{r}"]) / (2 * num_sub)
+                for r in (lo, hi)}
+        mask_work = work[lo] + (block_q - lo) * (work[hi] - work[lo]) / (hi - lo)
     return dict(per_q_block=per_q_block, step=step, full=full, partial=full + mask_work)
 
 
@@ -312,6 +324,28 @@ def profile_chip(chip: str, blocks: list, out: str) -> None:
                 row = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             _emit(out, dict(chip=chip, blocks=key, kind=kind,
                             wall_s=time.perf_counter() - t0, **row))
+            if name == "partial" and "vmem" in row.get("error", "").lower():
+                _reduced_q_profiles(chip, bs, key, mask, done, out)
+
+
+def _reduced_q_profiles(chip: str, bs: BlockSizes, key: str, mask, done: set,
+                        out: str) -> None:
+    """FULL and PARTIAL on 1 x 2 grids at block_q - 1024 and block_q - 2048 (same kv
+    blocks), for ``class_costs``'s extrapolation of the mask's work."""
+    for rows in (bs.block_q - 1024, bs.block_q - 2048):
+        small = BlockSizes(rows, bs.block_kv, bs.block_kv_compute)
+        for name, cls in (("full", FULL), ("partial", PARTIAL)):
+            kind = f"{name} 1x2 q{rows}"
+            if kind in done:
+                continue
+            t0 = time.perf_counter()
+            try:
+                row = dict(cycles=_profiled_cycles(TOPOLOGY[chip], small, q_blocks=1,
+                                                   kv_blocks=2, mask=mask, cls=cls))
+            except Exception as e:  # noqa: BLE001 - a failed profile says why
+                row = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            _emit(out, dict(chip=chip, blocks=key, kind=kind,
+                            wall_s=time.perf_counter() - t0, **row))
 
 
 def _emit(path: str, row: dict) -> None:
@@ -411,19 +445,25 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
     sparsity, from the worker's rows; None if a profile is missing."""
     from engine.dry_run import estimate
 
-    mine = {r["kind"]: r for r in rows if r.get("chip") == chip and r.get("blocks") == key}
-    need = ["dense"] + [f"{n} {q}x{k}" for n, _, q, k in PROFILES if n != "data"]
-    if any(k not in mine or "error" in mine[k] for k in need):
-        return None
+    mine = {r["kind"]: r for r in rows if r.get("chip") == chip and r.get("blocks") == key
+            and "error" not in r}
+    need = ["dense"] + [f"{n} {q}x{k}" for n, _, q, k in PROFILES if n not in ("data",
+                                                                            "partial")]
     bs = BlockSizes(*map(int, key.split("/")))
+    reduced = [k for k in mine if " 1x2 q" in k]
+    need += ["partial 1x2"] if "partial 1x2" in mine or len(reduced) < 4 else reduced
+    if any(k not in mine for k in need):
+        return None
     hz = estimate.clock_hz(chip)
     num_sub = bs.block_kv // bs.block_kv_compute
-    cost = class_costs({k: mine[k]["cycles"] for k in need[1:]}, num_sub)
+    cost = class_costs({k: mine[k]["cycles"] for k in need[1:]}, num_sub, bs.block_q)
     nq, nkv = -(-SEQ // bs.block_q), -(-SEQ // bs.block_kv)
     grid = [CALL["batch"], CALL["heads"], nq, nkv]
     dense_s = estimate.call_cycles(dict(grid=grid), mine["dense"]["cost"]) / hz
     out = dict(blocks=key, grid=grid, dense_call_s=dense_s, dense_cost=mine["dense"]["cost"],
                class_cost=cost, data_1x2=mine.get("data 1x2", {}).get("cycles"),
+               mask_work_extrapolated_from=sorted({int(k.split(" q")[1]) for k in reduced})
+               if "partial 1x2" not in mine else None,
                profile_wall_s=sum(r.get("wall_s", 0) for r in mine.values()), sparsity={})
     for sp in SPARSITIES:
         counts = tile_counts(svg_mask(sp, FRAMES, FRAME_SIZE), SEQ, bs)

@@ -72,10 +72,18 @@ def test_class_costs_split_made_up_profiles():
     def grid(q, k, sub):
         return q * (1000 + k * (100 + 2 * sub))
 
-    cost = se.class_costs({"full 2x2": grid(2, 2, 800), "full 2x3": grid(2, 3, 800),
-                           "empty 2x2": grid(2, 2, 0), "full 1x2": grid(1, 2, 800),
-                           "partial 1x2": grid(1, 2, 1200)}, 2)
+    profiles = {"full 2x2": grid(2, 2, 800), "full 2x3": grid(2, 3, 800),
+                "empty 2x2": grid(2, 2, 0), "full 1x2": grid(1, 2, 800),
+                "partial 1x2": grid(1, 2, 1200)}
+    cost = se.class_costs(profiles, 2)
     assert cost == pytest.approx(dict(per_q_block=1000, step=100, full=800, partial=1200))
+    # The mask's work from two smaller block_q (linear in block_q: 0.25 cycles per row per
+    # sub-tile here, 1200 - 800 = 400 at 1600 rows), when the real one's profile is missing.
+    reduced = {k: v for k, v in profiles.items() if k != "partial 1x2"}
+    for rows in (600, 1000):
+        reduced[f"full 1x2 q{rows}"] = grid(1, 2, 800)
+        reduced[f"partial 1x2 q{rows}"] = grid(1, 2, 800 + 0.25 * rows)
+    assert se.class_costs(reduced, 2, block_q=1600)["partial"] == pytest.approx(1200)
     counts = se.TileCounts(q_blocks=3, kv_blocks=10, num_sub=2, grid_kv_steps=4, visited=9,
                            full_subs=10, partial_subs=5)
     cycles = se.sparse_call_cycles(counts, cost, batch=2, heads=5)
