@@ -38,6 +38,12 @@ Usage::
 
     python benchmarks/svg_estimate.py --chips v6e,tpu7x --json /tmp/svg.json
     python benchmarks/svg_estimate.py --chips v6e --blocks 4864,2048,1024 --blocks 2432,2048,1024
+    # the report from the recorded rows (benchmarks/svg_results.md), no compile: copy first,
+    # since rows are appended to --jsonl
+    cp benchmarks/svg_estimate_profiles.jsonl /tmp/rows.jsonl
+    python benchmarks/svg_estimate.py --chips v6e --jsonl /tmp/rows.jsonl
+
+Results and their reading: ``benchmarks/svg_results.md``.
 
 One subprocess per chip for the profiles (the flag must be set before libtpu loads; tpu7x
 profiles with libtpu ``runtime.PROFILE_LIBTPU_VERSION``), one at a time; one more for the
@@ -583,15 +589,62 @@ def print_report(chip: str, blocks: list, extra: dict) -> None:
                  f"({summ['a14b_speedup']:.2f}x)" if "a14b_average" in summ else ""))
 
 
+def _blocks_arg(text: str) -> BlockSizes:
+    """``--blocks`` "block_q,block_kv,block_kv_compute" as ``BlockSizes``."""
+    try:
+        return BlockSizes(*(int(x) for x in text.split(",")))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(
+            f"expected three ints block_q,block_kv,block_kv_compute that BlockSizes accepts, "
+            f"got {text!r} ({e})") from None
+
+
+def _chips_arg(text: str) -> list[str]:
+    chips = text.split(",")
+    if not chips or any(c not in TOPOLOGY for c in chips):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(TOPOLOGY)}, "
+                                         f"got {text!r}")
+    return chips
+
+
+def estimate_chip(chip: str, blocks: list, jsonl: str) -> dict | None:
+    """Profile what ``jsonl`` lacks for ``chip`` at ``blocks`` (workers, one at a time),
+    print the report and return its figures; None (said in one line) if a worker failed."""
+    keys = [f"{f.block_q}/{f.block_kv}/{f.block_kv_compute}"
+            for f in (fit_block_sizes(b, SEQ, SEQ) for b in blocks)]
+    me = [sys.executable, os.path.abspath(__file__), "--jsonl", jsonl]
+    todo = [b for b, k in zip(blocks, keys, strict=True)
+            if chip_blocks(read_rows(jsonl), chip, k) is None]
+    if todo:
+        _run(me + sum((["--blocks", f"{b.block_q},{b.block_kv},{b.block_kv_compute}"]
+                       for b in todo), []) + ["--chips", chip, "--worker", chip])
+    if not any(r.get("chip") == chip and r.get("kind") == "route" for r in read_rows(jsonl)):
+        _run(me + ["--xla-worker", chip])
+    rows = read_rows(jsonl)
+    xla = {r["kind"]: r for r in rows if r.get("chip") == chip and "seconds" in r}
+    found = [b for b in (chip_blocks(rows, chip, k) for k in keys) if b]
+    if not found or any(k not in xla for k in ("permute", "permute_gather", "route")):
+        print(f"{chip}: no estimate: a profile or program is missing from {jsonl} (its "
+              "worker failed; see above)", file=sys.stderr)
+        return None
+    extra = dict(permute=xla["permute"]["seconds"], route=xla["route"]["seconds"],
+                 permute_gather=xla["permute_gather"]["seconds"],
+                 route_flops=xla["route"]["flops"], route_bytes=xla["route"]["bytes"])
+    print_report(chip, found, extra)
+    return dict(extra=extra, blocks=found, steps=[steps_summary(chip, b, extra) for b in found])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chips", default="v6e,tpu7x")
-    parser.add_argument("--blocks", action="append", default=None,
+    parser.add_argument("--chips", type=_chips_arg, default="v6e,tpu7x",
+                        help="comma list of v6e, tpu7x (default: v6e,tpu7x)")
+    parser.add_argument("--blocks", type=_blocks_arg, action="append", default=None,
                         help="block_q,block_kv,block_kv_compute (repeatable; default: the "
                              "chip's default blocks)")
     parser.add_argument("--jsonl", default="/tmp/svg_estimate_profiles.jsonl",
-                        help="profile rows are appended here (and reused on a rerun)")
-    parser.add_argument("--json", help="also write the results here")
+                        help="profile rows are appended here and reused on a rerun (default: "
+                             "/tmp/svg_estimate_profiles.jsonl)")
+    parser.add_argument("--json", help="also write the results here (default: none)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--xla-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -599,37 +652,16 @@ def main(argv=None) -> int:
         xla_programs(args.xla_worker, args.jsonl)
         return 0
     results = {}
-    for chip in args.chips.split(","):
-        blocks = [BlockSizes(*map(int, b.split(","))) for b in args.blocks] if args.blocks \
-            else [default_block_sizes(chip)]
+    for chip in args.chips:
+        blocks = args.blocks or [default_block_sizes(chip)]
         if args.worker:
             profile_chip(chip, blocks, args.jsonl)
             return 0
-        keys = [f"{f.block_q}/{f.block_kv}/{f.block_kv_compute}"
-                for f in (fit_block_sizes(b, SEQ, SEQ) for b in blocks)]
-        me = [sys.executable, os.path.abspath(__file__), "--jsonl", args.jsonl]
-        todo = [b for b, k in zip(blocks, keys, strict=True)
-                if chip_blocks(read_rows(args.jsonl), chip, k) is None]
-        if todo:
-            _run(me + sum((["--blocks", f"{b.block_q},{b.block_kv},{b.block_kv_compute}"]
-                           for b in todo), []) + ["--chips", chip, "--worker", chip])
-        if not any(r.get("chip") == chip and r.get("kind") == "route"
-                   for r in read_rows(args.jsonl)):
-            _run(me + ["--xla-worker", chip])
-        rows = read_rows(args.jsonl)
-        xla = {r["kind"]: r for r in rows if r.get("chip") == chip and "seconds" in r}
-        extra = dict(permute=xla["permute"]["seconds"], route=xla["route"]["seconds"],
-                     permute_gather=xla["permute_gather"]["seconds"],
-                     route_flops=xla["route"]["flops"], route_bytes=xla["route"]["bytes"])
-        found = [b for b in (chip_blocks(rows, chip, k) for k in keys) if b]
-        print_report(chip, found, extra)
-        results[chip] = dict(extra=extra, blocks=found,
-                             steps=[steps_summary(chip, b, extra) for b in found])
+        results[chip] = estimate_chip(chip, blocks, args.jsonl)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
-    return 0
-
+    return 0 if all(results.values()) else 1
 
 if __name__ == "__main__":
     sys.exit(main())
