@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from splash.blocks import BlockSizes, default_block_sizes, fit_block_sizes  # noqa: E402
-from splash.mask import EMPTY, FULL, PARTIAL  # noqa: E402
+from splash.mask import EMPTY, FULL, PARTIAL, Mask  # noqa: E402
 from splash.mask_info import build_mask_info  # noqa: E402
 from splash.svg import band_tokens, svg_mask  # noqa: E402
 
@@ -291,10 +291,24 @@ def _profiled_cycles(topology: str, bs: BlockSizes, *, q_blocks: int, kv_blocks:
 
 
 # (class, static class or None for the table's own, q blocks, kv blocks): what
-# ``class_costs`` reads, then "data", the masked kernel as it runs (branches on the table),
-# to show what the profile makes of it.
+# ``class_costs`` reads, then, at the first block size only, "data", the masked kernel as it
+# runs (branches on the table), to show what the profile makes of it, and "edge" (below).
 PROFILES = (("full", FULL, 2, 2), ("full", FULL, 2, 3), ("empty", EMPTY, 2, 2),
-            ("full", FULL, 1, 2), ("partial", PARTIAL, 1, 2), ("data", None, 1, 2))
+            ("full", FULL, 1, 2), ("partial", PARTIAL, 1, 2), ("data", None, 1, 2),
+            ("edge", PARTIAL, 1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class OneEdgeMask(Mask):
+    """Not SVG's mask: the predicate of a sub-tile that crosses one boundary only (the band's
+    left edge; one compare per score). Profiled as PARTIAL ("edge") to price a kernel with
+    one masked class per edge, where today's PARTIAL evaluates the whole band-and-anchor
+    predicate; the key-tail compare stays, as the kernel applies it to every PARTIAL."""
+
+    window: int
+
+    def tile_predicate(self, q_pos, kv_pos):
+        return kv_pos >= q_pos - self.window
 
 
 def profile_chip(chip: str, blocks: list, out: str) -> None:
@@ -320,12 +334,13 @@ def profile_chip(chip: str, blocks: list, out: str) -> None:
                             wall_s=time.perf_counter() - t0))
         for name, cls, q, k in PROFILES:
             kind = f"{name} {q}x{k}"
-            if kind in done or (name == "data" and b is not blocks[0]):
+            if kind in done or (name in ("data", "edge") and b is not blocks[0]):
                 continue
             t0 = time.perf_counter()
+            m = OneEdgeMask(mask.window) if name == "edge" else mask
             try:
                 row = dict(cycles=_profiled_cycles(TOPOLOGY[chip], bs, q_blocks=q,
-                                                   kv_blocks=k, mask=mask, cls=cls))
+                                                   kv_blocks=k, mask=m, cls=cls))
             except Exception as e:  # noqa: BLE001 - a failed profile says why, the rest go on
                 row = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             _emit(out, dict(chip=chip, blocks=key, kind=kind,
@@ -461,8 +476,8 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
 
     mine = {r["kind"]: r for r in rows if r.get("chip") == chip and r.get("blocks") == key
             and "error" not in r}
-    need = ["dense"] + [f"{n} {q}x{k}" for n, _, q, k in PROFILES if n not in ("data",
-                                                                            "partial")]
+    need = ["dense"] + [f"{n} {q}x{k}" for n, _, q, k in PROFILES
+                        if n not in ("data", "edge", "partial")]
     bs = BlockSizes(*map(int, key.split("/")))
     reduced = [k for k in mine if " 1x2 q" in k]
     need += ["partial 1x2"] if "partial 1x2" in mine or len(reduced) < 4 else reduced
@@ -478,7 +493,11 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
                class_cost=cost, data_1x2=mine.get("data 1x2", {}).get("cycles"),
                mask_work_extrapolated_from=sorted({int(k.split(" q")[1]) for k in reduced})
                if "partial 1x2" not in mine else None,
-               profile_wall_s=sum(r.get("wall_s", 0) for r in mine.values()), sparsity={})
+               profile_wall_s=sum(r.get("wall_s", 0) for r in mine.values()), sparsity={},
+               # PARTIAL with a one-compare predicate (``OneEdgeMask``), if profiled.
+               partial_edge=cost["full"] + (mine["edge 1x2"]["cycles"]
+                                            - mine["full 1x2"]["cycles"]) / (2 * num_sub)
+               if "edge 1x2" in mine and "full 1x2" in mine else None)
     for sp in SPARSITIES:
         counts = tile_counts(svg_mask(sp, FRAMES, FRAME_SIZE), SEQ, bs)
         call_s = sparse_call_cycles(counts, cost, batch=CALL["batch"],
@@ -491,7 +510,9 @@ def chip_blocks(rows: list, chip: str, key: str) -> dict | None:
             sparse_call_s=call_s, ratio=call_s / dense_s,
             # The masked sub-tiles' extra over unmasked ones: what a free mask would save.
             partial_excess_s=counts.partial_subs * (cost["partial"] - cost["full"])
-            * CALL["batch"] * CALL["heads"] / hz)
+            * CALL["batch"] * CALL["heads"] / hz,
+            edge_call_s=None if out["partial_edge"] is None else call_s - counts.partial_subs
+            * (cost["partial"] - out["partial_edge"]) * CALL["batch"] * CALL["heads"] / hz)
     return out
 
 
@@ -514,6 +535,13 @@ def steps_summary(chip: str, blocks: dict, extra: dict) -> dict:
     avg_if = average(wan21[:WAN21_DENSE_STEPS] + [step_if] * (WAN21_STEPS - WAN21_DENSE_STEPS))
     out.update(what_if_step=step_if, what_if_average=avg_if,
                what_if_speedup=d["step"] / avg_if)
+    if v["edge_call_s"] is not None:  # PARTIAL at the one-compare cost, gather permutation
+        step_edge = sparse_step(d["step"], d["self_attention"], v["edge_call_s"],
+                                extra["permute_gather"] + extra["route"])
+        avg_edge = average(wan21[:WAN21_DENSE_STEPS]
+                           + [step_edge] * (WAN21_STEPS - WAN21_DENSE_STEPS))
+        out.update(edge_call_s=v["edge_call_s"], edge_step=step_edge, edge_average=avg_edge,
+                   edge_speedup=d["step"] / avg_edge)
     if chip == "v6e":
         plan = a14b_plan(a14b_experts(), A14B_SPARSE, A14B_S)
         times = [d["step"] if s is None else step[s] for s in plan]
@@ -584,6 +612,12 @@ def print_report(chip: str, blocks: list, extra: dict) -> None:
               f"ms/call. What if PARTIAL cost FULL's and the permutation were one gather: "
               f"step {summ['what_if_step']:.3f} s, 50-step average "
               f"{summ['what_if_average']:.3f} s ({summ['what_if_speedup']:.2f}x)")
+        if "edge_step" in summ:
+            print(f"{b['blocks']}: PARTIAL with a one-compare predicate: "
+                  f"{b['partial_edge']:,.0f} cycles per sub-tile; with it and the gather "
+                  f"permutation: call {summ['edge_call_s'] * 1e3:.2f} ms, step "
+                  f"{summ['edge_step']:.3f} s, 50-step average {summ['edge_average']:.3f} s "
+                  f"({summ['edge_speedup']:.2f}x)")
         print(f"{b['blocks']}: routing {summ['routing_share']:.2%} of the s = 0.3 sparse step"
               + (f"; A14B moderate: 40-step average {summ['a14b_average']:.3f} s "
                  f"({summ['a14b_speedup']:.2f}x)" if "a14b_average" in summ else ""))
