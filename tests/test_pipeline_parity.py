@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from parity import assert_frames_close
 
 import generate_flax
 from engine.pipeline import generate
@@ -214,7 +215,14 @@ def test_lora_frames_match_diffusers_fuse_lora(tiny_checkpoint_8h, tmp_path, fmt
     lora = ("--lora", f"{path}:0.7")
     one, report = _our_frames(tiny_checkpoint_8h, "float32", seed=5, flow_shift=5.0,
                               extra=lora, devices=jax.devices()[:1])
-    np.testing.assert_allclose(one, ref, atol=1e-3, rtol=0)
+    # A rare CI-only mismatch (188 values, <= 0.017, one patch) never reproduced alone or
+    # after its worker's files in one process: a failure reruns both sides and names which
+    # of them changed between two identical runs (tests/parity.py).
+    assert_frames_close(one, ref, atol=1e-3, again=lambda: (
+        _our_frames(tiny_checkpoint_8h, "float32", seed=5, flow_shift=5.0, extra=lora,
+                    devices=jax.devices()[:1])[0],
+        _reference_frames(tiny_checkpoint_8h, torch.float32, seed=5, flow_shift=5.0,
+                          lora=(path, 0.7))))
     (entry,) = report["loras"]
     assert entry["scale"] == 0.7 and entry["path"] == path and len(entry["sha256"]) == 64
     # original: 10 projections x 2 blocks, plus the q and ffn.0 biases (diff_b); the norm
