@@ -290,7 +290,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     if args.park_memory == "pinned_host" and args.park_weights == "off":
         fail("--park_memory", args.park_memory, "says where parked weights live: needs "
              "--park_weights auto or on")
-    dry_flags.check_aot_export(args)
+    dry_flags.check_dry_run_flags(args)
     validate_block_size_flags(args)
     runtime.validate_distributed_flags(args)
     family_key = _validate_model(args)

@@ -258,6 +258,10 @@ def test_estimate_needs_dry_run():
     with pytest.raises(UsageError, match="--topology='v5p:2x2x1': --estimate knows"):
         validate_args(parse_args([*model, "--dry_run", "--topology", "v5p:2x2x1",
                                   "--estimate"]))
+    # The window's masked kernel path hides its work from libtpu's static profile.
+    with pytest.raises(UsageError, match="--estimate='on': cannot cost --window_size 4096"):
+        validate_args(parse_args([*model, "--dry_run", "--topology", "v6e:2x4", "--estimate",
+                                  "--window_size", "4096"]))
 
 
 def test_stub_records_the_real_per_chip_kernel_grid():

@@ -38,6 +38,29 @@ def add_dry_run_flags(g) -> None:
                         "nothing exported; docs/features.md)")
 
 
+def check_dry_run_flags(args) -> None:
+    """The dry run's flags against the others (``check_aot_export``, ``check_estimate``)."""
+    check_aot_export(args)
+    check_estimate(args)
+
+
+def check_estimate(args) -> None:
+    """``--estimate`` with ``--window_size`` is refused: the window runs the kernel's masked
+    path, which picks each sub-tile's work by a branch on its scalar-prefetched class, and
+    libtpu's static profile does not count work under such branches (a 1 x 2 grid at
+    4736/2048/1024 profiles at 3,972 cycles as it runs, 34,278 with the work made visible;
+    Wan 14B 720p with a 12,416-token window came out at 0.022 s of self-attention per step:
+    benchmarks/svg_results.md). An estimate that low would be wrong, not optimistic.
+
+    Raises:
+        UsageError: both flags given.
+    """
+    if getattr(args, "estimate", False) and getattr(args, "window_size", None) is not None:
+        fail("--estimate", "on", f"cannot cost --window_size {args.window_size}: libtpu's "
+             "static profile does not count the masked kernel path's work (its sub-tile "
+             "branches on table data); run the dry run without --estimate")
+
+
 def check_aot_export(args) -> None:
     """``--aot_export`` against the other flags.
 
