@@ -220,7 +220,7 @@ def _damage_payload(directory):
     ("source", "stale: the program sources changed"),
     ("version", "version mismatch (jax "),
     ("flag", "settings changed (bq)"),
-    # another GEMM library on a GPU is other code (seen on an H200: a Triton build loaded)
+    # other flags are other code (seen on an H200: a Triton GEMM build loaded)
     ("compiler_flags", "compiler flags changed ("),
     ("corrupt", "corrupt payload (sha256 differs)"),
     ("header", "unreadable header"),
@@ -242,7 +242,7 @@ def test_a_mismatched_entry_is_a_named_miss_then_a_compile(mesh, tmp_path, monke
         settings = dict(settings, bq=256)
     elif change == "compiler_flags":
         monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
-                           + " --xla_gpu_enable_triton_gemm=false")
+                           + " --xla_cpu_enable_fast_math=false")
     elif change == "corrupt":
         _damage_payload(tmp_path)
     elif change == "writable":
@@ -261,10 +261,15 @@ def test_a_mismatched_entry_is_a_named_miss_then_a_compile(mesh, tmp_path, monke
     assert (healed["compiled"], healed["loaded"]) == (0, 1)
 
 
-def test_dump_flags_are_not_part_of_the_key():
-    env = {"XLA_FLAGS": "--xla_b=1 --xla_dump_to=/x --xla_dump_hlo_as_text --xla_a",
+def test_the_key_holds_the_flags_that_change_the_platforms_code():
+    env = {"XLA_FLAGS": "--xla_b=1 --xla_dump_to=/x --xla_dump_hlo_as_text --xla_a "
+                        "--xla_gpu_enable_triton_gemm=false",
            "LIBTPU_INIT_ARGS": "--xla_jf_dump_static_llo_profile_to=/p --xla_c=0"}
-    assert executables.compiler_flags(env) == ["--xla_a", "--xla_b=1", "--xla_c=0"]
+    gpu = "--xla_gpu_enable_triton_gemm=false"
+    assert executables.compiler_flags(env) == ["--xla_a", "--xla_b=1", "--xla_c=0", gpu]
+    assert executables.compiler_flags(env, "tpu") == ["--xla_a", "--xla_b=1", "--xla_c=0"]
+    assert executables.compiler_flags(env, "gpu") == ["--xla_a", "--xla_b=1", gpu]
+    assert executables.compiler_flags(env, "cpu") == ["--xla_a", "--xla_b=1"]
     assert executables.compiler_flags({}) == []
 
 

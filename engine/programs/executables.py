@@ -112,22 +112,31 @@ def versions() -> dict:
     return out
 
 
-def compiler_flags(env=os.environ) -> list[str]:
-    """The compiler's flags from ``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, sorted, without the
-    dump flags (``--xla_dump*``, ``--xla_jf_dump*``: they write files, not code; the dry
-    run's estimate sets them, and its exported programs must match a run's key).
+def compiler_flags(env=os.environ, platform: str | None = None) -> list[str]:
+    """The compiler's flags that can change ``platform``'s code, sorted: ``XLA_FLAGS`` (its
+    ``--xla_gpu_*`` ones only on a GPU) and, on a TPU, ``LIBTPU_INIT_ARGS``; never the dump
+    flags (``--xla_dump*``, ``--xla_jf_dump*``: they write files, not code; the dry run's
+    estimate sets them, and its exported programs must match a run's key). ``platform``
+    None keeps every flag.
 
     Part of every entry's key: a program compiled under other flags is other code (on an
     H200, ``--xla_gpu_enable_triton_gemm=false`` changes every GEMM's kernel; before this
     was keyed, a run with that flag loaded the Triton build and its frames and s/step were
-    the first run's, 2026-11-27)."""
-    tokens = f"{env.get('XLA_FLAGS', '')} {env.get('LIBTPU_INIT_ARGS', '')}".split()
-    return sorted(t for t in tokens if "_dump" not in t.split("=")[0])
+    the first run's, 2026-11-27). ``--quantize fp8`` sets that flag on every platform
+    (``engine.weights.quantize.prefer_cublas_fp8``), so a TPU's key must not see it: a
+    dry run's exported fp8 programs would never match."""
+    tokens = env.get("XLA_FLAGS", "").split()
+    if platform in (None, "tpu"):
+        tokens += env.get("LIBTPU_INIT_ARGS", "").split()
+    gpu = platform in (None, "gpu", "cuda", "rocm")
+    return sorted(t for t in tokens if "_dump" not in t.split("=")[0]
+                  and (gpu or not t.startswith("--xla_gpu")))
 
 
 def run_parts(settings: dict, devices) -> dict:
     """The header parts every entry of a run shares (JSON values)."""
-    return dict(source=source_digest(), versions=versions(), compiler_flags=compiler_flags(),
+    return dict(source=source_digest(), versions=versions(),
+                compiler_flags=compiler_flags(platform=devices[0].platform),
                 platform=devices[0].platform, device_kind=devices[0].device_kind,
                 device_count=len(devices), processes=jax.process_count(),
                 settings=json.loads(json.dumps(settings, sort_keys=True, default=str)))
