@@ -104,7 +104,7 @@ from engine.dry_run.hlo import (  # noqa: F401 (parse_textproto, profile_ops: es
 from engine.files.checkpoint import PROJECT_ROOT, read_component_config
 from engine.run import chips, runtime
 from engine.weights import sharding as sharding_mod
-from splash import svg
+from splash import sdpa, svg
 from splash.blocks import fit_block_sizes, vmem_limit_bytes
 from splash.mask_info import InfoLayout
 
@@ -539,7 +539,10 @@ def _block_calls(config, family, cfg: dict, mesh, placed) -> list:
             if isinstance(x, torch.Tensor) else x
 
     def record(_module, args, kwargs):
-        seen.append((*jax.tree.map(abstract, (args, kwargs)), list(kwargs)))
+        # Under the sparse scope, sequence parallelism's padding declaration too (the band
+        # runs on the real tokens; the dense estimate keeps its unmasked padded keys).
+        pad = sdpa.declared_key_padding() if svg.active_scope() is not None else None
+        seen.append((*jax.tree.map(abstract, (args, kwargs)), list(kwargs), pad))
 
     blocks = getattr(placed["module"]._model, family.transformer.block_stack.attr)
     handle = blocks[0].register_forward_pre_hook(record, with_kwargs=True)
@@ -549,10 +552,11 @@ def _block_calls(config, family, cfg: dict, mesh, placed) -> list:
     finally:
         handle.remove()
     calls = {}
-    for args, kwargs, order in seen:
+    for args, kwargs, order, pad in seen:
         leaves, tree = jax.tree.flatten((args, kwargs))
-        key = repr((tree, leaves, order))
-        calls.setdefault(key, dict(args=args, kwargs=kwargs, order=order, count=0))["count"] += 1
+        key = repr((tree, leaves, order, pad))
+        calls.setdefault(key, dict(args=args, kwargs=kwargs, order=order, padding=pad,
+                                   count=0))["count"] += 1
     return list(calls.values())
 
 
@@ -607,8 +611,8 @@ def _compile_block(config, family, mesh, shape, placed, call: dict) -> tuple:
     out_sh = out_sh[0] if stack.carry == 1 else tuple(out_sh)
 
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
-    calls = []
-    with stub_attention_kernel(calls):
+    calls, pad = [], call.get("padding")
+    with stub_attention_kernel(calls), _declared(pad):
         t0 = time.perf_counter()
         def estimate_block(*a):  # names the module, for the HLO dump (``block_hlo_text``)
             return interop.jax_view(block)(*a)
@@ -618,6 +622,17 @@ def _compile_block(config, family, mesh, shape, placed, call: dict) -> tuple:
             out_shardings=out_sh).lower(
             placed["params"], placed["buffers"], *sharded).compile()
     return compiled, time.perf_counter() - t0, calls
+
+
+@contextlib.contextmanager
+def _declared(pad):
+    """Within: ``pad`` (a ``KeyPadding`` or None) declared as the step declares it."""
+    token = None if pad is None else sdpa.pad_self_attention_keys(*pad)
+    try:
+        yield
+    finally:
+        if token is not None:
+            sdpa.unpad_self_attention_keys(token)
 
 
 _SUMMED = ("linear_s", "other_s", "other_hbm_floor_s", "hbm_bound_s", "flops",
