@@ -1055,7 +1055,8 @@ def sparse_steps(block: dict, sparse_blocks: dict, kernels: dict, *, chip: str, 
             + n * one["seconds_per_step"], sparse_layers=n, dense_layers=layers - n,
             sparse_layer_s=one["seconds_per_step"], dense_layer_s=dense["seconds_per_step"],
             sparse_layer_parts=one["parts"], sparse_layer_attention=one["attention"],
-            compile_s=sb["compile_s"])
+            sparse_layer_top_ops=sb["top_ops"], sparse_layer_collectives=one["collectives"],
+            dense_layer_parts=dense["parts"], compile_s=sb["compile_s"])
     return out
 
 
