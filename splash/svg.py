@@ -247,16 +247,10 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
                          f" got q {tuple(q.shape)}, k {tuple(k.shape)}")
     mask = scope.mask
     which = route(q, k, v, sample_rows(f * p), mask, f, p, scale)
-    temporal = (which == TEMPORAL)[:, :, None]  # (batch, heads, 1)
-    # One row gather per tensor, the row order chosen per head: the estimate charged the
-    # jnp.where over both orders (two transposes and a select per tensor) 10.3 ms of copies
-    # per Wan 14B 720p layer on v6e against 1.9 ms for a gather (benchmarks/svg_results.md).
-    t = np.arange(f * p)
-    to_pm = jnp.where(temporal, jnp.asarray((t % f) * p + t // f, jnp.int32), t)
-    to_fm = jnp.where(temporal, jnp.asarray(position_major_index(t, f, p), jnp.int32), t)
+    temporal = (which == TEMPORAL)[:, :, None, None]
 
-    def gather(x, index):  # (B, H, N, D) rows in ``index``'s (B, H, N) order
-        return jnp.take_along_axis(x, index[..., None], axis=2)
+    def order(x):  # the temporal heads position-major, the spatial ones as they are
+        return jnp.where(temporal, to_position_major(x, f, p), x)
 
-    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask)
-    return gather(out, to_fm)
+    out = attend(order(q), order(k), order(v), mask)
+    return jnp.where(temporal, to_frame_major(out, f, p), out)
