@@ -105,7 +105,6 @@ from splash.sdpa import (
 from splash.sdpa import declared_tail as _declared_tail
 from splash.sdpa import key_segment_ids as _key_segment_ids
 from splash.sdpa import real_keys as _real_keys
-from splash.sharded import choose_layout as _choose_layout
 from splash.sharded import sharded_attention as _sharded_attention
 from splash.sharded import ulysses_to_heads as _ulysses_to_heads  # noqa: F401
 from splash.sharded import ulysses_to_tokens as _ulysses_to_tokens  # noqa: F401
@@ -390,18 +389,6 @@ def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real
     n = q.shape[2]
     if tail is not None:
         q, k, v = (x[:, :, :tail] for x in (q, k, v))
-    scope, mesh = _svg.active_scope(), routing["mesh"]
-    if mesh is not None and q.shape[0] % mesh.shape["dp"] == 0 and q.shape[1] % mesh.shape[
-            "tp"] == 0 and _choose_layout(mesh, q.shape, k.shape[2]) in ("heads", "ulysses"):
-        # Routing and permutation per device, on the whole sequences the layout gives each
-        # device: on the token-sharded global arrays XLA gathered them (Wan 14B 720p,
-        # v6e:2x4: 2.3 GB of all-gathers and 19.6 ms per layer, the step 2.750 s, estimated)
-        out = _sharded_attention(
-            q, k, v, mesh=mesh, options=options, scale=scale, interpret=routing["interpret"],
-            around=lambda q, k, v, attend: _svg.sparse_attention(q, k, v, scope, attend,
-                                                                 scale=scale))
-        return out if tail is None else jax.numpy.pad(
-            out, ((0, 0), (0, 0), (0, n - tail), (0, 0)))
 
     def attend(q, k, v, mask):
         return _splash_route(q, k, v, "splash", dataclasses.replace(options, mask=mask),

@@ -4,8 +4,6 @@ DeepSpeed-Ulysses (all-to-alls over "sp") or q-sequence-parallel, chosen from th
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -103,22 +101,13 @@ def mask_index_spec(layout: str):
 def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                       segment_ids=None, interpret: bool = False, kernel_name: str = "splash",
                       real_keys_before: int = 0, valid_kv_len: int | None = None,
-                      mask_index=None, around=None) -> jax.Array:
+                      mask_index=None) -> jax.Array:
     """``kernel.attention`` (or the stock kernel) under ``jax.shard_map``; the public
-    ``sharded_splash_attention`` documents the arguments, layouts and errors.
-
-    ``around`` (``splash`` kernel, "heads" and "ulysses" layouts only: each device then holds
-    whole sequences of its heads): ``(q, k, v, attend) -> out`` runs per device on those
-    whole sequences, with ``attend(q, k, v, mask)`` the kernel call under ``mask``. SVG's
-    routing and token permutation run there (``splash.svg.sparse_attention``), so XLA never
-    gathers the token-sharded arrays for them. ValueError for another layout."""
+    ``sharded_splash_attention`` documents the arguments, layouts and errors."""
     check_shapes(q, k, v)
     _check(options, kernel_name, valid_kv_len)
     mask_index = check_mask_index(options.mask, mask_index, *q.shape[:2])
     layout = choose_layout(mesh, q.shape, k.shape[2])
-    if around is not None and (layout not in ("heads", "ulysses") or kernel_name != "splash"):
-        raise ValueError(f"around: expected the 'heads' or 'ulysses' layout of the splash "
-                         f"kernel, got {layout!r} ({kernel_name})")
     sp = mesh.shape["sp"]
     q_spec, kv_spec, q_ids_spec, kv_ids_spec = _specs(layout)
     segment_ids = as_segment_ids(segment_ids)
@@ -130,16 +119,10 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
         if layout == "ulysses":
             # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
             # receive every device's sequence shard of our head group, in sequence order.
-            if kernel_name == "splash" and around is None:
+            if kernel_name == "splash":
                 q = fold_scale(q, softmax_scale(q.shape[3], scale))
             q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
-        if around is not None:
-            def attend(q, k, v, mask):
-                return kernel.attention(q, k, v, dataclasses.replace(options, mask=mask),
-                                        scale=scale, interpret=interpret)
-
-            out = around(q, k, v, attend)
-        elif kernel_name == "stock_splash":
+        if kernel_name == "stock_splash":
             out = stock_splash_attention(q, k, v, scale=scale, block_sizes=options.block_sizes,
                                          segment_ids=seg, interpret=interpret)
         else:
