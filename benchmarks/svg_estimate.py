@@ -53,24 +53,21 @@ permutation and routing programs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
-from engine.dry_run.masked_cost import (  # noqa: E402, F401 (the tests read them here)
-    TileCounts,
-    class_costs,
-    sparse_call_cycles,
-    tile_counts,
-)
 from splash.blocks import BlockSizes, default_block_sizes, fit_block_sizes  # noqa: E402
 from splash.mask import EMPTY, FULL, PARTIAL, Mask  # noqa: E402
+from splash.mask_info import build_mask_info  # noqa: E402
 from splash.svg import band_tokens, svg_mask  # noqa: E402
 
 # Wan 2.1 T2V 14B / each Wan 2.2 A14B expert, 720p x 81: 21 latent frames of 45 x 80 / 2x2
@@ -104,12 +101,108 @@ GOALS = dict(sparse_step_v6e=1.8, average_v6e=2.1, average_tpu7x=1.70, a14b_spee
 # ---------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class TileCounts:
+    """One head's grid under a mask at fitted blocks, read from the kernel's host table.
+
+    Attributes:
+        q_blocks, kv_blocks, num_sub: the tiling (kv_blocks: of the dense grid).
+        grid_kv_steps: the sparse grid's kv axis (the largest visit count).
+        visited: (q block, kv block) steps with work, summed over q blocks.
+        full_subs, partial_subs: visited sub-tiles of each class (the rest are skipped).
+    """
+
+    q_blocks: int
+    kv_blocks: int
+    num_sub: int
+    grid_kv_steps: int
+    visited: int
+    full_subs: int
+    partial_subs: int
+
+    @property
+    def visited_density(self) -> float:
+        """Visited tiles / all tiles of the dense grid."""
+        return self.visited / (self.q_blocks * self.kv_blocks)
+
+    @property
+    def grid_density(self) -> float:
+        """Grid steps of the sparse call / of the dense call."""
+        return self.grid_kv_steps / self.kv_blocks
+
+    @property
+    def sub_tile_density(self) -> float:
+        """Computed sub-tiles / all sub-tiles of the dense grid."""
+        return (self.full_subs + self.partial_subs) / (
+            self.q_blocks * self.kv_blocks * self.num_sub)
+
+
+def tile_counts(mask, seq: int, bs: BlockSizes) -> TileCounts:
+    """``TileCounts`` of ``mask`` on a ``seq`` x ``seq`` self-attention at ``bs`` (fitted
+    here as the kernel fits them), from ``build_mask_info``'s table."""
+    fitted = fit_block_sizes(bs, seq, seq)
+    info = build_mask_info(mask, seq, seq, fitted)
+    lay, row = info.layout, info.table[0]
+    nq, steps, num_sub = lay.num_q_blocks, lay.num_kv_steps, lay.num_sub
+    count = row[1:1 + nq]
+    base = 1 + nq * (1 + steps)
+    classes = row[base:base + nq * steps * num_sub].reshape(nq, steps, num_sub)
+    return TileCounts(q_blocks=nq, kv_blocks=-(-seq // fitted.block_kv), num_sub=num_sub,
+                      grid_kv_steps=steps, visited=int(count.sum()),
+                      full_subs=int((classes == FULL).sum()),
+                      partial_subs=int((classes == PARTIAL).sum()))
+
+
 def score_density(mask, seq: int) -> float:
     """Exact fraction of the seq x seq scores ``mask`` (an ``AnchoredBandMask``) keeps."""
     i = np.arange(seq, dtype=np.int64)
     lo, hi = np.maximum(i - mask.window, 0), np.minimum(i + mask.window, seq - 1)
     anchor_outside = np.minimum(mask.anchor, lo)  # anchor keys left of the band
     return float(((hi - lo + 1) + anchor_outside).sum()) / seq**2
+
+
+def sparse_call_cycles(counts: TileCounts, cost: dict, *, batch: int, heads: int) -> float:
+    """Estimated cycles of one sparse call (grid (batch, heads, q_blocks, grid_kv_steps)):
+    per q block ``cost["per_q_block"]``, per grid step ``cost["step"]`` (a skip step's
+    overhead, paid by every step), per visited sub-tile ``cost["full"]`` or
+    ``cost["partial"]`` by its class."""
+    per_head = (counts.q_blocks * cost["per_q_block"]
+                + counts.q_blocks * counts.grid_kv_steps * cost["step"]
+                + counts.full_subs * cost["full"] + counts.partial_subs * cost["partial"])
+    return batch * heads * per_head
+
+
+def class_costs(profiles: dict, num_sub: int, block_q: int | None = None) -> dict:
+    """Cost model of the masked path from its static-class profiles (cycles of grids of Q
+    q blocks x K kv blocks, keyed "<class> QxK": "full 2x2", "full 2x3", "empty 2x2",
+    "full 1x2", "partial 1x2").
+
+    FULL's two 2 x K grids split into a per-step slope and a per-q-block rest, as
+    ``estimate.grid_cost`` does; EMPTY (a step with every sub-tile skipped) shares that rest
+    (init and finish do not depend on the class). PARTIAL is FULL plus the mask's work,
+    taken from one q block: libtpu's profile of the masked sub-tile on two q blocks of
+    4,736 rows outgrew 8 GB of host memory (as it does for segment ids,
+    ``estimate.MASKED_PROFILE_MAX_BLOCK_Q``), and on one q block the same grids differ by
+    that work alone. Where that profile overflowed VMEM under the profile flag (tpu7x), the
+    mask's work is taken from the same pair of grids at two smaller block_q ("full 1x2
+    q<rows>", "partial 1x2 q<rows>") and extrapolated linearly to ``block_q`` (it is
+    elementwise work on the (block_kv_compute, block_q) score tile), as
+    ``estimate.reduced_q_cost`` does for segment ids. Returns cycles: per_q_block, step
+    (EMPTY's per step: the overhead of any grid step), full and partial (per computed
+    sub-tile, above the step's)."""
+    full_step = (profiles["full 2x3"] - profiles["full 2x2"]) / 2
+    per_q_block = profiles["full 2x2"] / 2 - 2 * full_step
+    step = (profiles["empty 2x2"] / 2 - per_q_block) / 2
+    full = (full_step - step) / num_sub
+    if "partial 1x2" in profiles:
+        mask_work = (profiles["partial 1x2"] - profiles["full 1x2"]) / (2 * num_sub)
+    else:
+        rows = sorted(int(k.split(" q")[1]) for k in profiles if k.startswith("partial 1x2 q"))
+        lo, hi = rows[0], rows[-1]
+        work = {r: (profiles[f"partial 1x2 q{r}"] - profiles[f"full 1x2 q{r}"]) / (2 * num_sub)
+                for r in (lo, hi)}
+        mask_work = work[lo] + (block_q - lo) * (work[hi] - work[lo]) / (hi - lo)
+    return dict(per_q_block=per_q_block, step=step, full=full, partial=full + mask_work)
 
 
 def sparse_step(dense_step: float, dense_self: float, sparse_layer: float,
@@ -160,12 +253,41 @@ def a14b_experts(steps: int = A14B_STEPS) -> list[int]:
 
 def _profiled_cycles(topology: str, bs: BlockSizes, *, q_blocks: int, kv_blocks: int, mask,
                      cls) -> int:
-    """``estimate.profiled_cycles`` on device 0 of ``topology`` at the call's head_dim."""
-    from engine.dry_run import estimate
+    """Cycles of our kernel on a ``q_blocks`` x ``kv_blocks`` grid (1 head, bf16, head_dim 128) from
+    libtpu's static profile: unmasked (``mask`` None, the dense path) or with ``mask`` and
+    every sub-tile's class ``cls`` made static (None: read from the table, as it runs).
+    Mirrors ``estimate.kernel_cycles``, which knows no mask but ``LocalMask``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    return estimate.profiled_cycles(estimate.topology_device(topology), bs, q_blocks=q_blocks,
-                                    kv_blocks=kv_blocks, mask=mask, cls=cls,
-                                    head_dim=CALL["head_dim"])
+    from custom_splash_attention import KERNEL_NAME, AttentionOptions, splash_attention
+    from engine.dry_run import estimate
+    from splash.blocks import vmem_limit_bytes
+    from splash.mask_info import InfoLayout
+
+    q_len, kv_len = q_blocks * bs.block_q, kv_blocks * bs.block_kv
+    assert fit_block_sizes(bs, q_len, kv_len) == bs, bs
+    rep = NamedSharding(Mesh(np.array([estimate.topology_device(topology)]), ("x",)), P())
+    args = [jax.ShapeDtypeStruct((1, 1, n, CALL["head_dim"]), jnp.bfloat16, sharding=rep)
+            for n in (q_len, kv_len, kv_len)]
+    vmem = vmem_limit_bytes(bs, CALL["head_dim"], 2, margin=1)
+    options = AttentionOptions(block_sizes=bs, mask=mask)
+
+    def fn(q, k, v):
+        return splash_attention(q, k, v, options=options, vmem_limit_bytes=vmem)
+
+    static = (contextlib.nullcontext() if cls is None
+              else mock.patch.object(InfoLayout, "tile_class", lambda *a, **k: cls))
+    path = estimate.clear_profile()
+    with static:
+        jax.jit(fn).lower(*args).compile()
+    cycles = sum(op["cycles"] for op in estimate.read_profile(path) if KERNEL_NAME in op["name"])
+    estimate.release_compile_memory()
+    if not cycles:
+        raise RuntimeError(f"no {KERNEL_NAME} op in the static profile of {path}")
+    return cycles
 
 
 # (class, static class or None for the table's own, q blocks, kv blocks): what

@@ -100,8 +100,7 @@ def scaled_step(k: int, steps: int, reference: int) -> int:
 def _refuse_combinations(args, family) -> None:
     """The one-line refusals of ``--sparse svg`` with what it cannot run with."""
     given = "svg"
-    # A dry run resolves --attention auto to splash (engine.dry_run.fit); a run may not.
-    if args.attention != "splash" and not (args.dry_run and args.attention == "auto"):
+    if args.attention != "splash":
         fail("--sparse", given, f"needs --attention splash (our kernel runs SVG's masks), got "
              f"--attention {args.attention}")
     if args.cache not in (None, "none") or args.enable_cache:
@@ -111,7 +110,7 @@ def _refuse_combinations(args, family) -> None:
                      ("--no_scan_layers", args.scan_layers is False),
                      ("--serve", bool(args.serve)),
                      ("--sr", getattr(args, "sr", "none") != "none"),
-                     ("--aot_export", bool(getattr(args, "aot_export", None)))):
+                     ("--dry_run", args.dry_run)):
         if on:
             fail("--sparse", given, f"cannot be combined with {flag} yet")
     if family.transformer.sparse_policy is None:
@@ -175,18 +174,6 @@ class StepPlan:
         return dict(experts=list(self.experts), programs=list(self.programs),
                     sparse_steps=sum(p != DENSE for p in self.programs))
 
-    def average_seconds(self, dense_s: float, sparse_s: dict) -> float:
-        """Mean seconds per step over the plan: ``dense_s`` for a dense step,
-        ``sparse_s[key]`` for a step of sparse program ``key``.
-
-        Raises:
-            KeyError: a sparse program of the plan missing from ``sparse_s``.
-            ValueError: an empty plan."""
-        if not self.programs:
-            raise ValueError("average_seconds: the plan has no steps")
-        return sum(dense_s if p == DENSE else sparse_s[p]
-                   for p in self.programs) / len(self.programs)
-
 
 class PlannedStep:
     """The loop's model call when steps differ in program: ``at_timestep(t)`` finds the
@@ -239,10 +226,10 @@ class PlannedStep:
 
 
 def compile_sparse_programs(config, placed: dict, mesh, fn, latents, timestep, inputs,
-                            timings: dict, seconds_by_key: dict | None = None) -> dict:
+                            timings: dict) -> dict:
     """{key: compiled} of the run's sparse step programs (one per distinct expert density),
     each traced under its ``splash.svg.sparse_scope``; adds ``compile_transformer_sparse_s``
-    to ``timings`` and each program's compile seconds to ``seconds_by_key`` if given."""
+    to ``timings``."""
     out, seconds = {}, 0.0
     sparse = config.sparse
     for e in range(len(sparse.densities)):
@@ -254,8 +241,6 @@ def compile_sparse_programs(config, placed: dict, mesh, fn, latents, timestep, i
             out[key], s = compile_step(placed, mesh, fn, latents, timestep, inputs,
                                        extra=dict(sparse=dataclasses.asdict(scope)))
         seconds += s
-        if seconds_by_key is not None:
-            seconds_by_key[key] = s
     timings["compile_transformer_sparse_s"] = seconds
     return out
 
