@@ -254,22 +254,3 @@ def test_two_experts_per_expert_density(two_experts_8h):
     swapped = _reference(two_experts_8h, Swapped, shape=SHAPE22, grid=GRID22,
                          guidance_scale_2=3.0)
     assert np.abs(swapped - ref).max() > 10 * max(err, 1e-4)
-
-
-def test_warmup_runs_every_program_of_the_plan_once():
-    """A dense warmup prefix gets one more step per program it leaves out, so the timed runs
-    never make a program's first call (Wan 2.1: 10 of 50 steps dense, warmup 2)."""
-    from engine.programs.sparse import PlannedStep, StepPlan
-
-    calls = {k: (lambda k=k: k) for k in ("dense", "svg0.5", "svg0.2")}
-    one = StepPlan((0,) * 6, ("dense",) * 3 + ("svg0.5",) * 3)
-    step = PlannedStep(calls, one, [900.0, 800, 700, 600, 500, 400], sparse=None)
-    warm, n = step.for_warmup(2)
-    assert n == 3 and warm.plan.programs[:3] == ("dense", "dense", "svg0.5")
-    assert warm.at_timestep(700.0)() == "svg0.5" and step.at_timestep(700.0)() == "dense"
-    assert step.for_warmup(4)[1] == 4  # the prefix already holds both programs
-    two = StepPlan((0, 0, 0, 1, 1, 1), ("dense", "dense", "svg0.5", "svg0.2", "svg0.2",
-                                        "svg0.2"))
-    warm, n = PlannedStep(calls, two, [900.0, 800, 700, 600, 500, 400], None).for_warmup(1)
-    assert n == 3 and warm.plan.programs[:3] == ("dense", "svg0.5", "svg0.2")
-    assert warm.plan.experts == two.experts

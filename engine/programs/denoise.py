@@ -227,14 +227,11 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
         return {}
     out, t0, latents = {}, time.perf_counter(), latents0
     if programs.step is not None:
-        schedule, limit = None, warmup_steps
+        schedule = None
         if programs.cache is not None:  # both cache programs run: full, then cached
             schedule = programs.cache.warmup_schedule(warmup_steps, num_inference_steps)
-            limit = len(schedule)
-        if hasattr(programs.step, "for_warmup"):  # a step plan: each of its programs once
-            step, limit = programs.step.for_warmup(warmup_steps)
-            programs = dataclasses.replace(programs, step=step)
-        loop = _fresh_loop(programs, num_inference_steps, limit=limit)
+        loop = _fresh_loop(programs, num_inference_steps,
+                           limit=warmup_steps if schedule is None else len(schedule))
         latents = _denoise_now(programs, loop, latents0, desc="warmup",
                                call=_model_call(programs, schedule))
         out.update(warmup_denoise_s=time.perf_counter() - t0, warmup_steps=len(loop[1]))

@@ -13,7 +13,6 @@ loop's model call that follows it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -187,19 +186,6 @@ class PlannedStep:
         self.index = {float(t): i for i, t in enumerate(timesteps)}
         first = next(iter(programs.values()))
         self.schedule = getattr(first, "schedule", None)  # the experts' (for reports)
-
-    def for_warmup(self, steps: int) -> tuple[PlannedStep, int]:
-        """The warmup's plan: the run's first ``steps`` steps, then one more step for each
-        program they leave out (a sparse program behind a dense warmup), so the warmup
-        runs every compiled program once and the timed runs measure steady state. Each
-        step keeps the run's expert. Returns (the planned step, its step count)."""
-        progs = list(self.plan.programs[:steps])
-        progs += [p for p in dict.fromkeys(self.plan.programs) if p not in progs]
-        progs = progs[:len(self.plan.programs)]
-        warm = copy.copy(self)
-        warm.plan = StepPlan(self.plan.experts,
-                             tuple(progs) + self.plan.programs[len(progs):])
-        return warm, len(progs)
 
     def at_timestep(self, t):
         step = self.programs[self.plan.programs[self.index[float(t)]]]
