@@ -254,9 +254,6 @@ SLOW = {
         "| test_sparse_svg.py::test_default_density_equals_eager_svg_reference",
     "test_sparse_svg.py::test_two_experts_per_expert_density":
         "| test_sparse_svg.py::test_default_density_equals_eager_svg_reference",
-    # ~30 s; CI keeps the eager-reference test, whose routing and masks it would catch
-    "test_sparse_svg.py::test_density_one_equals_dense":
-        "| test_sparse_svg.py::test_default_density_equals_eager_svg_reference",
     # 2026-11-27: per-head masks through Mosaic, a 43 s deviceless compile (issue 53).
     "test_tpu_compile.py::test_head_masks_lower_through_mosaic":
         "| test_splash_head_masks.py (interpret mode)",
