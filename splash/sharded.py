@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from splash import kernel
 from splash.kernel import check_shapes, expect_shape, fold_scale, softmax_scale
-from splash.mask import SegmentIds, as_segment_ids, check_mask_index
+from splash.mask import SegmentIds, as_segment_ids
 from splash.options import SPLASH_KERNELS, AttentionOptions
 from splash.stock import stock_splash_attention
 
@@ -91,28 +91,19 @@ def _specs(layout: str):
     return P("dp", "tp", "sp", None), P("dp", "tp", None, None), P("dp", "sp"), P("dp", None)
 
 
-def mask_index_spec(layout: str):
-    """The ``HeadMasks`` index's (batch, heads) spec: the heads the kernel runs on each
-    device. Ulysses' all-to-all hands sp device j head group j of its tp shard, which is
-    block (t * sp + j) of ("tp", "sp"), as in the head-parallel layout."""
-    return P("dp", "tp") if layout == "q_sequence" else P("dp", ("tp", "sp"))
-
-
 def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                       segment_ids=None, interpret: bool = False, kernel_name: str = "splash",
-                      real_keys_before: int = 0, valid_kv_len: int | None = None,
-                      mask_index=None) -> jax.Array:
+                      real_keys_before: int = 0, valid_kv_len: int | None = None) -> jax.Array:
     """``kernel.attention`` (or the stock kernel) under ``jax.shard_map``; the public
     ``sharded_splash_attention`` documents the arguments, layouts and errors."""
     check_shapes(q, k, v)
     _check(options, kernel_name, valid_kv_len)
-    mask_index = check_mask_index(options.mask, mask_index, *q.shape[:2])
     layout = choose_layout(mesh, q.shape, k.shape[2])
     sp = mesh.shape["sp"]
     q_spec, kv_spec, q_ids_spec, kv_ids_spec = _specs(layout)
     segment_ids = as_segment_ids(segment_ids)
 
-    def local(q, k, v, seg, mask_index):
+    def local(q, k, v, seg):
         q_shard = None
         if layout == "q_sequence":  # masks use global query positions
             q_shard = (lax.axis_index("sp"), sp)
@@ -129,18 +120,16 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
             out = kernel.attention(q, k, v, options, scale=scale, segment_ids=seg,
                                    interpret=interpret, q_shard=q_shard,
                                    real_keys_before=real_keys_before,
-                                   valid_kv_len=valid_kv_len, q_scaled=layout == "ulysses",
-                                   mask_index=mask_index)
+                                   valid_kv_len=valid_kv_len, q_scaled=layout == "ulysses")
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
             out = ulysses_to_tokens(out, sp)
         return out
 
     seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
-    index_spec = None if mask_index is None else mask_index_spec(layout)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, seg_spec, index_spec),
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
         out_specs=q_spec,
         check_vma=False,  # pallas_call carries no varying-manual-axes annotations
-    )(q, k, v, segment_ids, mask_index)
+    )(q, k, v, segment_ids)

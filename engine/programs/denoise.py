@@ -33,8 +33,7 @@ class Programs:
     step: compiled model call ``(latents, t, embeds) -> noise prediction`` (weights bound),
         or an object whose ``at_timestep(host t)`` returns one
         (``engine.programs.experts.ExpertStep``: a two-expert model's weights chosen per step,
-        one compiled program; ``engine.programs.sparse.PlannedStep``: dense and sparse
-        programs, and the expert, chosen per step by its ``StepPlan``).
+        one compiled program).
     scheduler_config: the diffusers scheduler's config; a fresh scheduler is built from it
         per run (its ``_class_name`` names the class).
     sigmas: optional ``f(num_inference_steps) -> sigmas`` for ``set_timesteps`` (the
@@ -119,7 +118,7 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds):
     on JAX arrays through torchax (its float32 math is exactly upstream's). Returns the next
     float32 latents as a ``jax.Array`` (not yet synchronised)."""
     env = torchax.default_env()
-    if hasattr(step, "at_timestep"):  # the host picks the program / expert per step
+    if hasattr(step, "at_timestep"):  # two experts: the host picks one (engine/programs/experts.py)
         step = step.at_timestep(t_torch)
     noise_pred = step(latents, t, embeds)
     with env:
