@@ -59,8 +59,10 @@ def main(argv=None) -> int:
     print(f"device: {rows[0]['device']}; other's XLA_FLAGS: '{args.xla_flags}'")
     print("| run | s/step | cold start s | peak device GiB |")
     print("|---|---|---|---|")
+    def fmt(v, spec):
+        return "n/a" if v is None else format(v, spec)
+
     for r in rows:
-        fmt = (lambda v, s: "n/a" if v is None else format(v, s))
         print(f"| {r['quantize']} | {fmt(r['s_per_step'], '.3f')} | "
               f"{fmt(r['cold_start_s'], '.1f')} | {fmt(r['peak_gib'], '.2f')} |")
     if rows[0]["s_per_step"] and rows[1]["s_per_step"]:
