@@ -11,7 +11,8 @@ state). Public API:
 * ``sharded_splash_attention(q, k, v, *, mesh, options, ...)``: the same under
   ``jax.shard_map`` on a ("dp", "tp", "sp") mesh (heads, Ulysses or q-sequence layout).
 * ``AttentionOptions`` (blocks, K smoothing, mask); ``BlockSizes``, ``default_block_sizes``,
-  ``DEFAULT_BLOCK_SIZES``; masks ``LocalMask`` (and the ``Mask`` protocol for new ones);
+  ``DEFAULT_BLOCK_SIZES``; masks ``LocalMask`` (and the ``Mask`` protocol for new ones),
+  ``HeadMasks`` (one of a few masks per (batch, head), picked by a data index);
   ``SegmentIds``.
 * ``install_sdpa_override(env, *, attention, ...)``: route torch SDPA in a torchax
   environment to "xla", "splash", "stock_splash" or "cudnn"; ``default_attention_backend()``;
@@ -36,6 +37,7 @@ import functools
 import jax
 import torch
 
+from splash import svg as _svg
 from splash.blocks import (
     DEFAULT_BLOCK_SIZES,
     NUM_LANES,
@@ -67,7 +69,17 @@ from splash.kernel import attention as _kernel_attention
 from splash.kernel import check_shapes as _check_shapes  # noqa: F401
 from splash.kernel import fold_scale as _fold_scale  # noqa: F401
 from splash.kernel import smooth_keys as _smooth_keys
-from splash.mask import EMPTY, FULL, PARTIAL, REAL_SEGMENT_ID, LocalMask, Mask, SegmentIds
+from splash.mask import (
+    EMPTY,
+    FULL,
+    MAX_HEAD_MASKS,
+    PARTIAL,
+    REAL_SEGMENT_ID,
+    HeadMasks,
+    LocalMask,
+    Mask,
+    SegmentIds,
+)
 from splash.mask import as_segment_ids as _as_segment_ids  # noqa: F401
 from splash.mask import band_mask as _band_mask  # noqa: F401
 from splash.options import ATTENTION_BACKENDS, SPLASH_KERNELS, AttentionOptions
@@ -93,6 +105,7 @@ from splash.sdpa import (
 from splash.sdpa import declared_tail as _declared_tail
 from splash.sdpa import key_segment_ids as _key_segment_ids
 from splash.sdpa import real_keys as _real_keys
+from splash.sharded import choose_layout as _choose_layout
 from splash.sharded import sharded_attention as _sharded_attention
 from splash.sharded import ulysses_to_heads as _ulysses_to_heads  # noqa: F401
 from splash.sharded import ulysses_to_tokens as _ulysses_to_tokens  # noqa: F401
@@ -100,7 +113,8 @@ from splash.stock import stock_splash_attention
 
 __all__ = [
     "ATTENTION_BACKENDS", "DEFAULT_BLOCK_SIZES", "EMPTY", "FULL", "KERNEL_NAME", "LOG2_E",
-    "NUM_LANES", "NUM_SUBLANES", "PARTIAL", "REAL_SEGMENT_ID", "SELF_CHECK_BLOCKS",
+    "MAX_HEAD_MASKS", "HeadMasks", "NUM_LANES", "NUM_SUBLANES", "PARTIAL", "REAL_SEGMENT_ID",
+    "SELF_CHECK_BLOCKS",
     "SELF_CHECK_SHAPE", "SELF_CHECK_TOLERANCE", "SPLASH_KERNELS", "AttentionOptions",
     "BlockSizes", "BlockSizesError", "KernelCall", "KeyPadding", "LocalMask", "Mask",
     "SegmentIds", "attention_implementation", "chunk_rows", "chunked_attention",
@@ -128,7 +142,7 @@ def _options(options: AttentionOptions | None) -> AttentionOptions:
 def splash_attention(q, k, v, *, options: AttentionOptions | None = None, scale=None,
                      segment_ids=None, interpret: bool = False,
                      vmem_limit_bytes: int | None = None, real_keys_before: int = 0,
-                     valid_kv_len: int | None = None) -> jax.Array:
+                     valid_kv_len: int | None = None, mask_index=None) -> jax.Array:
     """Softmax attention with the Pallas TPU flash kernel (forward only).
 
     Args:
@@ -144,7 +158,8 @@ def splash_attention(q, k, v, *, options: AttentionOptions | None = None, scale=
               sequence, so padding stays small and short sequences get short blocks.
             * ``mask``: ``None`` for full attention, else a mask value, e.g. ``LocalMask(w)``
               (query ``i`` attends key ``j`` iff ``|i - j| <= w``; ``LocalMask`` raises
-              ``ValueError`` unless ``w`` is an int >= 0).
+              ``ValueError`` unless ``w`` is an int >= 0), or ``HeadMasks((m0, m1, ...))``:
+              each (batch, head) runs the mask ``mask_index`` names.
             * ``k_smoothing``: subtract the mean of K over real keys (per batch and head)
               first; exact for softmax (docs/attention.md has its measured bf16 effect).
         scale: softmax scale; ``None`` means 1/sqrt(head_dim), as torch SDPA.
@@ -170,24 +185,32 @@ def splash_attention(q, k, v, *, options: AttentionOptions | None = None, scale=
             only the valid keys and the last block masks its tail by position, as for any
             length the blocks do not divide (no segment ids, no per-block id compare).
             Sequence parallelism's tail padding of the token axis uses it.
+        mask_index: with ``HeadMasks`` in ``options.mask`` (required there, else ``None``):
+            an integer array (batch, heads), ``m`` = ``options.mask.masks[m]`` for that
+            (batch, head); values outside [0, len(masks)) are clipped. Data: a jitted
+            caller may change it without a recompile. The kernel visits, per (batch, head),
+            only the kv blocks its mask needs; the grid's kv axis is the largest count of
+            the masks, the others' extra steps are skips (no DMA, no compute).
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
 
     Raises:
-        ValueError: shapes disagree, ``valid_kv_len`` is out of range, or ``segment_ids``
-            has the wrong form or shape.
+        ValueError: shapes disagree, ``valid_kv_len`` is out of range, ``segment_ids``
+            has the wrong form or shape, or ``mask_index`` is missing, misshaped,
+            not integer, or given without ``HeadMasks``.
     """
     return _kernel_attention(q, k, v, _options(options), scale=scale,
                              segment_ids=segment_ids, interpret=interpret,
                              vmem_limit_bytes=vmem_limit_bytes,
-                             real_keys_before=real_keys_before, valid_kv_len=valid_kv_len)
+                             real_keys_before=real_keys_before, valid_kv_len=valid_kv_len,
+                             mask_index=mask_index)
 
 
 def sharded_splash_attention(q, k, v, *, mesh, options: AttentionOptions | None = None,
                              scale=None, segment_ids=None, interpret: bool = False,
                              kernel: str = "splash", real_keys_before: int = 0,
-                             valid_kv_len: int | None = None) -> jax.Array:
+                             valid_kv_len: int | None = None, mask_index=None) -> jax.Array:
     """``splash_attention`` under ``jax.shard_map`` on a ("dp", "tp", "sp") mesh.
 
     Batch is sharded over "dp" and heads over "tp" (the Megatron layout the projections leave).
@@ -220,18 +243,22 @@ def sharded_splash_attention(q, k, v, *, mesh, options: AttentionOptions | None 
             Ignored by "stock_splash".
         valid_kv_len: as ``splash_attention``, a global key position (no translation, for
             the same reason); "splash" only.
+        mask_index: as ``splash_attention``, the global (batch, heads) array ("splash"
+            only). It is sharded as q's batch and heads: P("dp", ("tp", "sp")) for the
+            head-parallel and Ulysses layouts (a device's heads after the all-to-all),
+            P("dp", "tp") for the q-sequence layout.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype, sharded as described.
 
     Raises:
         ValueError: the mesh lacks an axis, or batch % dp or heads % tp is not 0, or neither
-            heads % (tp*sp) nor q_len % sp is 0.
+            heads % (tp*sp) nor q_len % sp is 0; ``mask_index`` as ``splash_attention``.
     """
     return _sharded_attention(q, k, v, mesh=mesh, options=_options(options),
                               scale=scale, segment_ids=segment_ids, interpret=interpret,
                               kernel_name=kernel, real_keys_before=real_keys_before,
-                              valid_kv_len=valid_kv_len)
+                              valid_kv_len=valid_kv_len, mask_index=mask_index)
 
 
 def kernel_self_check(kernel: str, *, interpret: bool = False, attention_fn=None) -> dict:
@@ -306,6 +333,9 @@ def _sdpa(
         if options.k_smoothing:  # as for "xla"
             k = _smooth_keys(k, None if real is None else _key_segment_ids(q, k, real))
         out = _cudnn_route(q, k, v, options, routing, scale=scale, real=real, tail=tail)
+    elif attention == "splash" and forced is None and _svg.active_scope() is not None \
+            and q.shape[2] == k.shape[2]:
+        out = _svg_route(q, k, v, options, routing, scale=scale, real=real, tail=tail)
     elif attention in SPLASH_KERNELS:
         out = _splash_route(q, k, v, attention, options, routing, scale=scale, real=real,
                             segment_ids=segment_ids, before=before, tail=tail)
@@ -345,6 +375,42 @@ def _splash_route(q, k, v, attention: str, options: AttentionOptions, routing: d
             q, k, v, mesh=mesh, options=options, scale=scale, segment_ids=segment_ids,
             interpret=routing["interpret"], kernel=attention,
             real_keys_before=before if attention == "splash" else 0, valid_kv_len=tail)
+    return out
+
+
+def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real, tail):
+    """A self-attention call under ``splash.svg.sparse_scope``: SVG's routing, the temporal
+    heads permuted, one ``_splash_route`` call with the scope's mask (``sparse_attention``).
+    Sequence parallelism's declared tail padding (``tail``: the real token count) is cut
+    off first and the padded rows come back as zeros (no real token reads them). Raises
+    ValueError for any other key mask (SVG's band has no place for one)."""
+    if real is not None and tail is None:
+        raise ValueError("sparse attention: a key mask other than sequence parallelism's tail "
+                         "padding is not supported")
+    n = q.shape[2]
+    if tail is not None:
+        q, k, v = (x[:, :, :tail] for x in (q, k, v))
+    scope, mesh = _svg.active_scope(), routing["mesh"]
+    if mesh is not None and q.shape[0] % mesh.shape["dp"] == 0 and q.shape[1] % mesh.shape[
+            "tp"] == 0 and _choose_layout(mesh, q.shape, k.shape[2]) in ("heads", "ulysses"):
+        # Routing and permutation per device, on the whole sequences the layout gives each
+        # device: on the token-sharded global arrays XLA gathered them (Wan 14B 720p,
+        # v6e:2x4: 2.3 GB of all-gathers and 19.6 ms per layer, the step 2.750 s, estimated)
+        out = _sharded_attention(
+            q, k, v, mesh=mesh, options=options, scale=scale, interpret=routing["interpret"],
+            around=lambda q, k, v, attend: _svg.sparse_attention(q, k, v, scope, attend,
+                                                                 scale=scale))
+        return out if tail is None else jax.numpy.pad(
+            out, ((0, 0), (0, 0), (0, n - tail), (0, 0)))
+
+    def attend(q, k, v, mask):
+        return _splash_route(q, k, v, "splash", dataclasses.replace(options, mask=mask),
+                             routing, scale=scale, real=None, segment_ids=None, before=0,
+                             tail=None)
+
+    out = _svg.sparse_attention(q, k, v, _svg.active_scope(), attend, scale=scale)
+    if tail is not None:
+        out = jax.numpy.pad(out, ((0, 0), (0, 0), (0, n - tail), (0, 0)))
     return out
 
 
@@ -433,11 +499,15 @@ def install_sdpa_override(
             goes to the chunked XLA attention instead.
 
     Raises:
-        ValueError: unknown ``attention``.
+        ValueError: unknown ``attention``, or ``HeadMasks`` in ``options.mask`` (torch SDPA
+            carries no per-call ``mask_index``; call ``splash_attention`` with one).
     """
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {attention!r}")
     options = _options(options)
+    if isinstance(options.mask, HeadMasks):
+        raise ValueError("options.mask: expected None or a Mask for the SDPA override (it "
+                         "passes no mask_index), got HeadMasks")
     if attention == "stock_splash" and not options.is_plain:
         raise ValueError("attention='stock_splash': window_size and k_smoothing are ours only")
     routing = dict(mesh=mesh, interpret=interpret, on_fallback=on_fallback)

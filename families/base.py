@@ -142,6 +142,10 @@ class Transformer:
     quantized_linears: regex (``re.search``) over the transformer's module names (before
         ``--scan_layers`` stacks the blocks) of the ``torch.nn.Linear`` layers ``--quantize``
         runs in 8 bits (``engine.weights.quantize``); None: ``--quantize`` is refused.
+    sparse_policy(model_id, values) -> ``engine.programs.sparse.SparsePolicy`` (the
+        checkpoint's published Sparse VideoGen setting on the run's token grid; ``values``:
+        the resolved family flags) or a one-line reason it has none; None: ``--sparse svg``
+        is refused for the family.
     """
 
     empty: Callable
@@ -159,6 +163,7 @@ class Transformer:
     masks: tuple[type, ...] = ()
     lora_state_dict: Callable | None = None
     quantized_linears: str | None = None
+    sparse_policy: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from custom_splash_attention import LocalMask
 from engine.files.checkpoint import expert_count, read_component_config, read_model_index
 from engine.run.errors import GenerationError, first_line
 from engine.weights.scan_layers import BlockStack
-from families import wan_attention, wan_ti2v, wan_vae
+from families import wan_attention, wan_sparse, wan_ti2v, wan_vae
 from families.base import (
     Checkpoint,
     Flags,
@@ -203,6 +203,21 @@ def checkpoint_defaults(model_id: str) -> dict:
     if index.get("expand_timesteps"):
         return dict(WAN22_TI2V_DEFAULTS)
     return {}
+
+
+def sparse_policy(model_id: str, values: dict):
+    """``Transformer.sparse_policy``: the checkpoint's published SVG setting
+    (``families.wan_sparse``) on the run's post-patch grid (latent frames / patch_t frames of
+    (h / patch_h) x (w / patch_w) tokens), or why it has none."""
+    index = read_model_index(model_id)
+    kind = ("a14b" if is_two_expert(index) else "ti2v" if index.get("expand_timesteps")
+            else "i2v" if index.get("_class_name") == I2V_PIPELINE else "t2v")
+    cfg = read_component_config(model_id, "transformer") or {}
+    pt, ph, pw = cfg.get("patch_size", (1, PATCH_SIDE, PATCH_SIDE))
+    scale = spatial_scale_for(cfg)
+    frames = ((values["frames"] - 1) // VAE_TEMPORAL_SCALE + 1) // pt
+    size = (values["height"] // scale // ph) * (values["width"] // scale // pw)
+    return wan_sparse.policy(kind, frames, size)
 
 
 def check_flags(values: dict) -> tuple[str, str] | None:
@@ -690,6 +705,7 @@ FAMILY = ModelFamily(
         masks=(LocalMask,),
         lora_state_dict=lora_state_dict,
         quantized_linears=QUANTIZED_LINEARS,
+        sparse_policy=sparse_policy,
     ),
     vae=VaePrograms(
         empty=empty_vae,

@@ -2,7 +2,7 @@
 ``jax/experimental/pallas/ops/tpu/splash_attention/`` is split):
 
 * ``splash.blocks``: ``BlockSizes``, per-chip defaults, fitting blocks, scoped VMEM.
-* ``splash.mask``: the ``Mask`` protocol, ``LocalMask``, segment ids.
+* ``splash.mask``: the ``Mask`` protocol, ``LocalMask``, ``HeadMasks``, segment ids.
 * ``splash.mask_info``: a mask at one tiling -> the kernel's scalar-prefetched tables.
 * ``splash.options``: ``AttentionOptions``.
 * ``splash.kernel``: the Pallas kernel, ``attention``, and ``describe_calls``.

@@ -2,9 +2,11 @@
 and ``attention``, which fits the blocks, builds the mask's tables and calls it.
 
 The kernel reads a mask only through ``splash.mask_info``: with a mask, the kv grid axis
-walks each q block's range of kv blocks (scalar-prefetched) and each sub-tile's class picks
+walks each q block's list of kv blocks (scalar-prefetched) and each sub-tile's class picks
 skip / unmasked / masked by ``Mask.tile_predicate``; without one, static ranges of kv blocks
-carry the key-tail and segment-id classes. docs/attention.md has the design notes (lazy
+carry the key-tail and segment-id classes. With ``HeadMasks`` the tables of every mask are
+prefetched together with the per-(batch, head) ``mask_index``, and each (batch, head) reads
+its mask's rows. docs/attention.md has the design notes (lazy
 shift, transposed scores, software pipelining, block classes).
 
 ``describe_calls(hook)`` lets a caller see (and replace) every kernel call as it is traced:
@@ -28,8 +30,23 @@ from jax.experimental.pallas import tpu as pltpu
 
 from splash import blocks
 from splash.blocks import NUM_LANES, NUM_SUBLANES, BlockSizes
-from splash.mask import FULL, PARTIAL, REAL_SEGMENT_ID, Mask, SegmentIds, as_segment_ids
-from splash.mask_info import InfoLayout, build_mask_info, real_kv_blocks, static_kv_ranges
+from splash.mask import (
+    FULL,
+    PARTIAL,
+    REAL_SEGMENT_ID,
+    HeadMasks,
+    Mask,
+    SegmentIds,
+    as_segment_ids,
+    check_mask_index,
+)
+from splash.mask_info import (
+    InfoLayout,
+    build_head_mask_info,
+    build_mask_info,
+    real_kv_blocks,
+    static_kv_ranges,
+)
 from splash.options import AttentionOptions
 
 # The Pallas call's name: what profiles and HLO dumps show (engine.dry_run.estimate finds the
@@ -94,9 +111,10 @@ class _Step:
     block_kv_compute: int
     kv_len: int
     precision: object
-    mask: Mask | None
+    mask: Mask | HeadMasks | None
     kv_block: object = 0
     q_start: object = 0
+    which: object = None  # HeadMasks: this (batch, head)'s mask number (traced int32)
 
     def keys_of(self, c):
         bkc = self.block_kv_compute
@@ -264,21 +282,36 @@ class _Step:
                 cond = jnp.logical_and(self.kv_block >= lo, self.kv_block < hi)
             pl.when(cond)(functools.partial(self.lazy_tiles, runs))
 
+    def tile_branches(self, segmented: bool) -> list:
+        """[(class, mask number or None, step, mask kinds)]: the branches of a sub-tile,
+        ``FULL`` unmasked, ``PARTIAL`` masked by the predicate and the key tail. With
+        ``HeadMasks`` one ``PARTIAL`` branch per mask, each a step whose ``mask`` is that
+        mask, taken where ``which`` names it (``EMPTY``: no branch, skipped)."""
+        base = ("segment",) if segmented else ()
+        masked = base + ("mask", "tail")
+        if not isinstance(self.mask, HeadMasks):
+            return [(FULL, None, self, base), (PARTIAL, None, self, masked)]
+        return [(FULL, None, self, base)] + [
+            (PARTIAL, m, dataclasses.replace(self, mask=mask), masked)
+            for m, mask in enumerate(self.mask.masks)]
+
     def masked_tiles(self, layout: InfoLayout, q_block, kv_step, segmented: bool):
         """With a mask: each sub-tile by its class, one at a time (no pipelining): skipped
         (``EMPTY``), unmasked (``FULL``) or masked by the predicate and the key tail
         (``PARTIAL``); the lazy update, then its exact redo."""
-        base = ("segment",) if segmented else ()
 
         def tile(c, _):
-            cls = layout.tile_class(self.info_ref, q_block, kv_step, c)
-            for kind, kinds in ((FULL, base), (PARTIAL, base + ("mask", "tail"))):
+            cls = layout.tile_class(self.info_ref, q_block, kv_step, c, self.which)
+            for kind, m, step, kinds in self.tile_branches(segmented):
+                cond = cls == kind
+                if m is not None:
+                    cond = jnp.logical_and(cond, self.which == m)
 
-                @pl.when(cls == kind)
-                def _tile(kinds=kinds):
-                    self.lazy_scores(c, kinds, self.m_ref[...])
-                    self.lazy_pv(c, kinds)
-                    self.redo(c, kinds)
+                @pl.when(cond)
+                def _tile(step=step, kinds=kinds):
+                    step.lazy_scores(c, kinds, step.m_ref[...])
+                    step.lazy_pv(c, kinds)
+                    step.redo(c, kinds)
 
         lax.fori_loop(0, layout.num_sub, tile, None)
 
@@ -295,12 +328,13 @@ class _Step:
 def _splash_kernel(info_ref, q_ref, k_ref, vt_ref, q_ids_ref, kv_ids_ref, o_ref, m_ref, l_ref,
                    acc_ref, bad_ref, p_ref, *, block_q: int, block_kv: int,
                    block_kv_compute: int, kv_len: int, precision,
-                   real_kv_blocks: int = 0, mask: Mask | None = None,
-                   layout: InfoLayout | None = None):
+                   real_kv_blocks: int = 0, mask: Mask | HeadMasks | None = None,
+                   layout: InfoLayout | None = None, which=None):
     """One (batch, head, q block, kv step) grid step (``_Step``).
 
     ``info_ref``: the scalar-prefetched int32 table of ``layout`` (``splash.mask_info``).
-    ``mask``: None, or the mask whose ``tile_predicate`` masks ``PARTIAL`` sub-tiles.
+    ``mask``: None, or the mask whose ``tile_predicate`` masks ``PARTIAL`` sub-tiles, or
+    ``HeadMasks`` whose mask number ``which`` (traced) this (batch, head) runs.
     ``real_kv_blocks`` (static, unmasked with segment ids): the first ``real_kv_blocks`` kv
     blocks hold only keys of id ``REAL_SEGMENT_ID``: those steps read no kv ids and only
     skip the query columns of other ids ("qsegment"). Later blocks compare ids per key.
@@ -315,8 +349,9 @@ def _splash_kernel(info_ref, q_ref, k_ref, vt_ref, q_ids_ref, kv_ids_ref, o_ref,
     if mask is None:
         step.kv_block = kv_step
     else:
-        step.q_start = layout.q_offset(info_ref) + q_block * block_q
-        step.kv_block = layout.kv_block(info_ref, q_block, kv_step)
+        step.which = which
+        step.q_start = layout.q_offset(info_ref, which) + q_block * block_q
+        step.kv_block = layout.kv_block(info_ref, q_block, kv_step, which)
     pl.when(kv_step == 0)(functools.partial(step.init, real_kv_blocks))
     if mask is None:
         step.static_ranges(static_kv_ranges(
@@ -325,6 +360,13 @@ def _splash_kernel(info_ref, q_ref, k_ref, vt_ref, q_ids_ref, kv_ids_ref, o_ref,
     else:
         step.masked_tiles(layout, q_block, kv_step, q_ids_ref is not None)
     pl.when(kv_step == num_kv_steps - 1)(functools.partial(step.finish, o_ref))
+
+
+def _per_head_kernel(info_ref, index_ref, *refs, heads: int, **kwargs):
+    """``_splash_kernel`` with ``HeadMasks``: ``index_ref`` (int32 (batch * heads,),
+    scalar-prefetched) names the mask of this (batch, head), whose table rows it reads."""
+    which = index_ref[pl.program_id(0) * heads + pl.program_id(1)]
+    return _splash_kernel(info_ref, *refs, which=which, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,7 +383,8 @@ class KernelCall:
         q_len, kv_len: the sequence lengths the kernel runs (kv_len after ``valid_kv_len``).
         head_dim: int; dtype: the inputs' dtype name ("bfloat16").
         block_sizes: the fitted ``BlockSizes``.
-        mask: the ``Mask`` applied, or None.
+        mask: the ``Mask`` applied, ``HeadMasks`` (one of its masks per (batch, head), by
+            the call's ``mask_index``), or None.
         segment_ids: the call compares segment ids.
         real_kv_blocks: leading kv blocks declared all real (``real_keys_before``).
         out_shape: ``jax.ShapeDtypeStruct`` of the output (batch, heads, q_len, head_dim).
@@ -369,7 +412,8 @@ def describe_calls(hook):
     Args:
         hook: ``f(call: KernelCall, inputs: tuple) -> jax.Array | None``; ``inputs`` are the
             kernel's array operands (q scaled, k, v^T (batch, heads, head_dim, kv_len),
-            q ids (batch, 1, q_len) or None, kv ids (batch, kv_len, 128) or None). A
+            q ids (batch, 1, q_len) or None, kv ids (batch, kv_len, 128) or None, the
+            ``HeadMasks`` index int32 (batch, heads) or None). A
             returned array (of ``call.out_shape``) replaces the kernel's output, and no
             Pallas kernel is built; None lets the kernel run.
 
@@ -473,30 +517,40 @@ def _prefetch(mask, q_len, kv_len, bs, q_shard) -> tuple[jax.Array, InfoLayout]:
     index, count = q_shard if q_shard is not None else (0, 1)
     offsets = tuple(s * q_len for s in range(count))
     num_q_blocks = -(-q_len // bs.block_q)
+    rows = 1
     if mask is None:
         layout, table = InfoLayout(num_q_blocks), np.asarray(offsets, np.int32)[:, None]
+    elif isinstance(mask, HeadMasks):  # every mask's rows, one after another
+        info = build_head_mask_info(mask.masks, q_len, kv_len, bs, offsets)
+        layout, table, rows = info.layout, info.table.reshape(count, -1), len(mask)
     else:
         info = build_mask_info(mask, q_len, kv_len, bs, offsets)
         layout, table = info.layout, info.table
-    expect_shape("scalar-prefetch table", table.shape, (count, layout.size))
+    expect_shape("scalar-prefetch table", table.shape, (count, rows * layout.size))
     if count == 1:
         return jnp.asarray(table[0]), layout
     return jnp.asarray(table)[index], layout
 
 
-def _specs(bs, head_dim, layout, mask, segmented, real_blocks, num_kv_blocks) -> list:
-    """BlockSpecs of (q, k, v^T, q ids, kv ids): kv blocks by step, or by the mask's table."""
+def _specs(bs, head_dim, layout, mask, segmented, real_blocks, num_kv_blocks,
+           heads: int) -> list:
+    """BlockSpecs of (q, k, v^T, q ids, kv ids): kv blocks by step, or by the mask's table
+    (``HeadMasks``: the rows of mask ``index[b * heads + h]``). Index maps take the grid
+    indices and the scalar-prefetch refs (table[, index])."""
     bq, bkv = bs.block_q, bs.block_kv
 
-    def kv_index(i, j, info):
-        return j if mask is None else layout.kv_block(info, i, j)
+    def kv_index(b, h, i, j, refs):
+        if mask is None:
+            return j
+        which = refs[1][b * heads + h] if isinstance(mask, HeadMasks) else None
+        return layout.kv_block(refs[0], i, j, which)
 
     specs = [
-        pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j, info: (b, h, i, 0)),
+        pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j, *refs: (b, h, i, 0)),
         pl.BlockSpec((None, None, bkv, head_dim),
-                     lambda b, h, i, j, info: (b, h, kv_index(i, j, info), 0)),
+                     lambda b, h, i, j, *refs: (b, h, kv_index(b, h, i, j, refs), 0)),
         pl.BlockSpec((None, None, head_dim, bkv),
-                     lambda b, h, i, j, info: (b, h, 0, kv_index(i, j, info))),
+                     lambda b, h, i, j, *refs: (b, h, 0, kv_index(b, h, i, j, refs))),
     ]
     if not segmented:
         return specs + [None, None]
@@ -505,12 +559,12 @@ def _specs(bs, head_dim, layout, mask, segmented, real_blocks, num_kv_blocks) ->
     # DMA there either.
     first_mixed = min(real_blocks, num_kv_blocks - 1)
 
-    def kv_ids_index(b, h, i, j, info):
+    def kv_ids_index(b, h, i, j, *refs):
         if real_blocks:
             return b, jnp.maximum(j, first_mixed), 0
-        return b, kv_index(i, j, info), 0
+        return b, kv_index(b, h, i, j, refs), 0
 
-    return specs + [pl.BlockSpec((None, 1, bq), lambda b, h, i, j, info: (b, 0, i)),
+    return specs + [pl.BlockSpec((None, 1, bq), lambda b, h, i, j, *refs: (b, 0, i)),
                     pl.BlockSpec((None, bkv, NUM_LANES), kv_ids_index)]
 
 
@@ -529,7 +583,7 @@ def _segment_operands(segment_ids, batch, q_len, kv_len):
 def attention(q, k, v, options: AttentionOptions, *, scale=None, segment_ids=None,
               interpret: bool = False, q_shard=None, vmem_limit_bytes: int | None = None,
               real_keys_before: int = 0, valid_kv_len: int | None = None,
-              q_scaled: bool = False) -> jax.Array:
+              q_scaled: bool = False, mask_index=None) -> jax.Array:
     """Softmax attention with our kernel (forward); ``splash_attention`` of the public face
     documents the arguments and their errors.
 
@@ -541,12 +595,15 @@ def attention(q, k, v, options: AttentionOptions, *, scale=None, segment_ids=Non
             ``count`` equal shards of the global query sequence, for the mask's positions.
         q_scaled: q is already ``fold_scale(q, scale)`` (the Ulysses layout scales q before
             its all-to-all, where the multiply fuses into q's producer).
+        mask_index: with ``HeadMasks`` in ``options.mask``: int (batch, heads), which mask
+            each (batch, head) runs (``splash.mask.check_mask_index``); else None.
 
     Returns:
         (batch, heads, q_len, head_dim) in q.dtype.
     """
     check_shapes(q, k, v)
     batch, heads, q_len, head_dim = q.shape
+    mask_index = check_mask_index(options.mask, mask_index, batch, heads)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
     segment_ids = as_segment_ids(segment_ids)
@@ -574,21 +631,26 @@ def attention(q, k, v, options: AttentionOptions, *, scale=None, segment_ids=Non
                       real_kv_blocks=real_blocks,
                       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype))
     hook = _CALL_HOOK.get()
-    out = None if hook is None else hook(call, (qs, k, vt, q_ids, kv_ids))
+    out = None if hook is None else hook(call, (qs, k, vt, q_ids, kv_ids, mask_index))
     if out is not None:
         return out
     return _pallas_call(call, layout, info, (qs, k, vt, q_ids, kv_ids), interpret=interpret,
-                        vmem_limit_bytes=vmem_limit_bytes)
+                        vmem_limit_bytes=vmem_limit_bytes, mask_index=mask_index)
 
 
 def _pallas_call(call: KernelCall, layout: InfoLayout, info, inputs, *, interpret: bool,
-                 vmem_limit_bytes: int | None) -> jax.Array:
-    """The ``pallas_call`` of ``call`` over ``inputs`` (``attention``'s operands)."""
+                 vmem_limit_bytes: int | None, mask_index=None) -> jax.Array:
+    """The ``pallas_call`` of ``call`` over ``inputs`` (``attention``'s operands); with
+    ``HeadMasks``, ``mask_index`` (int32 (batch, heads)) is a second scalar prefetch."""
     bs, (batch, heads, num_q_blocks, num_kv_steps) = call.block_sizes, call.grid
     bq, bkv, head_dim = bs.block_q, bs.block_kv, call.head_dim
     dtype = call.out_shape.dtype
+    body, prefetch = _splash_kernel, (info,)
+    if mask_index is not None:
+        body = functools.partial(_per_head_kernel, heads=heads)
+        prefetch = (info, mask_index.reshape(batch * heads))
     kernel = functools.partial(
-        _splash_kernel, block_q=bq, block_kv=bkv, block_kv_compute=bs.block_kv_compute,
+        body, block_q=bq, block_kv=bkv, block_kv_compute=bs.block_kv_compute,
         kv_len=call.kv_len, precision=lax.Precision.HIGHEST if dtype == jnp.float32 else None,
         real_kv_blocks=call.real_kv_blocks, mask=call.mask,
         layout=None if call.mask is None else layout)
@@ -607,12 +669,12 @@ def _pallas_call(call: KernelCall, layout: InfoLayout, info, inputs, *, interpre
         kernel,
         out_shape=call.out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=len(prefetch),
             grid=call.grid,
             in_specs=_specs(bs, head_dim, layout, call.mask, call.segment_ids,
-                            call.real_kv_blocks, -(-call.kv_len // bkv)),
+                            call.real_kv_blocks, -(-call.kv_len // bkv), heads),
             out_specs=pl.BlockSpec((None, None, bq, head_dim),
-                                   lambda b, h, i, j, info: (b, h, i, 0)),
+                                   lambda b, h, i, j, *refs: (b, h, i, 0)),
             scratch_shapes=[
                 pltpu.VMEM((1, bq), jnp.float32),  # shift m (base 2, stale running max)
                 pltpu.VMEM((1, bq), jnp.float32),  # running denominator l
@@ -629,4 +691,4 @@ def _pallas_call(call: KernelCall, layout: InfoLayout, info, inputs, *, interpre
         cost_estimate=cost,
         interpret=interpret,
         name=KERNEL_NAME,
-    )(info, *inputs)
+    )(*prefetch, *inputs)

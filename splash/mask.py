@@ -15,6 +15,10 @@ unpadded sequences; a q shard's rows are offset by the shard's start):
 ``splash.mask_info`` turns the classes into the kernel's scalar-prefetched tables. A new mask
 is one frozen dataclass subclassing ``Mask`` that implements ``tile_predicate`` (and, for
 long sequences, ``block_classes``): no kernel edit.
+
+Per-head masks: ``HeadMasks`` is a small static tuple of masks, and a call's ``mask_index``
+(int32 (batch, heads), data) picks one per (batch, head); the kernel stacks each mask's
+tables and reads the row the index names, so a new index never recompiles.
 """
 
 from __future__ import annotations
@@ -122,6 +126,80 @@ class LocalMask(Mask):
         empty = (kv_lo > q_hi + w) | (kv_hi < q_lo - w)
         full = np.maximum(q_hi - kv_lo, kv_hi - q_lo) <= w
         return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+# The most masks one ``HeadMasks`` carries: each adds one table row to SMEM and one branch
+# per sub-tile to the kernel body, so the set stays small.
+MAX_HEAD_MASKS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadMasks:
+    """A static set of masks of which each (batch, head) of a call picks one.
+
+    The choice is the call's ``mask_index``: an int32 (batch, heads) array, data (it is
+    scalar-prefetched like the masks' tables), so changing it never recompiles. Each mask
+    is any ``Mask`` in the call's own token order (e.g. SVG's spatial and temporal
+    ``AnchoredBandMask``; the temporal heads' q, k and v permuted position-major by the
+    caller). A frozen, hashable value: it goes in ``AttentionOptions.mask``.
+
+    Attributes:
+        masks: a tuple of 1 to ``MAX_HEAD_MASKS`` ``Mask`` values; index ``m`` of
+            ``mask_index`` means ``masks[m]``.
+
+    Raises:
+        ValueError: ``masks`` is not a tuple or list of 1 to ``MAX_HEAD_MASKS`` ``Mask``
+            values.
+    """
+
+    masks: tuple
+
+    def __post_init__(self):
+        masks = self.masks
+        if not isinstance(masks, (tuple, list)) or not 1 <= len(masks) <= MAX_HEAD_MASKS \
+                or not all(isinstance(m, Mask) for m in masks):
+            raise ValueError(f"HeadMasks.masks: expected a tuple of 1 to {MAX_HEAD_MASKS} Mask "
+                             f"values, got {masks!r}")
+        object.__setattr__(self, "masks", tuple(masks))
+
+    def __len__(self) -> int:
+        return len(self.masks)
+
+    def dense(self, q_len: int, kv_len: int, mask_index) -> jax.Array:
+        """(batch, heads, q_len, kv_len) bool: mask ``mask_index[b, h]``'s dense form for
+        each (batch, head) (the reference paths). ``mask_index``: int (batch, heads),
+        values in [0, len(masks)) (clipped, as in the kernel)."""
+        stack = jnp.stack([m.dense(q_len, kv_len) for m in self.masks])
+        index = jnp.clip(jnp.asarray(mask_index, jnp.int32), 0, len(self.masks) - 1)
+        return stack[index]
+
+
+def check_mask_index(mask, mask_index, batch: int, heads: int) -> jax.Array | None:
+    """``mask_index`` as int32 (batch, heads) with values clipped to [0, len(mask)), or None
+    without ``HeadMasks``: the kernel reads table rows by it, so it never leaves them.
+
+    Args:
+        mask: the call's ``AttentionOptions.mask`` (None, a ``Mask`` or ``HeadMasks``).
+        mask_index: None, or an integer array (batch, heads).
+        batch, heads: the shape ``mask_index`` must have.
+
+    Raises:
+        ValueError: ``HeadMasks`` without a ``mask_index`` or with one of another shape or
+            a non-integer dtype, or a ``mask_index`` without ``HeadMasks``.
+    """
+    if not isinstance(mask, HeadMasks):
+        if mask_index is not None:
+            raise ValueError(f"mask_index: expected None without HeadMasks in options.mask, "
+                             f"got an array of shape {jnp.shape(mask_index)}")
+        return None
+    if mask_index is None:
+        raise ValueError(f"mask_index: expected an int32 array of shape {(batch, heads)} with "
+                         "HeadMasks in options.mask, got None")
+    shape, dtype = jnp.shape(mask_index), jnp.result_type(mask_index)
+    if shape != (batch, heads) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"mask_index: expected an int32 array of shape {(batch, heads)}, got "
+                         f"{jnp.dtype(dtype).name} {shape}")
+    return jnp.clip(jnp.asarray(mask_index, jnp.int32), 0, len(mask) - 1)
 
 
 def band_mask(q_len: int, kv_len: int, window_size: int) -> jax.Array:

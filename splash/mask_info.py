@@ -24,11 +24,13 @@ from splash.mask import EMPTY, PARTIAL, Mask
 class InfoLayout:
     """Where things sit in the scalar-prefetch table (static, hashable).
 
-    The table is int32 ``[q_offset, first_kv_block[num_q_blocks], kv_blocks[num_q_blocks],
-    tile_class[num_q_blocks * num_kv_steps * num_sub]]``: the global position of q's first
-    row, per q block the first kv block it visits and how many (a contiguous range), and the
-    class of each sub-tile of each visited step (steps past a q block's range: ``EMPTY``).
-    Without a mask (``num_kv_steps == 0``) it is ``[q_offset]`` alone.
+    The table is int32 ``[q_offset, count[num_q_blocks], kv_block[num_q_blocks *
+    num_kv_steps], tile_class[num_q_blocks * num_kv_steps * num_sub]]``: the global position
+    of q's first row, per q block how many kv blocks it visits, the kv block of each visited
+    step in increasing order (only the non-empty ones: a band plus an anchor far from it
+    visits the two and nothing between), and the class of each sub-tile of each visited step
+    (steps past a q block's count: ``EMPTY``). Without a mask (``num_kv_steps == 0``) it is
+    ``[q_offset]`` alone.
     """
 
     num_q_blocks: int
@@ -39,20 +41,29 @@ class InfoLayout:
     def size(self) -> int:
         if not self.num_kv_steps:
             return 1
-        return 1 + 2 * self.num_q_blocks + self.num_q_blocks * self.num_kv_steps * self.num_sub
+        steps = self.num_q_blocks * self.num_kv_steps
+        return 1 + self.num_q_blocks + steps + steps * self.num_sub
 
-    def q_offset(self, ref):
-        return ref[0]
+    def _at(self, ref, index, which):
+        """``ref[index]`` in the table row of mask ``which`` (None: the only row; the
+        single-mask kernel's code stays as it was)."""
+        return ref[index] if which is None else ref[which * self.size + index]
 
-    def kv_block(self, ref, q_block, kv_step):
-        """The kv block that q block ``q_block`` visits at ``kv_step``; past its range the
-        last one again (an unchanged block index is not fetched again)."""
-        count = ref[1 + self.num_q_blocks + q_block]
-        return ref[1 + q_block] + jnp.minimum(kv_step, jnp.maximum(count - 1, 0))
+    def q_offset(self, ref, which=None):
+        return self._at(ref, 0, which)
 
-    def tile_class(self, ref, q_block, kv_step, sub):
-        base = 1 + 2 * self.num_q_blocks
-        return ref[base + (q_block * self.num_kv_steps + kv_step) * self.num_sub + sub]
+    def kv_block(self, ref, q_block, kv_step, which=None):
+        """The kv block that q block ``q_block`` visits at ``kv_step``; past its count the
+        last one again (an unchanged block index is not fetched again). ``which``: None, or
+        the (traced) mask number of a ``HeadMasks`` table."""
+        count = self._at(ref, 1 + q_block, which)
+        step = jnp.minimum(kv_step, jnp.maximum(count - 1, 0))
+        return self._at(ref, 1 + self.num_q_blocks + q_block * self.num_kv_steps + step, which)
+
+    def tile_class(self, ref, q_block, kv_step, sub, which=None):
+        base = 1 + self.num_q_blocks * (1 + self.num_kv_steps)
+        return self._at(ref, base + (q_block * self.num_kv_steps + kv_step) * self.num_sub
+                        + sub, which)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,7 +73,9 @@ class MaskInfo:
     Attributes:
         layout: ``InfoLayout``.
         table: int32 (num_shards, layout.size); row s is for queries at positions
-            ``q_offsets[s] + [0, q_len)``.
+            ``q_offsets[s] + [0, q_len)``. For ``HeadMasks`` (``build_head_mask_info``):
+            int32 (num_shards, num_masks, layout.size), mask m's rows at [:, m], all at one
+            layout (the largest kv step count of the masks).
     """
 
     layout: InfoLayout
@@ -71,6 +84,18 @@ class MaskInfo:
     @property
     def num_kv_steps(self) -> int:
         return self.layout.num_kv_steps
+
+    def visited(self, shard: int = 0, mask: int = 0) -> np.ndarray:
+        """(num_q_blocks, num_kv_steps) int32: the kv block each grid step of shard
+        ``shard`` (and, for ``HeadMasks``, mask ``mask``) fetches, -1 for a step past its
+        q block's count (a skip step: the block of the step before, no compute)."""
+        lay = self.layout
+        row = self.table[shard] if self.table.ndim == 2 else self.table[shard, mask]
+        nq, steps = lay.num_q_blocks, lay.num_kv_steps
+        count = row[1:1 + nq]
+        blocks = row[1 + nq:1 + nq + nq * steps].reshape(nq, steps).copy()
+        blocks[np.arange(steps)[None, :] >= count[:, None]] = -1
+        return blocks
 
 
 def sub_tile_classes(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes, num_kv_blocks: int,
@@ -94,31 +119,49 @@ def sub_tile_classes(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes, num_kv
 
 
 def build_mask_info(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes,
-                    q_offsets: tuple[int, ...] = (0,)) -> MaskInfo:
+                    q_offsets: tuple[int, ...] = (0,), *, min_kv_steps: int = 1) -> MaskInfo:
     """The kernel's table for ``mask`` at fitted blocks ``bs``, one row per q offset.
 
-    Each q block visits the kv blocks from its first to its last non-empty one; the grid's
-    kv axis is the longest such range over all q blocks and shards (at least 1).
+    Each q block visits exactly its non-empty kv blocks, in increasing order; the grid's kv
+    axis is the largest such count over all q blocks and shards, and at least
+    ``min_kv_steps`` (the steps past a q block's count are skips).
     """
     num_q_blocks, num_kv_blocks = -(-q_len // bs.block_q), -(-kv_len // bs.block_kv)
     num_sub = bs.block_kv // bs.block_kv_compute
     per_shard = [sub_tile_classes(mask, q_len, kv_len, bs, num_kv_blocks, off)
                  for off in q_offsets]
-    ranges = []
-    for classes in per_shard:
-        busy = (classes != EMPTY).any(axis=2)  # (num_q_blocks, num_kv_blocks)
-        first = np.where(busy.any(axis=1), busy.argmax(axis=1), 0)
-        last = np.where(busy.any(axis=1), num_kv_blocks - 1 - busy[:, ::-1].argmax(axis=1), -1)
-        ranges.append((first, last - first + 1))
-    steps = max(1, max(int(count.max()) for _, count in ranges))
+    busy = [[np.flatnonzero((c[i] != EMPTY).any(axis=1)) for i in range(num_q_blocks)]
+            for c in per_shard]
+    steps = max(min_kv_steps, max(len(b) for rows in busy for b in rows))
     layout = InfoLayout(num_q_blocks, steps, num_sub)
     table = np.zeros((len(q_offsets), layout.size), np.int32)
-    for row, off, classes, (first, count) in zip(table, q_offsets, per_shard, ranges, strict=True):
+    for row, off, classes, rows in zip(table, q_offsets, per_shard, busy, strict=True):
+        blocks = np.zeros((num_q_blocks, steps), np.int32)
         visited = np.full((num_q_blocks, steps, num_sub), EMPTY, np.int8)
-        for i in range(num_q_blocks):
-            visited[i, :count[i]] = classes[i, first[i]:first[i] + count[i]]
-        row[:] = np.concatenate([[off], first, count, visited.ravel()])
+        for i, b in enumerate(rows):
+            blocks[i, :len(b)] = b
+            blocks[i, len(b):] = b[-1] if len(b) else 0  # repeat: no new fetch
+            visited[i, :len(b)] = classes[i, b]
+        count = [len(b) for b in rows]
+        row[:] = np.concatenate([[off], count, blocks.ravel(), visited.ravel()])
     return MaskInfo(layout, table)
+
+
+def build_head_mask_info(masks: tuple[Mask, ...], q_len: int, kv_len: int, bs: BlockSizes,
+                         q_offsets: tuple[int, ...] = (0,)) -> MaskInfo:
+    """``build_mask_info`` of each of ``masks`` (a ``HeadMasks``' tuple) at one layout, the
+    tables stacked along a mask axis: table (num_shards, num_masks, layout.size).
+
+    The kv axis is the largest step count of the masks: a mask that needs fewer kv blocks
+    for a q block pads with skip steps (the last block again: no new DMA; every sub-tile
+    ``EMPTY``: no compute), as each mask does already for its own lighter q blocks.
+    """
+    infos = [build_mask_info(m, q_len, kv_len, bs, q_offsets) for m in masks]
+    steps = max(info.num_kv_steps for info in infos)
+    infos = [info if info.num_kv_steps == steps
+             else build_mask_info(m, q_len, kv_len, bs, q_offsets, min_kv_steps=steps)
+             for m, info in zip(masks, infos, strict=True)]
+    return MaskInfo(infos[0].layout, np.stack([info.table for info in infos], axis=1))
 
 
 def real_kv_blocks(real_keys_before: int, kv_len: int, block_kv: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from splash.blocks import BlockSizes
-from splash.mask import LocalMask, Mask
+from splash.mask import HeadMasks, LocalMask, Mask
 
 ATTENTION_BACKENDS = ("xla", "splash", "stock_splash", "cudnn")
 # Kernels the Splash wrapper can run: ours, and JAX's own splash kernel as the trusted fallback.
@@ -23,12 +23,14 @@ class AttentionOptions:
             docs/attention.md).
         mask: None (every key) or a mask value (a ``splash.mask.Mask``, e.g. ``LocalMask``):
             applied to self-attention (q_len == kv_len) only; cross-attention always sees
-            every key.
+            every key. Or ``HeadMasks``: one of its masks per (batch, head), by the kernel
+            call's ``mask_index`` (the kernel and its sharded wrapper only, not the SDPA
+            override).
     """
 
     block_sizes: BlockSizes = BlockSizes()
     k_smoothing: bool = False
-    mask: Mask | None = None
+    mask: Mask | HeadMasks | None = None
 
     @property
     def window_size(self) -> int | None:

@@ -95,6 +95,11 @@ def pad_self_attention_keys(padded_len: int, valid_len: int) -> contextvars.Toke
     return _KEY_PADDING.set(KeyPadding(padded_len, valid_len))
 
 
+def declared_key_padding() -> KeyPadding | None:
+    """The ``pad_self_attention_keys`` declaration in force, else None."""
+    return _KEY_PADDING.get()
+
+
 def unpad_self_attention_keys(token: contextvars.Token) -> None:
     """End the ``pad_self_attention_keys`` declaration that returned ``token``."""
     _KEY_PADDING.reset(token)

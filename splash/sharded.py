@@ -4,6 +4,8 @@ DeepSpeed-Ulysses (all-to-alls over "sp") or q-sequence-parallel, chosen from th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -11,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from splash import kernel
 from splash.kernel import check_shapes, expect_shape, fold_scale, softmax_scale
-from splash.mask import SegmentIds, as_segment_ids
+from splash.mask import SegmentIds, as_segment_ids, check_mask_index
 from splash.options import SPLASH_KERNELS, AttentionOptions
 from splash.stock import stock_splash_attention
 
@@ -91,45 +93,71 @@ def _specs(layout: str):
     return P("dp", "tp", "sp", None), P("dp", "tp", None, None), P("dp", "sp"), P("dp", None)
 
 
+def mask_index_spec(layout: str):
+    """The ``HeadMasks`` index's (batch, heads) spec: the heads the kernel runs on each
+    device. Ulysses' all-to-all hands sp device j head group j of its tp shard, which is
+    block (t * sp + j) of ("tp", "sp"), as in the head-parallel layout."""
+    return P("dp", "tp") if layout == "q_sequence" else P("dp", ("tp", "sp"))
+
+
 def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                       segment_ids=None, interpret: bool = False, kernel_name: str = "splash",
-                      real_keys_before: int = 0, valid_kv_len: int | None = None) -> jax.Array:
+                      real_keys_before: int = 0, valid_kv_len: int | None = None,
+                      mask_index=None, around=None) -> jax.Array:
     """``kernel.attention`` (or the stock kernel) under ``jax.shard_map``; the public
-    ``sharded_splash_attention`` documents the arguments, layouts and errors."""
+    ``sharded_splash_attention`` documents the arguments, layouts and errors.
+
+    ``around`` (``splash`` kernel, "heads" and "ulysses" layouts only: each device then holds
+    whole sequences of its heads): ``(q, k, v, attend) -> out`` runs per device on those
+    whole sequences, with ``attend(q, k, v, mask)`` the kernel call under ``mask``. SVG's
+    routing and token permutation run there (``splash.svg.sparse_attention``), so XLA never
+    gathers the token-sharded arrays for them. ValueError for another layout."""
     check_shapes(q, k, v)
     _check(options, kernel_name, valid_kv_len)
+    mask_index = check_mask_index(options.mask, mask_index, *q.shape[:2])
     layout = choose_layout(mesh, q.shape, k.shape[2])
+    if around is not None and (layout not in ("heads", "ulysses") or kernel_name != "splash"):
+        raise ValueError(f"around: expected the 'heads' or 'ulysses' layout of the splash "
+                         f"kernel, got {layout!r} ({kernel_name})")
     sp = mesh.shape["sp"]
     q_spec, kv_spec, q_ids_spec, kv_ids_spec = _specs(layout)
     segment_ids = as_segment_ids(segment_ids)
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, mask_index):
         q_shard = None
         if layout == "q_sequence":  # masks use global query positions
             q_shard = (lax.axis_index("sp"), sp)
         if layout == "ulysses":
             # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
             # receive every device's sequence shard of our head group, in sequence order.
-            if kernel_name == "splash":
+            if kernel_name == "splash" and around is None:
                 q = fold_scale(q, softmax_scale(q.shape[3], scale))
             q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
-        if kernel_name == "stock_splash":
+        if around is not None:
+            def attend(q, k, v, mask):
+                return kernel.attention(q, k, v, dataclasses.replace(options, mask=mask),
+                                        scale=scale, interpret=interpret)
+
+            out = around(q, k, v, attend)
+        elif kernel_name == "stock_splash":
             out = stock_splash_attention(q, k, v, scale=scale, block_sizes=options.block_sizes,
                                          segment_ids=seg, interpret=interpret)
         else:
             out = kernel.attention(q, k, v, options, scale=scale, segment_ids=seg,
                                    interpret=interpret, q_shard=q_shard,
                                    real_keys_before=real_keys_before,
-                                   valid_kv_len=valid_kv_len, q_scaled=layout == "ulysses")
+                                   valid_kv_len=valid_kv_len, q_scaled=layout == "ulysses",
+                                   mask_index=mask_index)
         if layout == "ulysses":  # back to (B/dp, H/tp, S/sp, D)
             out = ulysses_to_tokens(out, sp)
         return out
 
     seg_spec = None if segment_ids is None else SegmentIds(q_ids_spec, kv_ids_spec)
+    index_spec = None if mask_index is None else mask_index_spec(layout)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec, index_spec),
         out_specs=q_spec,
         check_vma=False,  # pallas_call carries no varying-manual-axes annotations
-    )(q, k, v, segment_ids)
+    )(q, k, v, segment_ids, mask_index)

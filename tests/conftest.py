@@ -248,6 +248,18 @@ SLOW = {
     "test_quality_harness.py::test_exact_rerun_gives_infinite_psnr_and_ssim_one":
         "| test_metrics_against_numpy_on_fixed_frames",
     "test_quality_harness.py::test_int8_differs_and_its_psnr_equals_numpy": "",
+    # 2026-11-27: Wan 2.2's two experts under --sparse svg (issue 53), ~60 s (a 33-frame
+    # video, three step programs); the one-expert sparse path stays in CI.
+    "test_sparse_svg.py::test_sequence_parallel_padding":
+        "| test_sparse_svg.py::test_default_density_equals_eager_svg_reference",
+    "test_sparse_svg.py::test_two_experts_per_expert_density":
+        "| test_sparse_svg.py::test_default_density_equals_eager_svg_reference",
+    # ~30 s; CI keeps the eager-reference test, whose routing and masks it would catch
+    "test_sparse_svg.py::test_density_one_equals_dense":
+        "| test_sparse_svg.py::test_default_density_equals_eager_svg_reference",
+    # 2026-11-27: per-head masks through Mosaic, a 43 s deviceless compile (issue 53).
+    "test_tpu_compile.py::test_head_masks_lower_through_mosaic":
+        "| test_splash_head_masks.py (interpret mode)",
 }
 
 

@@ -142,16 +142,18 @@ def test_local_mask_closed_form_equals_the_default_classes(window, shape):
 
 
 def test_mask_info_visits_exactly_the_busy_blocks():
-    """Per q block: a contiguous range from its first to its last non-empty kv block; the
-    straddling key sub-tile is at least PARTIAL (the tail mask), later ones EMPTY."""
+    """Per q block: its non-empty kv blocks in order; the straddling key sub-tile is at
+    least PARTIAL (the tail mask), later ones EMPTY."""
     n, bs = 391, csa.BlockSizes(128, 256, 128)
     info = build_mask_info(LocalMask(40), n, n, bs)
     lay, row = info.layout, info.table[0]
     nq = lay.num_q_blocks
-    first, count = row[1:1 + nq], row[1 + nq:1 + 2 * nq]
-    classes = row[1 + 2 * nq:].reshape(nq, lay.num_kv_steps, lay.num_sub)
-    np.testing.assert_array_equal(first, [0, 0, 0, 1])
+    count = row[1:1 + nq]
+    visits = row[1 + nq:1 + nq + nq * lay.num_kv_steps].reshape(nq, lay.num_kv_steps)
+    classes = row[1 + nq + nq * lay.num_kv_steps:].reshape(nq, lay.num_kv_steps, lay.num_sub)
+    np.testing.assert_array_equal(visits[:, 0], [0, 0, 0, 1])
     np.testing.assert_array_equal(count, [1, 2, 2, 1])
+    np.testing.assert_array_equal(visits, [[0, 0], [0, 1], [0, 1], [1, 1]])
     assert lay.num_kv_steps == 2
     # q block 3 (rows 384-390) meets keys 344-390: block 1, sub-tile 0 (256-383) partial,
     # sub-tile 1 (384-511) straddles kv_len = 391: partial, not full.

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_splash_attention as csa  # noqa: E402
 from engine.run import runtime  # noqa: E402
+from splash import svg  # noqa: E402
 
 MIB = 2**20
 
@@ -182,6 +183,25 @@ def test_kernel_variants_lower_through_mosaic(variant):
 
     compiled, seconds = _compile(fn, mesh, [(b, h, s, d)] * 3, dtype=dtype)
     _report(f"v6e {variant} B{b} H{h} S{s} D{d} {jnp.dtype(dtype).name}", compiled, seconds)
+    assert _has_mosaic_kernel(compiled)
+
+
+def test_head_masks_lower_through_mosaic():
+    """Per-head masks (``HeadMasks``: two SVG masks, the index an int32 jit argument) under
+    the Ulysses layout pass Mosaic at v6e's default blocks (43 s on the 2-core host; one
+    mask: 26 s, generated code 3.1 against 4.9 MiB)."""
+    mesh = _topology_mesh("v6e:2x4", (2, 2, 2))
+    b, h, s, d = 2, 4, 8000, 128  # 20 frames x 400 positions
+    masks = csa.HeadMasks((svg.svg_mask(0.3, 20, 400), svg.svg_mask(0.5, 20, 400)))
+    options = csa.AttentionOptions(mask=masks, block_sizes=csa.default_block_sizes("v6e"))
+    spec = NamedSharding(mesh, P("dp", "tp", "sp", None))
+    args = [jax.ShapeDtypeStruct((b, h, s, d), jnp.bfloat16, sharding=spec)] * 3
+    args.append(jax.ShapeDtypeStruct((b, h), jnp.int32, sharding=NamedSharding(mesh, P())))
+    start = time.perf_counter()
+    compiled = jax.jit(lambda q, k, v, index: csa.sharded_splash_attention(
+        q, k, v, mesh=mesh, options=options, mask_index=index)).lower(*args).compile()
+    _report(f"v6e head_masks B{b} H{h} S{s} D{d} ulysses", compiled,
+            time.perf_counter() - start)
     assert _has_mosaic_kernel(compiled)
 
 

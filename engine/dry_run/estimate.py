@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,7 @@ from custom_splash_attention import (
     describe_calls,
     splash_attention,
 )
+from engine.dry_run import masked_cost as masked_cost_mod
 from engine.dry_run.abstract import abstract_inputs, abstract_transformer
 from engine.dry_run.hlo import (  # noqa: F401 (parse_textproto, profile_ops: estimate's API)
     COLLECTIVES,
@@ -102,7 +104,9 @@ from engine.dry_run.hlo import (  # noqa: F401 (parse_textproto, profile_ops: es
 from engine.files.checkpoint import PROJECT_ROOT, read_component_config
 from engine.run import chips, runtime
 from engine.weights import sharding as sharding_mod
+from splash import sdpa, svg
 from splash.blocks import fit_block_sizes, vmem_limit_bytes
+from splash.mask_info import InfoLayout
 
 # MXU bf16 FLOPs per cycle per TensorCore, as libtpu's cycle counts imply. v5e: 4 MXUs of
 # 128^2 (Google Cloud's v5e page) x 2. v6e: Google's v6e page lists two 256^2 MXUs per
@@ -406,6 +410,55 @@ def kernel_cycles(topology: str, block_sizes, *, head_dim: int = 128, heads: int
     return cycles, steps
 
 
+def profiled_cycles(device, bs: BlockSizes, *, q_blocks: int, kv_blocks: int, mask, cls,
+                    head_dim: int = 128, dtype=jnp.bfloat16) -> int:
+    """Cycles of our kernel on a ``q_blocks`` x ``kv_blocks`` grid (batch 1, 1 head) on
+    ``device`` (a deviceless TPU device) from libtpu's static profile: unmasked (``mask``
+    None, the dense path) or with ``mask`` and every sub-tile's class ``cls`` made static
+    (None: read from the table, as it runs). The process must have the profile flag set
+    (``setup_profile_environment``).
+
+    Raises:
+        RuntimeError: no kernel op in the profile.
+    """
+    q_len, kv_len = q_blocks * bs.block_q, kv_blocks * bs.block_kv
+    if fit_block_sizes(bs, q_len, kv_len) != bs:
+        raise ValueError(f"blocks {bs} are not fitted blocks of a {q_len} x {kv_len} grid")
+    rep = NamedSharding(Mesh(np.array([device]), ("x",)), P())
+    args = [jax.ShapeDtypeStruct((1, 1, n, head_dim), dtype, sharding=rep)
+            for n in (q_len, kv_len, kv_len)]
+    vmem = vmem_limit_bytes(bs, head_dim, jnp.dtype(dtype).itemsize, margin=1)
+    options = AttentionOptions(block_sizes=bs, mask=mask)
+
+    def fn(q, k, v):
+        return splash_attention(q, k, v, options=options, vmem_limit_bytes=vmem)
+
+    static = (contextlib.nullcontext() if cls is None
+              else mock.patch.object(InfoLayout, "tile_class", lambda *a, **k: cls))
+    path = clear_profile()
+    with static:
+        jax.jit(fn).lower(*args).compile()
+    cycles = sum(op["cycles"] for op in read_profile(path) if KERNEL_NAME in op["name"])
+    release_compile_memory()
+    if not cycles:
+        raise RuntimeError(f"no {KERNEL_NAME} op in the static profile of {path}")
+    return cycles
+
+
+def masked_cost(device, bs: BlockSizes, mask, *, head_dim: int = 128,
+                dtype=jnp.bfloat16) -> dict:
+    """``masked_cost_mod.class_costs`` of ``mask``'s masked path at fitted blocks ``bs`` from the
+    ``CLASS_PROFILES`` profiles on ``device`` (five deviceless compiles; PARTIAL on one q
+    block, see ``masked_cost_mod.class_costs``), with the profiles' cycles under "profiles"."""
+    profiles = {f"{name} {q}x{k}": profiled_cycles(device, bs, q_blocks=q, kv_blocks=k,
+                                                   mask=mask, cls=cls, head_dim=head_dim,
+                                                   dtype=dtype)
+                for name, cls, q, k in masked_cost_mod.CLASS_PROFILES}
+    cost = masked_cost_mod.class_costs(profiles, bs.block_kv // bs.block_kv_compute,
+                                       bs.block_q)
+    return dict(cost, profiles=profiles)
+
+
 def release_compile_memory() -> None:
     """Hand a profiled compile's host memory back to the OS before the next one.
 
@@ -424,13 +477,24 @@ def release_compile_memory() -> None:
 
 def _recorded(call) -> dict:
     """A ``splash.kernel.KernelCall`` as the JSON-able dict the estimate passes around (the
-    profiling worker rebuilds the kernel from it: only ``LocalMask`` has a field here)."""
-    bs = call.block_sizes
+    profiling worker rebuilds the kernel from it): ``window_size`` for a ``LocalMask``,
+    ``band_window`` and ``band_anchor`` for ``splash.svg.AnchoredBandMask`` (the sparse
+    path's mask, costed per tile class: ``masked_cost``), else None.
+
+    Raises:
+        ValueError: any other mask (its cost would be the profile's blind spot)."""
+    bs, mask = call.block_sizes, call.mask
+    if mask is not None and not isinstance(mask, (LocalMask, svg.AnchoredBandMask)):
+        raise ValueError(f"--estimate cannot cost a kernel call with mask {type(mask).__name__}"
+                         " (only LocalMask and the sparse path's band)")
+    band = isinstance(mask, svg.AnchoredBandMask)
     return dict(grid=list(call.grid), head_dim=call.head_dim, dtype=call.dtype,
                 q_len=call.q_len, kv_len=call.kv_len,
                 block_sizes=[bs.block_q, bs.block_kv, bs.block_kv_compute],
                 segment_ids=call.segment_ids,
-                window_size=call.mask.window_size if isinstance(call.mask, LocalMask) else None,
+                window_size=mask.window_size if isinstance(mask, LocalMask) else None,
+                band_window=mask.window if band else None,
+                band_anchor=mask.anchor if band else None,
                 real_kv_blocks=call.real_kv_blocks)
 
 
@@ -475,7 +539,10 @@ def _block_calls(config, family, cfg: dict, mesh, placed) -> list:
             if isinstance(x, torch.Tensor) else x
 
     def record(_module, args, kwargs):
-        seen.append((*jax.tree.map(abstract, (args, kwargs)), list(kwargs)))
+        # Under the sparse scope, sequence parallelism's padding declaration too (the band
+        # runs on the real tokens; the dense estimate keeps its unmasked padded keys).
+        pad = sdpa.declared_key_padding() if svg.active_scope() is not None else None
+        seen.append((*jax.tree.map(abstract, (args, kwargs)), list(kwargs), pad))
 
     blocks = getattr(placed["module"]._model, family.transformer.block_stack.attr)
     handle = blocks[0].register_forward_pre_hook(record, with_kwargs=True)
@@ -485,10 +552,11 @@ def _block_calls(config, family, cfg: dict, mesh, placed) -> list:
     finally:
         handle.remove()
     calls = {}
-    for args, kwargs, order in seen:
+    for args, kwargs, order, pad in seen:
         leaves, tree = jax.tree.flatten((args, kwargs))
-        key = repr((tree, leaves, order))
-        calls.setdefault(key, dict(args=args, kwargs=kwargs, order=order, count=0))["count"] += 1
+        key = repr((tree, leaves, order, pad))
+        calls.setdefault(key, dict(args=args, kwargs=kwargs, order=order, padding=pad,
+                                   count=0))["count"] += 1
     return list(calls.values())
 
 
@@ -543,8 +611,8 @@ def _compile_block(config, family, mesh, shape, placed, call: dict) -> tuple:
     out_sh = out_sh[0] if stack.carry == 1 else tuple(out_sh)
 
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
-    calls = []
-    with stub_attention_kernel(calls):
+    calls, pad = [], call.get("padding")
+    with stub_attention_kernel(calls), _declared(pad):
         t0 = time.perf_counter()
         def estimate_block(*a):  # names the module, for the HLO dump (``block_hlo_text``)
             return interop.jax_view(block)(*a)
@@ -554,6 +622,17 @@ def _compile_block(config, family, mesh, shape, placed, call: dict) -> tuple:
             out_shardings=out_sh).lower(
             placed["params"], placed["buffers"], *sharded).compile()
     return compiled, time.perf_counter() - t0, calls
+
+
+@contextlib.contextmanager
+def _declared(pad):
+    """Within: ``pad`` (a ``KeyPadding`` or None) declared as the step declares it."""
+    token = None if pad is None else sdpa.pad_self_attention_keys(*pad)
+    try:
+        yield
+    finally:
+        if token is not None:
+            sdpa.unpad_self_attention_keys(token)
 
 
 _SUMMED = ("linear_s", "other_s", "other_hbm_floor_s", "hbm_bound_s", "flops",
@@ -716,12 +795,23 @@ def call_cycles(call: dict, cost: dict) -> float:
     A call with segment ids whose first ``call["real_kv_blocks"]`` kv blocks are declared
     all real (``splash_attention(real_keys_before=...)``) charges those steps at
     ``cost["all_real"]["per_step"]`` (the profile of the same kernel with every block
-    declared real), the rest at ``cost["per_step"]``."""
+    declared real), the rest at ``cost["per_step"]``. A call with the sparse path's band
+    (``_band``) is costed per tile class (``masked_cost_mod.sparse_call_cycles``: ``cost``
+    is ``masked_cost``'s model) with the sub-tile counts of its own host table."""
     batch, heads, q_blocks, kv_steps = call["grid"]
+    if _band(call) is not None:
+        return masked_cost_mod.sparse_call_cycles(_band_counts(call), cost, batch=batch,
+                                                  heads=heads)
     fast = min(call.get("real_kv_blocks", 0), kv_steps) if "all_real" in cost else 0
     return (batch * heads * q_blocks * (cost["per_step"] * (kv_steps - fast)
                                         + (cost["all_real"]["per_step"] * fast if fast else 0))
             + cost["per_q_block"] * batch * heads * q_blocks)
+
+
+def _band_counts(call: dict) -> masked_cost_mod.TileCounts:
+    """The tile counts of a band call's host table (``masked_cost_mod.tile_counts``)."""
+    return masked_cost_mod.tile_counts(_band(call), call["q_len"],
+                                       BlockSizes(*call["block_sizes"]), call["kv_len"])
 
 
 def worker_failure(returncode: int, stderr: str, calls: list) -> str:
@@ -755,6 +845,18 @@ def profile_worker(request: dict) -> dict:
             continue
         kv_steps = max(x["grid"][3] for x in request["kernel_calls"] if _kernel_key(x) == key)
         t0 = time.perf_counter()
+        if _band(c) is not None:  # the masked path: per tile class (the profile's blind spot)
+            cost = masked_cost(topology_device(request["topology"]),
+                               BlockSizes(*c["block_sizes"]), _band(c),
+                               head_dim=c["head_dim"], dtype=c["dtype"])
+            kernels[key] = dict(cost, block_sizes=c["block_sizes"], head_dim=c["head_dim"],
+                                dtype=c["dtype"], segment_ids=c["segment_ids"],
+                                compile_s=time.perf_counter() - t0)
+            print(f"estimate: kernel {key}: per tile class (cycles): FULL sub-tile "
+                  f"{cost['full']:,.0f}, PARTIAL {cost['partial']:,.0f}, grid step "
+                  f"{cost['step']:,.0f}, q block {cost['per_q_block']:,.0f}",
+                  file=sys.stderr, flush=True)
+            continue
         cost = kernel_cost(request["topology"], c["block_sizes"], kv_steps=kv_steps,
                            head_dim=c["head_dim"], dtype=c["dtype"],
                            segment_ids=c["segment_ids"], window_size=c["window_size"])
@@ -781,7 +883,16 @@ def _kernel_key(call: dict) -> str:
     bq, bkv, bkc = call["block_sizes"]
     return (f"{bq}/{bkv}/{bkc} d{call['head_dim']} {call['dtype']}"
             + (" masked" if call["segment_ids"] else "")
-            + (f" window{call['window_size']}" if call["window_size"] is not None else ""))
+            + (f" window{call['window_size']}" if call["window_size"] is not None else "")
+            + (f" band{call['band_window']}+{call['band_anchor']}"
+               if call.get("band_window") is not None else ""))
+
+
+def _band(call: dict):
+    """The call's ``AnchoredBandMask``, or None."""
+    if call.get("band_window") is None:
+        return None
+    return svg.AnchoredBandMask(call["band_window"], call["band_anchor"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -797,8 +908,13 @@ def _kernel_seconds(calls: list, kernels: dict, hz: float) -> dict:
         steps = math.prod(c["grid"])
         out[kind]["seconds"] += call_cycles(c, kernels[_kernel_key(c)]) / hz
         out[kind]["grid_steps"] += steps
-        bq, bkv, _ = c["block_sizes"]
-        out[kind]["flops"] += 4.0 * steps * bq * bkv * c["head_dim"]
+        bq, bkv, bkc = c["block_sizes"]
+        if _band(c) is not None:  # the computed sub-tiles only
+            n = _band_counts(c)
+            subs = c["grid"][0] * c["grid"][1] * (n.full_subs + n.partial_subs)
+            out[kind]["flops"] += 4.0 * subs * bq * bkc * c["head_dim"]
+        else:
+            out[kind]["flops"] += 4.0 * steps * bq * bkv * c["head_dim"]
     return out
 
 
@@ -882,7 +998,9 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
                          "splash kernel gates its work on mask data the profile undercounts")
     t0 = time.perf_counter()
     block = _first_block(config, family, cfg, mesh, mesh_shape, chip)
-    calls = block["kernel_calls"]
+    sparse_blocks = _sparse_blocks(config, family, cfg, mesh, mesh_shape, chip)
+    calls = block["kernel_calls"] + [c for b in sparse_blocks.values()
+                                     for c in b["kernel_calls"]]
     kernels = {}
     if calls:
         request = dict(topology=config.dry.topology, kernel_calls=calls)
@@ -897,7 +1015,48 @@ def estimate(config, family, cfg: dict, mesh, mesh_shape, chip: str, attention: 
     chips_in_mesh = mesh_shape.dp * mesh_shape.tp * mesh_shape.sp
     out = combine(block, kernels, chip=chip, layers=cfg["num_layers"],
                   model_flops_per_chip=family.transformer.flops(cfg, config) / chips_in_mesh)
+    if sparse_blocks:
+        out["sparse"] = sparse_steps(block, sparse_blocks, kernels, chip=chip,
+                                     layers=cfg["num_layers"], sparse_layers=config.sparse.layers)
     out["elapsed_s"] = time.perf_counter() - t0
+    return out
+
+
+def _sparse_blocks(config, family, cfg: dict, mesh, shape, chip: str) -> dict:
+    """{sparse program key: ``_first_block`` traced under its ``splash.svg.sparse_scope``}
+    for a run with ``config.sparse`` (one per distinct expert density), else {}. The first
+    block stands for every sparse layer: unrolled, each block's self-attention is sparse
+    under the scope (the layer range is the scan's split, ``splash.svg.layer_segments``),
+    so its routing, permutations and band-masked kernel call are all in the program."""
+    out = {}
+    sparse = config.sparse
+    for e in range(len(sparse.densities) if sparse is not None else 0):
+        key = sparse.key(e)
+        if key not in out:
+            with svg.sparse_scope(sparse.scope(e)):
+                out[key] = _first_block(config, family, cfg, mesh, shape, chip)
+    return out
+
+
+def sparse_steps(block: dict, sparse_blocks: dict, kernels: dict, *, chip: str, layers: int,
+                 sparse_layers: tuple[int, int]) -> dict:
+    """{key: the sparse step's estimate}: ``layers`` blocks of which those in
+    ``sparse_layers`` ([start, stop), clipped to ``layers``) run the sparse block of
+    ``sparse_blocks[key]`` and the rest the dense ``block``; each with ``seconds_per_step``,
+    the per-layer ``parts`` of both kinds (seconds) and the layer counts. The routing and
+    the permutations are XLA ops of the sparse block, in its linear and elementwise parts."""
+    n = max(0, min(sparse_layers[1], layers) - max(sparse_layers[0], 0))
+    dense = combine(block, kernels, chip=chip, layers=1, model_flops_per_chip=0.0)
+    out = {}
+    for key, sb in sparse_blocks.items():
+        one = combine(sb, kernels, chip=chip, layers=1, model_flops_per_chip=0.0)
+        out[key] = dict(
+            seconds_per_step=(layers - n) * dense["seconds_per_step"]
+            + n * one["seconds_per_step"], sparse_layers=n, dense_layers=layers - n,
+            sparse_layer_s=one["seconds_per_step"], dense_layer_s=dense["seconds_per_step"],
+            sparse_layer_parts=one["parts"], sparse_layer_attention=one["attention"],
+            sparse_layer_top_ops=sb["top_ops"], sparse_layer_collectives=one["collectives"],
+            dense_layer_parts=dense["parts"], compile_s=sb["compile_s"])
     return out
 
 
@@ -960,6 +1119,19 @@ def print_estimate(est: dict) -> None:
           f"{est['seconds_per_step_elementwise_by_xla_cost_model']:8.3f} s   (elementwise "
           f"{est['elementwise_xla_cost_model_s']:.3f} s by XLA's fusion cost model: pessimistic)")
     print(f"ICI figure: {est['ici_source']}; {est['elapsed_s']:.0f} s to estimate")
+    for key, sp in (est.get("sparse") or {}).items():
+        p = sp["sparse_layer_parts"]
+        print(f"sparse step ({key}){'':<9}{sp['seconds_per_step']:8.3f} s   ({sp['dense_layers']}"
+              f" dense + {sp['sparse_layers']} sparse blocks; a sparse block "
+              f"{sp['sparse_layer_s'] * 1e3:.1f} ms: self-attention "
+              f"{p['self_attention_s'] * 1e3:.1f}, linear {p['linear_s'] * 1e3:.1f}, "
+              f"elementwise {p['elementwise_and_other_s'] * 1e3:.1f} (routing, permutations), "
+              f"against {sp['dense_layer_s'] * 1e3:.1f} ms dense)")
+    if "average_seconds_per_step" in est:
+        print(f"{'average per step':<26}{est['average_seconds_per_step']:8.3f} s   "
+              f"({est['sparse_plan']}; "
+              f"{est['seconds_per_step'] / est['average_seconds_per_step']:.2f}x faster than "
+              "dense steps throughout)")
     if "cache" in est:
         c = est["cache"]
         print(f"{c['kind']}: {c['full_steps']} full x {c['full_step_s']:.3f} s + "

@@ -38,7 +38,7 @@ from engine.files.checkpoint import (
 )
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
-from engine.programs import experts, parking, step_cache
+from engine.programs import experts, parking, sparse, step_cache
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
@@ -127,6 +127,57 @@ def _step_row(config, family, placed, mesh, abstract_inputs, capacity: int,
         weights = _per_chip_bytes([*placed["params"].values(), *placed["buffers"].values()])
         return _oom_row("transformer step", e, time.perf_counter() - t0, capacity,
                         weights + _per_chip_bytes([latents, *_leaves(inputs)]))
+
+
+def _sparse_rows(config, family, placed, mesh, abstract_inputs, capacity: int,
+                 layers: int) -> list:
+    """``--sparse``: the sparse step programs compiled as a run compiles them
+    (``sparse.compile_sparse_programs``), one row each. With fewer blocks compiled than the
+    run's (``--dry_run_layers``), the sparse layer range is moved into the compiled ones
+    (at least one sparse block: layer 0 of a 1-block dry run) so each program holds a
+    sparse block; the row names the range."""
+    latents, t, inputs = abstract_inputs
+    lo, hi = config.sparse.layers
+    lo = min(lo, layers - 1)
+    hi = max(min(hi, layers), lo + 1)
+    cfg = config.replace(sparse=dataclasses.replace(config.sparse, layers=(lo, hi)))
+    print(f"compiling the sparse step programs ({layers} blocks, blocks [{lo}, {hi}) sparse) "
+          f"for {config.dry.topology}...", flush=True)
+    t0, seconds, timings = time.perf_counter(), {}, {}
+    try:
+        compiled = sparse.compile_sparse_programs(
+            cfg, placed, mesh, family.transformer.step_fn(placed["module"], cfg), latents, t,
+            inputs, timings, seconds)
+    except Exception as e:  # the compiler reports real OOMs as errors
+        return [_oom_row("transformer step (sparse)", e, time.perf_counter() - t0, capacity)]
+    return [_memory_row(f"transformer step ({key}, blocks [{lo}, {hi}))", c, seconds[key],
+                        capacity) for key, c in compiled.items()]
+
+
+def _expert_of_step(config, family) -> list[int]:
+    """Per denoising step, its expert (0, or 1 for a two-expert model's low-noise one),
+    from the checkpoint's scheduler as a run decides it (``experts.expert_steps``)."""
+    n, model_id = config.video.num_inference_steps, config.model.model_id
+    split = experts.expert_steps(
+        read_model_index(model_id), read_component_config(
+            model_id, "scheduler", filename="scheduler_config.json"), family.scheduler.make,
+        config.video.scheduler, config.video.flow_shift, n, family.scheduler.sigmas)
+    return [0] * n if split is None else [0] * split[0] + [1] * split[1]
+
+
+def sparse_estimate(est: dict, plan) -> dict:
+    """``est`` (``estimate.estimate`` of a ``--sparse`` run, with its ``sparse`` entry) with
+    ``sparse_seconds_per_step`` (seconds; {program key: seconds} with several sparse
+    programs, one per expert density), ``average_seconds_per_step`` over ``plan``'s
+    (``sparse.StepPlan``) dense and sparse steps, ``sparse_plan`` (its counts in words) and
+    ``step_plan``. ``seconds_per_step`` stays the dense step's. ESTIMATES."""
+    by_key = {k: v["seconds_per_step"] for k, v in est["sparse"].items()}
+    k = sum(p != sparse.DENSE for p in plan.programs)
+    return dict(est, sparse_seconds_per_step=next(iter(by_key.values())) if len(by_key) == 1
+                else by_key,
+                average_seconds_per_step=plan.average_seconds(est["seconds_per_step"], by_key),
+                sparse_plan=f"{len(plan.programs) - k} dense + {k} sparse steps",
+                step_plan=plan.report())
 
 
 def _cache_rows(config, family, placed, mesh, abstract_inputs, capacity: int):
@@ -350,6 +401,9 @@ def _compiled_rows(config, family, models, mesh, inputs_abstract, capacity: int,
             rows, cache = _cache_rows(config, family, placed, mesh, inputs_abstract, capacity)
         else:
             rows = [_step_row(config, family, placed, mesh, inputs_abstract, capacity, layers)]
+        if config.sparse is not None:
+            rows += _sparse_rows(config, family, placed, mesh, inputs_abstract, capacity,
+                                 layers)
         decoder = family.vae.decoder(vae_placed, vae, mesh, tiling=config.run.vae_tiling,
                                      abstract=True)
         rows += _vae_rows(config, decoder, inputs_abstract[0] if decode_latents is None
@@ -540,8 +594,12 @@ def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
     print(f"estimating the step time for {config.dry.topology} (one block, and the kernel on a "
           "tiny grid with libtpu's static profile)...", flush=True)
     try:
-        return estimate.estimate(config, family, read_component_config(
+        est = estimate.estimate(config, family, read_component_config(
             config.model.model_id, "transformer"), mesh, shape, chip, attention)
+        if config.sparse is None:
+            return est
+        return sparse_estimate(est, sparse.StepPlan.build(_expert_of_step(config, family),
+                                                          config.sparse))
     except ValueError as e:
         raise UsageError(f"--estimate: {e}") from None
     except RuntimeError as e:

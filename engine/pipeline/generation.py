@@ -28,7 +28,7 @@ from engine.pipeline.stages import (
     prepare_programs,
     program_settings,
 )
-from engine.programs import denoise, executables, experts, step_cache
+from engine.programs import denoise, executables, experts, sparse, step_cache
 from engine.run import runtime
 from engine.run.config import RunConfig
 from engine.run.mesh import make_mesh
@@ -250,11 +250,15 @@ def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | Non
         out["cache"] = step_cache.cache_report(programs.cache, runs,
                                                 config.video.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
-    flops = None if programs.step is None else experts.flops_per_step(
-        programs.step, lambda k: family.transformer.flops(dict(
+    step = programs.step
+    if isinstance(step, sparse.PlannedStep):  # --sparse: its plan (and the experts' entry)
+        out.update(step.report())
+        step = step.expert_step
+    flops = None if step is None else experts.flops_per_step(
+        step, lambda k: family.transformer.flops(dict(
             (pipe.transformer, pipe.transformer_2)[k].config), config))
-    if flops is not None:
-        out["experts"] = programs.step.report()
+    if flops is not None and "experts" not in out:
+        out["experts"] = step.report()
     if programs.step is not None:  # a cached step counts what it runs
         flops = step_cache.flops_per_step(flops or family.transformer.flops(cfg, config), config,
                                           cfg)

@@ -33,7 +33,8 @@ class Programs:
     step: compiled model call ``(latents, t, embeds) -> noise prediction`` (weights bound),
         or an object whose ``at_timestep(host t)`` returns one
         (``engine.programs.experts.ExpertStep``: a two-expert model's weights chosen per step,
-        one compiled program).
+        one compiled program; ``engine.programs.sparse.PlannedStep``: dense and sparse
+        programs, and the expert, chosen per step by its ``StepPlan``).
     scheduler_config: the diffusers scheduler's config; a fresh scheduler is built from it
         per run (its ``_class_name`` names the class).
     sigmas: optional ``f(num_inference_steps) -> sigmas`` for ``set_timesteps`` (the
@@ -118,7 +119,7 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds):
     on JAX arrays through torchax (its float32 math is exactly upstream's). Returns the next
     float32 latents as a ``jax.Array`` (not yet synchronised)."""
     env = torchax.default_env()
-    if hasattr(step, "at_timestep"):  # two experts: the host picks one (engine/programs/experts.py)
+    if hasattr(step, "at_timestep"):  # the host picks the program / expert per step
         step = step.at_timestep(t_torch)
     noise_pred = step(latents, t, embeds)
     with env:
@@ -226,11 +227,14 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
         return {}
     out, t0, latents = {}, time.perf_counter(), latents0
     if programs.step is not None:
-        schedule = None
+        schedule, limit = None, warmup_steps
         if programs.cache is not None:  # both cache programs run: full, then cached
             schedule = programs.cache.warmup_schedule(warmup_steps, num_inference_steps)
-        loop = _fresh_loop(programs, num_inference_steps,
-                           limit=warmup_steps if schedule is None else len(schedule))
+            limit = len(schedule)
+        if hasattr(programs.step, "for_warmup"):  # a step plan: each of its programs once
+            step, limit = programs.step.for_warmup(warmup_steps)
+            programs = dataclasses.replace(programs, step=step)
+        loop = _fresh_loop(programs, num_inference_steps, limit=limit)
         latents = _denoise_now(programs, loop, latents0, desc="warmup",
                                call=_model_call(programs, schedule))
         out.update(warmup_denoise_s=time.perf_counter() - t0, warmup_steps=len(loop[1]))

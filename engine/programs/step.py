@@ -12,7 +12,7 @@ from torchax import interop
 from engine.programs import executables
 
 
-def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
+def compile_step(placed: dict, mesh, fn, latents, timestep, inputs, extra=None):
     """JIT and AOT-compile one model call; returns (compiled, seconds).
 
     Args:
@@ -23,6 +23,8 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
         latents: (1, C, F', h, w) float32, replicated.
         timestep: (1,) int32 or float32, replicated.
         inputs: the family's model-inputs pytree, batch over "dp".
+        extra: JSON-able static parts the arguments do not show (a sparse program's
+            ``splash.svg.SparseScope``), for the executable cache's key.
 
     The compiled call takes (params, buffers, latents, timestep, inputs) and returns the
     replicated noise prediction. Weights keep the shardings they were placed with; GSPMD
@@ -35,7 +37,7 @@ def compile_step(placed: dict, mesh, fn, latents, timestep, inputs):
     t0 = time.perf_counter()
     # Loaded from the executable cache when one is open and matches (no tracing then).
     compiled, _ = executables.compile_program("transformer_step", lambda: jitted.lower(*args),
-                                              args)
+                                              args, extra=extra)
     return compiled, time.perf_counter() - t0
 
 

@@ -4,7 +4,7 @@ two-expert model's (``engine.programs.experts.ExpertStep``)."""
 
 from __future__ import annotations
 
-from engine.programs import experts, step_cache
+from engine.programs import experts, sparse, step_cache
 from engine.programs.step import compile_step
 from engine.run.errors import GenerationError
 
@@ -28,8 +28,10 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
             cache it is used instead of compiling.
 
     Returns:
-        step: ``(latents, t, inputs) -> noise prediction`` with the weights bound, or an
-            ``ExpertStep``; with a cache it runs the full program (the loop itself runs the
+        step: ``(latents, t, inputs) -> noise prediction`` with the weights bound, an
+            ``ExpertStep``, or with ``config.sparse`` a ``sparse.PlannedStep`` (dense and
+            sparse programs, per step); with a cache it runs the full program (the loop
+            itself runs the
             cache's runner).
 
     Raises:
@@ -51,6 +53,13 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
     else:
         compiled, timings["compile_transformer_s"] = compile_step(placed, mesh, fn, latents,
                                                                   timestep, inputs)
+    if config.sparse is not None:  # dense and sparse programs, chosen per step by a plan
+        sparse_programs = sparse.compile_sparse_programs(config, placed, mesh, fn, latents,
+                                                         timestep, inputs, timings)
+        parked = (experts.ExpertParking([placed, second], memory=second["parked"])
+                  if second and second.get("parked") else None)
+        return sparse.planned_step(config, pipe, placed, second, compiled, sparse_programs,
+                                   inputs, parked), None
     if second:
         # transformer_2 placed parked (experts.place_second): the idle expert stays parked.
         parked = (experts.ExpertParking([placed, second], memory=second["parked"])

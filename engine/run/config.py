@@ -179,7 +179,8 @@ GROUPS = (("model", ModelSettings), ("video", VideoSettings), ("layout", LayoutS
           ("kernel", KernelSettings), ("run", RunSettings), ("dry", DryRunSettings),
           ("hosts", HostSettings))
 _GROUP_OF = {f.name: group for group, cls in GROUPS for f in dataclasses.fields(cls)}
-_WHOLE = ("step_cache", "serve", "upscale")  # settings kept as one value, not a flag group
+# Settings kept as one value, not a flag group.
+_WHOLE = ("step_cache", "serve", "upscale", "sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,8 @@ class RunConfig:
     ``KernelSettings``; run: ``RunSettings``; dry: ``DryRunSettings``; hosts:
     ``HostSettings``; step_cache: ``engine.programs.step_cache.CacheSettings`` (None: off);
     serve: ``engine.serve.flags.ServeSettings`` (None: no --serve); upscale: the family's
-    super-resolution settings (``families.base.Upscale.validate``; None: no --sr).
+    super-resolution settings (``families.base.Upscale.validate``; None: no --sr); sparse:
+    ``engine.programs.sparse.SparseSettings`` (None: --sparse none).
     Build one from flat flag values with ``from_flags``; ``replace`` takes flat names too.
     """
 
@@ -205,6 +207,7 @@ class RunConfig:
     step_cache: Any = None
     serve: Any = None
     upscale: Any = None
+    sparse: Any = None
 
     @classmethod
     def from_flags(cls, **values) -> RunConfig:
@@ -277,6 +280,8 @@ class RunConfig:
             out["serve"] = self.serve.settings()
         if self.upscale is not None:
             out["upscale"] = dataclasses.asdict(self.upscale)
+        if self.sparse is not None:
+            out["sparse"] = dataclasses.asdict(self.sparse)
         return out
 
 

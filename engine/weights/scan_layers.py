@@ -41,6 +41,8 @@ import torchax.tensor
 from jax.sharding import PartitionSpec as P
 from torchax import interop
 
+from splash import svg
+
 STACKED = "stacked"
 
 
@@ -214,6 +216,18 @@ class ScannedBlocks(torch.nn.Module):
                 carry = self._layer({k: v[i] for k, v in stacked.items()}, *carry, *args[n:])
             return self._result(carry)
 
+        # SVG's layer range (``splash.svg.layer_segments``): one scan per run of dense or
+        # sparse layers, each traced under its own scope; one run (the plain scan) otherwise.
+        carry = tuple(args[:n])
+        for a, b, scope in svg.layer_segments(start, stop):
+            with svg.sparse_scope(scope):
+                carry = self._scan(carry, stacked, tuple(args[n:]), a, b, record_at)
+        return self._result(carry)
+
+    def _scan(self, carry: tuple, stacked: dict, rest: tuple, start: int, stop: int,
+              record_at):
+        """Layers [start, stop) as one ``jax.lax.scan`` on torchax tensors; returns the new
+        carry (a tuple), keeping the carry entering ``record_at`` in ``self.recorded``."""
         # The body is torch code viewed as a JAX function: JAX arrays in, torchax tensors
         # inside (call_torch enters the default env), JAX arrays out.
         body = interop.jax_view(self._layer)
@@ -252,11 +266,11 @@ class ScannedBlocks(torch.nn.Module):
                                   unroll=self.unroll)
             return out
 
-        carry = interop.call_jax(run, tuple(args[:n]), stacked, tuple(args[n:]))
+        carry = interop.call_jax(run, carry, stacked, rest)
         if record_at is not None:
             carry, self.recorded = carry
             self.recorded = tuple(self.recorded)
-        return self._result(tuple(carry))
+        return tuple(carry)
 
 
 def scan_blocks(model: torch.nn.Module, *, unroll: int = 1,

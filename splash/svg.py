@@ -1,0 +1,262 @@
+"""Sparse VideoGen (SVG 1) in kernel terms: its one mask, its two token orders, its width
+rule and its per-head routing rule.
+
+Source: svg-project/Sparse-VideoGen @ 5ce7b01 (read, not copied):
+- ``svg/models/wan/utils.py`` ``generate_temporal_head_mask_mod``: the sparse path's one block
+  mask, ``|q - kv| <= round_up_128(multiplier * frame_size)`` or ``kv < frame_size``, applied
+  to every head on its own token order; ``sparsity_to_width``: the multiplier (in frames).
+- ``svg/models/wan/placement.py`` ``ref_wan_sparse_head_placement``: spatial heads keep the
+  frame-major order, temporal heads are reordered position-major (the (frame, position)
+  grid transposed) before that mask and back after.
+- ``svg/models/wan/attention.py`` ``sample_mse`` and ``attention_core_logic``: per (batch,
+  head) the MSE, over the sampled query rows and the head dimension, between the rows under
+  each pattern and the rows of full attention; ``torch.argmin`` over [spatial, temporal]
+  (a tie picks spatial, the first). ``svg/models/wan/inference.py``: 64 rows.
+
+So the anchor is the first ``frame_size`` keys of the head's own order: frame 0 for a spatial
+head; for a temporal head (position-major) the first ``frame_size / num_frames`` positions of
+every frame. That is what SVG's sparse kernel runs, and what this module reproduces.
+
+The temporal order is a permutation in the graph (``to_position_major``). One kernel call
+can run both patterns: ``HeadMasks((spatial, temporal))`` with ``route``'s (batch, heads)
+index as the call's ``mask_index`` (``SPATIAL`` = 0, ``TEMPORAL`` = 1), the temporal heads'
+q, k, v permuted position-major in the graph first.
+
+In the model graph (``--sparse svg``): ``sparse_scope(SparseScope(...))`` declares, while a
+step program is traced, that its self-attention calls are sparse; the SDPA override then
+runs ``sparse_attention`` (route, permute the temporal heads position-major with
+``jnp.where`` per head, one single-mask kernel call with ``svg_mask``, permute back), and a
+scanned block stack splits its scan at ``SparseScope.layers`` (``layer_segments``), the
+layers outside running dense.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from splash.mask import EMPTY, FULL, PARTIAL, Mask
+
+# SVG's sparse mask rounds its band half-width up to this many tokens (its flex block).
+WIDTH_ROUND = 128
+# Query rows SVG samples per head to route (``inference.py``: num_sampled_rows=64).
+NUM_SAMPLED_ROWS = 64
+SPATIAL, TEMPORAL = 0, 1
+
+
+def sparsity_to_width(sparsity: float, num_frames: int, frame_size: int,
+                      context_length: int = 0) -> float:
+    """SVG's band half-width in frames for ``sparsity`` (the fraction of scores kept, in
+    (0, 1]): w = N (1 - sqrt(1 - s')) / frame_size with N the sequence length and s' the
+    fraction left after the text context's rows and columns (none for Wan: 0).
+
+    Raises:
+        ValueError: ``sparsity`` outside (0, 1].
+    """
+    if not 0.0 < sparsity <= 1.0:
+        raise ValueError(f"sparsity: expected a fraction in (0, 1], got {sparsity!r}")
+    n = context_length + num_frames * frame_size
+    kept = (sparsity * n * n - 2 * n * context_length) / (n * n)
+    return n * (1 - math.sqrt(1 - kept)) / frame_size
+
+
+def band_tokens(sparsity: float, num_frames: int, frame_size: int) -> int:
+    """The mask's ``window``: ``sparsity_to_width`` frames in tokens, rounded up to 128 as
+    SVG's ``temporal_mask_mod`` does."""
+    width = sparsity_to_width(sparsity, num_frames, frame_size) * frame_size
+    return int(math.ceil(width / WIDTH_ROUND) * WIDTH_ROUND)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchoredBandMask(Mask):
+    """Query ``i`` attends key ``j`` iff ``|i - j| <= window`` or ``j < anchor`` (positions
+    in the call's token order). SVG's mask with ``anchor`` = frame_size.
+
+    Raises:
+        ValueError: ``window`` or ``anchor`` is not an int >= 0.
+    """
+
+    window: int
+    anchor: int
+
+    def __post_init__(self):
+        for name in ("window", "anchor"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {x!r}")
+            object.__setattr__(self, name, int(x))
+
+    def tile_predicate(self, q_pos, kv_pos):
+        return (jnp.abs(q_pos - kv_pos) <= self.window) | (kv_pos < self.anchor)
+
+    def block_classes(self, q_len: int, kv_len: int, block_q: int, block_kv: int, *,
+                      q_offset: int = 0) -> np.ndarray:
+        w, a = self.window, self.anchor
+        q_lo = q_offset + np.arange(0, q_len, block_q, dtype=np.int64)[:, None]
+        q_hi = np.minimum(q_lo + block_q, q_offset + q_len) - 1
+        kv_lo = np.arange(0, kv_len, block_kv, dtype=np.int64)[None, :]
+        kv_hi = np.minimum(kv_lo + block_kv, kv_len) - 1
+        band_empty = (kv_lo > q_hi + w) | (kv_hi < q_lo - w)
+        empty = band_empty & (kv_lo >= a)
+        # Full: the keys at or past the anchor (if any) are all inside every row's band.
+        rest_lo = np.maximum(kv_lo, a)
+        full = (rest_lo > kv_hi) | (np.maximum(q_hi - rest_lo, kv_hi - q_lo) <= w)
+        return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+def svg_mask(sparsity: float, num_frames: int, frame_size: int) -> AnchoredBandMask:
+    """SVG's mask for one video: the band of ``band_tokens`` and the first frame_size keys."""
+    return AnchoredBandMask(band_tokens(sparsity, num_frames, frame_size), frame_size)
+
+
+def to_position_major(x, num_frames: int, frame_size: int):
+    """(..., F * P, D) frame-major tokens -> position-major ((P, F) order); any array type."""
+    lead, d = x.shape[:-2], x.shape[-1]
+    y = x.reshape(*lead, num_frames, frame_size, d)
+    return jnp.swapaxes(y, -3, -2).reshape(*lead, num_frames * frame_size, d)
+
+
+def to_frame_major(x, num_frames: int, frame_size: int):
+    """The inverse of ``to_position_major``."""
+    lead, d = x.shape[:-2], x.shape[-1]
+    y = x.reshape(*lead, frame_size, num_frames, d)
+    return jnp.swapaxes(y, -3, -2).reshape(*lead, num_frames * frame_size, d)
+
+
+def position_major_index(t, num_frames: int, frame_size: int):
+    """Frame-major token index ``t`` -> its index in the position-major order."""
+    return (t % frame_size) * num_frames + t // frame_size
+
+
+def sample_rows(seq_len: int, count: int = NUM_SAMPLED_ROWS, seed: int = 0) -> np.ndarray:
+    """``count`` query rows in [0, seq_len), drawn once on the host (SVG draws
+    ``torch.randint`` rows per call; a fixed draw keeps the compiled step static)."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.integers(0, seq_len, size=min(count, seq_len))).astype(np.int32)
+
+
+def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: int,
+          scale: float | None = None) -> jax.Array:
+    """SVG's per-head pattern choice on the sampled ``rows`` (frame-major positions).
+
+    Args:
+        q, k, v: (batch, heads, N, head_dim), frame-major, N = num_frames * frame_size.
+        rows: int32 (R,) query rows.
+        mask: the mask both patterns apply, each on its own token order.
+        scale: softmax scale (default head_dim ** -0.5).
+
+    Returns:
+        int32 (batch, heads): ``SPATIAL`` (0) or ``TEMPORAL`` (1), the lower MSE to full
+        attention over the rows and head_dim; a tie picks ``SPATIAL``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    f32 = jnp.float32
+    s = jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows].astype(f32), k.astype(f32),
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    vf = v.astype(f32)
+    kv = jnp.arange(q.shape[2], dtype=jnp.int32)[None, :]
+    r = jnp.asarray(rows, jnp.int32)[:, None]
+    pm = lambda t: position_major_index(t, num_frames, frame_size)  # noqa: E731
+    allowed = (mask.tile_predicate(r, kv), mask.tile_predicate(pm(r), pm(kv)))
+
+    def rows_out(ok):
+        p = jax.nn.softmax(s if ok is None else jnp.where(ok, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhrk,bhkd->bhrd", p, vf, precision=jax.lax.Precision.HIGHEST)
+
+    golden = rows_out(None)
+    mse = jnp.stack([jnp.mean((rows_out(ok) - golden) ** 2, axis=(2, 3)) for ok in allowed])
+    return jnp.argmin(mse, axis=0).astype(jnp.int32)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseScope:
+    """What a traced step's self-attention runs sparse: SVG with ``sparsity`` (in (0, 1]) on
+    a video of ``num_frames`` x ``frame_size`` tokens (post-patch frames and tokens per
+    frame), in layers [``layers[0]``, ``layers[1]``) of the block stack (the rest dense)."""
+
+    sparsity: float
+    num_frames: int
+    frame_size: int
+    layers: tuple[int, int]
+
+    @property
+    def mask(self) -> AnchoredBandMask:
+        return svg_mask(self.sparsity, self.num_frames, self.frame_size)
+
+
+_SCOPE: contextvars.ContextVar[SparseScope | None] = contextvars.ContextVar(
+    "svg_sparse_scope", default=None)
+
+
+@contextlib.contextmanager
+def sparse_scope(scope: SparseScope | None):
+    """Declare, for the code traced inside, that self-attention is SVG-sparse as ``scope``
+    says (``None``: dense). Trace-time state, as ``splash.sdpa``'s declarations."""
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def active_scope() -> SparseScope | None:
+    """The ``sparse_scope`` in force for the code being traced, else None."""
+    return _SCOPE.get()
+
+
+def layer_segments(start: int, stop: int) -> list[tuple[int, int, SparseScope | None]]:
+    """Layers [start, stop) split into runs of one kind: [(a, b, scope or None)], in order;
+    one run with the active scope (or None) when no scope is active or it covers them all."""
+    scope = active_scope()
+    if scope is None:
+        return [(start, stop, None)]
+    lo, hi = max(start, scope.layers[0]), min(stop, scope.layers[1])
+    if lo >= hi:
+        return [(start, stop, None)]
+    runs = [(start, lo, None), (lo, hi, scope), (hi, stop, None)]
+    return [r for r in runs if r[0] < r[1]]
+
+
+def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = None):
+    """SVG's sparse self-attention of one call.
+
+    Args:
+        q, k, v: (batch, heads, N, head_dim), frame-major video tokens, N = num_frames *
+            frame_size (no text tokens, no padding).
+        scope: the sparsity and token grid.
+        attend: ``(q, k, v, mask) -> out`` (batch, heads, N, head_dim): one kernel call
+            with ``mask`` for every head.
+        scale: softmax scale (default head_dim ** -0.5).
+
+    Returns:
+        (batch, heads, N, head_dim) in q.dtype, frame-major.
+
+    Raises:
+        ValueError: N is not num_frames * frame_size.
+    """
+    f, p = scope.num_frames, scope.frame_size
+    if q.shape[2] != f * p or k.shape[2] != f * p:
+        raise ValueError(f"sparse attention: expected {f} x {p} = {f * p} tokens (no padding),"
+                         f" got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    mask = scope.mask
+    which = route(q, k, v, sample_rows(f * p), mask, f, p, scale)
+    temporal = (which == TEMPORAL)[:, :, None]  # (batch, heads, 1)
+    # One row gather per tensor, the row order chosen per head: the estimate charged the
+    # jnp.where over both orders (two transposes and a select per tensor) 10.3 ms of copies
+    # per Wan 14B 720p layer on v6e against 1.9 ms for a gather (benchmarks/svg_results.md).
+    t = np.arange(f * p)
+    to_pm = jnp.where(temporal, jnp.asarray((t % f) * p + t // f, jnp.int32), t)
+    to_fm = jnp.where(temporal, jnp.asarray(position_major_index(t, f, p), jnp.int32), t)
+
+    def gather(x, index):  # (B, H, N, D) rows in ``index``'s (B, H, N) order
+        return jnp.take_along_axis(x, index[..., None], axis=2)
+
+    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask)
+    return gather(out, to_fm)

@@ -1,0 +1,160 @@
+"""Sparse VideoGen's mask, token orders, width and routing (``splash/svg.py``), in Pallas
+interpret mode on CPU.
+
+References, independent of the code under test: dense masks built in NumPy (the temporal one
+with SVG's own reshape/permute of ``get_attention_mask``, svg/models/wan/utils.py @ 5ce7b01),
+float32 attention (``reference_attention``), and a NumPy port of SVG's ``sample_mse`` plus
+``torch.argmin`` (svg/models/wan/attention.py @ 5ce7b01; NumPy's argmin also takes the first
+of equal values). Tolerances as tests/test_splash_mask.py.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import custom_splash_attention as csa  # noqa: E402
+from splash import svg  # noqa: E402
+from splash.mask import EMPTY, Mask  # noqa: E402
+from splash.mask_info import build_mask_info  # noqa: E402
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+F, P = 5, 39  # frames x positions: N = 195, odd (ragged last blocks)
+
+
+def _dense(n, window, anchor):
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    return (np.abs(i - j) <= window) | (j < anchor)
+
+
+def _temporal_dense(window, anchor):
+    """The mask on position-major order, mapped to frame-major as SVG's get_attention_mask
+    maps its temporal mask (reshape (P, F, P, F), permute (1, 0, 3, 2))."""
+    m = _dense(F * P, window, anchor)
+    return m.reshape(P, F, P, F).transpose(1, 0, 3, 2).reshape(F * P, F * P)
+
+
+def _inputs(dtype, seed, heads=2, d=64):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal((1, heads, F * P, d)), dtype)
+                 for _ in range(3))
+
+
+def _reference(q, k, v, allowed):
+    f32 = (x.astype(jnp.float32) for x in (q, k, v))
+    return np.asarray(csa.reference_attention(*f32, mask=jnp.asarray(allowed)[None, None]))
+
+
+def test_width_is_svgs_rule():
+    """Wan 720p x 81 (21 x 3,600 tokens) at s = 0.3: 12,416 tokens (3.45 frames, the notes'
+    figure); s = 1 keeps the whole sequence; out of range is refused."""
+    assert svg.band_tokens(0.3, 21, 3600) == 12416
+    assert svg.sparsity_to_width(1.0, 21, 3600) == pytest.approx(21.0)
+    with pytest.raises(ValueError, match="sparsity: expected"):
+        svg.sparsity_to_width(0.0, 21, 3600)
+
+
+@pytest.mark.parametrize("window,anchor", [(0, 0), (40, 39), (129, 300), (1000, 10)])
+@pytest.mark.parametrize("shape", [(391, 391, 128, 128, 0), (200, 391, 128, 256, 150)])
+def test_closed_form_classes_equal_the_default(window, anchor, shape):
+    q_len, kv_len, bq, bkv, offset = shape
+    mask = svg.AnchoredBandMask(window, anchor)
+    np.testing.assert_array_equal(
+        mask.block_classes(q_len, kv_len, bq, bkv, q_offset=offset),
+        Mask.block_classes(mask, q_len, kv_len, bq, bkv, q_offset=offset))
+
+
+def test_visited_tiles_are_the_non_empty_tiles():
+    """Band plus a far anchor: each q block visits exactly its non-empty kv blocks (not the
+    range between), e.g. q block 6 visits [0, 5, 6, 7]."""
+    n, bs = 1024, csa.BlockSizes(128, 128, 128)
+    mask = svg.AnchoredBandMask(64, 128)
+    info = build_mask_info(mask, n, n, bs)
+    lay, row = info.layout, info.table[0]
+    nq, steps = lay.num_q_blocks, lay.num_kv_steps
+    count = row[1:1 + nq]
+    visits = row[1 + nq:1 + nq + nq * steps].reshape(nq, steps)
+    busy = Mask.block_classes(mask, n, n, 128, 128) != EMPTY
+    for i in range(nq):
+        want = np.flatnonzero(busy[i])
+        assert count[i] == len(want)
+        np.testing.assert_array_equal(visits[i, :count[i]], want)
+    np.testing.assert_array_equal(visits[6], [0, 5, 6, 7])
+    assert steps == 4 < n // 128  # the grid's kv axis: 4 steps, not 8
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pattern", ["spatial", "temporal"])
+def test_kernel_equals_dense_reference(dtype, pattern):
+    """Spatial: the mask on frame-major tokens. Temporal: q, k, v permuted to position-major
+    in the graph, the same mask, the output permuted back. Anchor = frame_size keys."""
+    q, k, v = _inputs(dtype, seed=3 if pattern == "spatial" else 4)
+    mask = svg.AnchoredBandMask(50, P)
+    options = csa.AttentionOptions(block_sizes=csa.BlockSizes(128, 128, 128), mask=mask)
+    if pattern == "spatial":
+        out = csa.splash_attention(q, k, v, options=options, interpret=True)
+        allowed = _dense(F * P, 50, P)
+    else:
+        pm = [svg.to_position_major(x, F, P) for x in (q, k, v)]
+        out = svg.to_frame_major(csa.splash_attention(*pm, options=options, interpret=True),
+                                 F, P)
+        allowed = _temporal_dense(50, P)
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    np.testing.assert_allclose(out, _reference(q, k, v, allowed), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+def _svg_rule(q, k, v, rows, masks):
+    """NumPy port of SVG's sample_mse + argmin over [spatial, temporal] (float64)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = q[:, :, rows] @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+
+    def attend(scores):
+        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True)) @ v
+
+    golden = attend(s)
+    mses = [np.mean((attend(np.where(m[rows], s, -np.inf)) - golden) ** 2, axis=(2, 3))
+            for m in masks]
+    return np.argmin(np.stack(mses), axis=0)
+
+
+def test_routing_equals_svgs_rule_with_ties():
+    """Head 0 attends by position (same position in every frame): temporal; head 1 by frame:
+    spatial; heads 2-3 random; head 4 has zero values (every pattern's rows equal full
+    attention's exactly: a tie) and picks spatial, as torch.argmin does; a window covering the whole
+    sequence ties every head."""
+    rng = np.random.default_rng(0)
+    d, n = 16, F * P
+    pos = np.tile(rng.standard_normal((P, d)), (F, 1)) * 3  # by position
+    frm = np.repeat(rng.standard_normal((F, d)), P, axis=0) * 3  # by frame
+    q = np.stack([pos, frm, *rng.standard_normal((2, n, d)), rng.standard_normal((n, d))])
+    k = np.stack([pos, frm, *rng.standard_normal((2, n, d)), rng.standard_normal((n, d))])
+    v = rng.standard_normal((5, n, d))
+    v[4] = 0.0  # every pattern's rows are exactly full attention's (0): a tie
+    q, k, v = (x[None].astype(np.float32) for x in (q, k, v))
+    rows = svg.sample_rows(n, 64, seed=1)
+    for window in (20, 10 * n):
+        mask = svg.AnchoredBandMask(window, P)
+        masks = (_dense(n, window, P), _temporal_dense(window, P))
+        want = _svg_rule(q, k, v, rows, masks)
+        got = np.asarray(svg.route(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), rows,
+                                   mask, F, P))
+        np.testing.assert_array_equal(got, want)
+        if window == 20:
+            assert want[0, 0] == svg.TEMPORAL and want[0, 1] == svg.SPATIAL
+            assert want[0, 4] == svg.SPATIAL  # the tie
+        else:
+            assert (want == svg.SPATIAL).all()
+
+
+def test_orders_round_trip():
+    x = jnp.arange(2 * F * P * 3).reshape(2, F * P, 3)
+    pm = svg.to_position_major(x, F, P)
+    np.testing.assert_array_equal(np.asarray(svg.to_frame_major(pm, F, P)), np.asarray(x))
+    t = np.arange(F * P)
+    np.testing.assert_array_equal(np.asarray(pm[0, :, 0]) // 3,
+                                  t[np.argsort(svg.position_major_index(t, F, P))])
