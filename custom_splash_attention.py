@@ -45,6 +45,7 @@ from splash.blocks import (
     BlockSizes,
     BlockSizesError,
     default_block_sizes,
+    default_sparse_block_sizes,
 )
 from splash.blocks import fit_block_sizes as _fit_block_sizes  # noqa: F401 (tests, benchmarks)
 from splash.blocks import round_up as _round_up  # noqa: F401
@@ -119,7 +120,8 @@ __all__ = [
     "BlockSizes", "BlockSizesError", "KernelCall", "KeyPadding", "LocalMask", "Mask",
     "SegmentIds", "attention_implementation", "chunk_rows", "chunked_attention",
     "cudnn_attention", "cudnn_max_head_dim", "default_attention_backend",
-    "default_block_sizes", "describe_calls", "score_budget_bytes", "sharded_cudnn_attention",
+    "default_block_sizes", "default_sparse_block_sizes", "describe_calls",
+    "score_budget_bytes", "sharded_cudnn_attention",
     "forced_attention", "install_sdpa_override", "kernel_self_check", "key_padding_mask",
     "mark_self_attention", "pad_self_attention_keys", "real_keys_before",
     "reference_attention", "sharded_splash_attention", "splash_attention",
@@ -391,6 +393,8 @@ def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real
     if tail is not None:
         q, k, v = (x[:, :, :tail] for x in (q, k, v))
     scope, mesh = _svg.active_scope(), routing["mesh"]
+    if scope.block_sizes is not None:  # the band calls' own blocks (SPARSE_BLOCK_SIZES)
+        options = dataclasses.replace(options, block_sizes=BlockSizes(*scope.block_sizes))
     if mesh is not None and q.shape[0] % mesh.shape["dp"] == 0 and q.shape[1] % mesh.shape[
             "tp"] == 0 and _choose_layout(mesh, q.shape, k.shape[2]) in ("heads", "ulysses"):
         # Routing and permutation per device, on the whole sequences the layout gives each

@@ -93,6 +93,26 @@ def default_block_sizes(chip: str | None = None) -> BlockSizes:
     return DEFAULT_BLOCK_SIZES.get(chip, BlockSizes())
 
 
+# Default blocks of the sparse path (``--sparse svg``'s band-masked calls, their own step
+# programs), head_dim 128. A band's two edges cross about block_q / block_kv_compute + 1
+# masked sub-tiles per q block, and a masked sub-tile costs ~2.4x an unmasked one, so shorter
+# q blocks pay off there although they cost 9-14% more per score in a dense call. Chosen on
+# Wan 14B 720p x 81 at SVG's s = 0.3 by libtpu's static profile per tile class (deviceless;
+# not measured): v6e 1664/2048/1024 gives a band call of 26.0 ms against 30.2 at the dense
+# default (best of four sizes), tpu7x 2432/2048/1024 21.3 against 22.1 ms
+# (benchmarks/svg_results.md). Other chips take their dense default.
+SPARSE_BLOCK_SIZES: dict[str, BlockSizes] = {
+    "v6e": BlockSizes(1664, 2048, 1024),
+    "tpu7x": BlockSizes(2432, 2048, 1024),
+}
+
+
+def default_sparse_block_sizes(chip: str | None = None) -> BlockSizes:
+    """The sparse path's default ``BlockSizes`` on ``chip`` (``SPARSE_BLOCK_SIZES``, else
+    ``default_block_sizes(chip)``)."""
+    return SPARSE_BLOCK_SIZES.get(chip, default_block_sizes(chip))
+
+
 def round_up(x: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` >= ``x`` (ints)."""
     return -(-x // multiple) * multiple

@@ -179,12 +179,15 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
 class SparseScope:
     """What a traced step's self-attention runs sparse: SVG with ``sparsity`` (in (0, 1]) on
     a video of ``num_frames`` x ``frame_size`` tokens (post-patch frames and tokens per
-    frame), in layers [``layers[0]``, ``layers[1]``) of the block stack (the rest dense)."""
+    frame), in layers [``layers[0]``, ``layers[1]``) of the block stack (the rest dense);
+    ``block_sizes``: the band calls' (block_q, block_kv, block_kv_compute), None for the
+    dense calls' (``splash.blocks.SPARSE_BLOCK_SIZES`` says why they differ)."""
 
     sparsity: float
     num_frames: int
     frame_size: int
     layers: tuple[int, int]
+    block_sizes: tuple[int, int, int] | None = None
 
     @property
     def mask(self) -> AnchoredBandMask:

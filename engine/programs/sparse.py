@@ -55,7 +55,10 @@ class SparseSettings:
 
     densities: per expert; steps: [start, stop) of the run's steps that are sparse;
     layers: [start, stop) of the blocks that are sparse; num_frames, frame_size: the token
-    grid; source: the published setting's source (or "flags").
+    grid; source: the published setting's source (or "flags"); block_sizes: (block_q,
+    block_kv, block_kv_compute) of the sparse calls, or None for the dense calls' blocks
+    (``engine.run.config.RunConfig.resolve_block_sizes`` fills it: the chip's
+    ``splash.blocks.SPARSE_BLOCK_SIZES`` unless --bq/--bkv/--bkv_compute are given).
     """
 
     densities: tuple[float, ...]
@@ -64,10 +67,11 @@ class SparseSettings:
     num_frames: int
     frame_size: int
     source: str
+    block_sizes: tuple[int, int, int] | None = None
 
     def scope(self, expert: int) -> svg.SparseScope:
         return svg.SparseScope(self.densities[expert], self.num_frames, self.frame_size,
-                               self.layers)
+                               self.layers, self.block_sizes)
 
     def key(self, expert: int) -> str:
         """The plan's name of expert ``expert``'s sparse program."""

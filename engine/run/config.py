@@ -20,6 +20,7 @@ from custom_splash_attention import (
     LocalMask,
     default_attention_backend,
     default_block_sizes,
+    default_sparse_block_sizes,
 )
 from engine.run.chips import ESTIMATE_CHIPS
 from engine.run.errors import fail
@@ -225,7 +226,9 @@ class RunConfig:
 
     def resolve_block_sizes(self, chip: str | None) -> RunConfig:
         """This config with --bq/--bkv/--bkv_compute not given taken from ``chip``'s
-        defaults (``custom_splash_attention.DEFAULT_BLOCK_SIZES``; chip None = off TPU).
+        defaults (``custom_splash_attention.DEFAULT_BLOCK_SIZES``; chip None = off TPU),
+        and with --sparse, the band calls' blocks (``SparseSettings.block_sizes``): the
+        chip's ``SPARSE_BLOCK_SIZES`` when none of the three flags is given, else the flags'.
 
         Raises:
             UsageError: the resulting blocks break a ``BlockSizes`` rule (naming the flag).
@@ -237,6 +240,12 @@ class RunConfig:
                       bkv_compute=default.block_kv_compute)
         values.update({name: v for name, v in given.items() if v is not None})
         out = self.replace(**values)
+        if self.sparse is not None:
+            # The band calls' own blocks, unless the user chose blocks (then those).
+            sb = (default_sparse_block_sizes(chip) if all(v is None for v in given.values())
+                  else None)
+            out = out.replace(sparse=dataclasses.replace(self.sparse, block_sizes=None if sb
+                              is None else (sb.block_q, sb.block_kv, sb.block_kv_compute)))
         try:
             out.kernel.block_sizes()
         except BlockSizesError as e:
