@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from splash import blocks
 from splash.blocks import NUM_LANES, NUM_SUBLANES, BlockSizes
 from splash.mask import (
+    EDGE,
     FULL,
     PARTIAL,
     REAL_SEGMENT_ID,
@@ -284,16 +285,22 @@ class _Step:
 
     def tile_branches(self, segmented: bool) -> list:
         """[(class, mask number or None, step, mask kinds)]: the branches of a sub-tile,
-        ``FULL`` unmasked, ``PARTIAL`` masked by the predicate and the key tail. With
-        ``HeadMasks`` one ``PARTIAL`` branch per mask, each a step whose ``mask`` is that
-        mask, taken where ``which`` names it (``EMPTY``: no branch, skipped)."""
+        ``FULL`` unmasked, ``PARTIAL`` masked by the predicate and the key tail, ``EDGE + k``
+        masked by the mask's k-th edge mask alone (``Mask.edge_masks``). With ``HeadMasks``
+        those branches per mask, each a step whose ``mask`` is that mask, taken where
+        ``which`` names it (``EMPTY``: no branch, skipped)."""
         base = ("segment",) if segmented else ()
         masked = base + ("mask", "tail")
-        if not isinstance(self.mask, HeadMasks):
-            return [(FULL, None, self, base), (PARTIAL, None, self, masked)]
-        return [(FULL, None, self, base)] + [
-            (PARTIAL, m, dataclasses.replace(self, mask=mask), masked)
-            for m, mask in enumerate(self.mask.masks)]
+        masks = self.mask.masks if isinstance(self.mask, HeadMasks) else (self.mask,)
+        out = [(FULL, None, self, base)]
+        for m, mask in enumerate(masks):
+            m = m if isinstance(self.mask, HeadMasks) else None
+            out.append((PARTIAL, m, dataclasses.replace(self, mask=mask), masked))
+            # EDGE + k: the k-th edge mask alone, and no key tail (the host table gives the
+            # tile that straddles kv_len PARTIAL).
+            out += [(EDGE + k, m, dataclasses.replace(self, mask=edge), base + ("mask",))
+                    for k, edge in enumerate(mask.edge_masks())]
+        return out
 
     def masked_tiles(self, layout: InfoLayout, q_block, kv_step, segmented: bool):
         """With a mask: each sub-tile by its class, one at a time (no pipelining): skipped

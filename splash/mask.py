@@ -11,6 +11,11 @@ unpadded sequences; a q shard's rows are offset by the shard's start):
   kv block) of a tiling, ``EMPTY`` (no pair attends), ``FULL`` (every pair attends) or
   ``PARTIAL``. The default evaluates ``tile_predicate`` on each q block's rows (exact, O(q_len
   x kv_len) host work once per trace); a mask with a closed form overrides it.
+* optionally ``edge_masks()``: cheaper masks for the partly covered tiles that only one of
+  the mask's boundaries crosses (a band's upper or lower edge, an anchor's); such a tile's
+  class is ``EDGE + k`` and the kernel runs ``edge_masks()[k].tile_predicate`` there. A
+  masked tile costs ~2.4x an unmasked one on v6e (libtpu's static profile, issue 53), most
+  of it the predicate's elementwise work, so one compare instead of five matters.
 
 ``splash.mask_info`` turns the classes into the kernel's scalar-prefetched tables. A new mask
 is one frozen dataclass subclassing ``Mask`` that implements ``tile_predicate`` (and, for
@@ -32,6 +37,11 @@ import numpy as np
 
 # Block classes (``Mask.block_classes``): int8 codes, also the kernel's tile classes.
 EMPTY, PARTIAL, FULL = 0, 1, 2
+# ``EDGE + k``: a partly covered tile on which the mask's k-th edge mask
+# (``Mask.edge_masks()[k]``, a cheaper predicate) equals the mask, with no key past kv_len.
+EDGE = 3
+# The most edge masks a mask may have: each adds one branch per sub-tile to the kernel.
+MAX_EDGES = 4
 # The segment id of real tokens where the SDPA override builds ids from a key-padding mask
 # (padding: 0). ``real_keys_before`` promises that keys before it carry this id.
 REAL_SEGMENT_ID = 1
@@ -82,6 +92,13 @@ class Mask:
             out[i] = np.where(ok.all(axis=(0, 2)), FULL,
                               np.where(ok.any(axis=(0, 2)), PARTIAL, EMPTY))
         return out
+
+    def edge_masks(self) -> tuple:
+        """Masks that ``block_classes`` may name by class ``EDGE + k`` (at most
+        ``MAX_EDGES``): on every pair of a tile of class ``EDGE + k``, ``edge_masks()[k]``'s
+        ``tile_predicate`` equals this mask's. Default: none (every partly covered tile is
+        ``PARTIAL``)."""
+        return ()
 
     def dense(self, q_len: int, kv_len: int) -> jax.Array:
         """(q_len, kv_len) bool: True where query i attends key j (the XLA and reference

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from splash.blocks import BlockSizes
-from splash.mask import EMPTY, PARTIAL, Mask
+from splash.mask import EDGE, EMPTY, MAX_EDGES, PARTIAL, Mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,12 @@ def sub_tile_classes(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes, num_kv
                      q_offset: int) -> np.ndarray:
     """(num_q_blocks, num_kv_blocks, num_sub) int8 classes of the sub-tiles of a fitted
     tiling: the mask's, with sub-tiles wholly past ``kv_len`` ``EMPTY`` and the one that
-    straddles it at least ``PARTIAL`` (it needs the tail mask)."""
+    straddles it ``PARTIAL`` unless ``EMPTY`` (it needs the tail mask, which ``FULL`` and
+    ``EDGE + k`` tiles skip).
+
+    Raises:
+        ValueError: ``block_classes`` of the wrong shape, or a class code outside
+            [EMPTY, EDGE + len(mask.edge_masks())), or more than ``MAX_EDGES`` edge masks."""
     bkc = bs.block_kv_compute
     num_sub = bs.block_kv // bkc
     classes = np.asarray(mask.block_classes(q_len, kv_len, bs.block_q, bkc, q_offset=q_offset),
@@ -111,8 +116,13 @@ def sub_tile_classes(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes, num_kv
     if classes.shape != (num_q_blocks, real_subs):
         raise ValueError(f"{type(mask).__name__}.block_classes: expected shape "
                          f"{(num_q_blocks, real_subs)}, got {classes.shape}")
+    edges = len(mask.edge_masks())
+    if edges > MAX_EDGES or classes.min() < EMPTY or classes.max() >= EDGE + edges:
+        raise ValueError(f"{type(mask).__name__}: expected at most {MAX_EDGES} edge masks and "
+                         f"classes in [0, {EDGE + edges}), got {edges} edge masks, classes "
+                         f"[{classes.min()}, {classes.max()}]")
     if kv_len % bkc:
-        classes[:, -1] = np.minimum(classes[:, -1], PARTIAL)
+        classes[:, -1] = np.where(classes[:, -1] == EMPTY, EMPTY, PARTIAL)
     padded = np.full((num_q_blocks, num_kv_blocks * num_sub), EMPTY, np.int8)
     padded[:, :real_subs] = classes
     return padded.reshape(num_q_blocks, num_kv_blocks, num_sub)

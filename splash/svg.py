@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splash.mask import EMPTY, FULL, PARTIAL, Mask
+from splash.mask import EDGE, EMPTY, FULL, PARTIAL, Mask
 
 # SVG's sparse mask rounds its band half-width up to this many tokens (its flex block).
 WIDTH_ROUND = 128
@@ -71,6 +71,43 @@ def band_tokens(sparsity: float, num_frames: int, frame_size: int) -> int:
     SVG's ``temporal_mask_mod`` does."""
     width = sparsity_to_width(sparsity, num_frames, frame_size) * frame_size
     return int(math.ceil(width / WIDTH_ROUND) * WIDTH_ROUND)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysWithin(Mask):
+    """Query ``i`` attends key ``j`` iff ``j - i <= window``: a band's upper edge alone
+    (``AnchoredBandMask``'s edge mask 0)."""
+
+    window: int
+
+    def tile_predicate(self, q_pos, kv_pos):
+        return kv_pos - q_pos <= self.window
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysFrom(Mask):
+    """Query ``i`` attends key ``j`` iff ``i - j <= window``: a band's lower edge alone
+    (``AnchoredBandMask``'s edge mask 1)."""
+
+    window: int
+
+    def tile_predicate(self, q_pos, kv_pos):
+        return q_pos - kv_pos <= self.window
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysBefore(Mask):
+    """Query ``i`` attends key ``j`` iff ``j < anchor``: the anchor alone
+    (``AnchoredBandMask``'s edge mask 2)."""
+
+    anchor: int
+
+    def tile_predicate(self, q_pos, kv_pos):
+        return kv_pos < self.anchor
+
+
+# AnchoredBandMask's edge classes (splash.mask.EDGE + k, k as in ``edge_masks``).
+UPPER_EDGE, LOWER_EDGE, ANCHOR_EDGE = EDGE, EDGE + 1, EDGE + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +144,25 @@ class AnchoredBandMask(Mask):
         # Full: the keys at or past the anchor (if any) are all inside every row's band.
         rest_lo = np.maximum(kv_lo, a)
         full = (rest_lo > kv_hi) | (np.maximum(q_hi - rest_lo, kv_hi - q_lo) <= w)
-        return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+        # One boundary crosses a partly covered tile: with no anchor key in it, the band's
+        # upper edge alone (every pair within the lower one) or its lower edge alone; with
+        # anchor keys, the anchor alone when no key past it is in any row's band.
+        no_anchor = kv_lo >= a
+        upper = no_anchor & (q_hi - kv_lo <= w)
+        lower = no_anchor & (kv_hi - q_lo <= w)
+        anchor = ~no_anchor & band_empty_from(rest_lo, kv_hi, q_lo, q_hi, w)
+        part = np.select([upper, lower, anchor], [UPPER_EDGE, LOWER_EDGE, ANCHOR_EDGE],
+                         PARTIAL)
+        return np.where(empty, EMPTY, np.where(full, FULL, part)).astype(np.int8)
+
+    def edge_masks(self) -> tuple:
+        return (KeysWithin(self.window), KeysFrom(self.window), KeysBefore(self.anchor))
+
+
+def band_empty_from(k_lo, k_hi, q_lo, q_hi, w):
+    """True where no key of [k_lo, k_hi] is within ``w`` of any query of [q_lo, q_hi]
+    (NumPy, broadcast)."""
+    return (k_lo > q_hi + w) | (k_hi < q_lo - w)
 
 
 def svg_mask(sparsity: float, num_frames: int, frame_size: int) -> AnchoredBandMask:

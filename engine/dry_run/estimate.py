@@ -448,12 +448,13 @@ def profiled_cycles(device, bs: BlockSizes, *, q_blocks: int, kv_blocks: int, ma
 def masked_cost(device, bs: BlockSizes, mask, *, head_dim: int = 128,
                 dtype=jnp.bfloat16) -> dict:
     """``masked_cost_mod.class_costs`` of ``mask``'s masked path at fitted blocks ``bs`` from the
-    ``CLASS_PROFILES`` profiles on ``device`` (five deviceless compiles; PARTIAL on one q
-    block, see ``masked_cost_mod.class_costs``), with the profiles' cycles under "profiles"."""
+    ``class_profiles(mask)`` on ``device`` (five deviceless compiles and one per edge mask;
+    PARTIAL and the edges on one q block, see ``masked_cost_mod.class_costs``), with the
+    profiles' cycles under "profiles"."""
     profiles = {f"{name} {q}x{k}": profiled_cycles(device, bs, q_blocks=q, kv_blocks=k,
                                                    mask=mask, cls=cls, head_dim=head_dim,
                                                    dtype=dtype)
-                for name, cls, q, k in masked_cost_mod.CLASS_PROFILES}
+                for name, cls, q, k in masked_cost_mod.class_profiles(mask)}
     cost = masked_cost_mod.class_costs(profiles, bs.block_kv // bs.block_kv_compute,
                                        bs.block_q)
     return dict(cost, profiles=profiles)
@@ -853,7 +854,8 @@ def profile_worker(request: dict) -> dict:
                                 dtype=c["dtype"], segment_ids=c["segment_ids"],
                                 compile_s=time.perf_counter() - t0)
             print(f"estimate: kernel {key}: per tile class (cycles): FULL sub-tile "
-                  f"{cost['full']:,.0f}, PARTIAL {cost['partial']:,.0f}, grid step "
+                  f"{cost['full']:,.0f}, PARTIAL {cost['partial']:,.0f}, edges "
+                  f"{', '.join(f'{e:,.0f}' for e in cost['edges'])}, grid step "
                   f"{cost['step']:,.0f}, q block {cost['per_q_block']:,.0f}",
                   file=sys.stderr, flush=True)
             continue
@@ -911,7 +913,8 @@ def _kernel_seconds(calls: list, kernels: dict, hz: float) -> dict:
         bq, bkv, bkc = c["block_sizes"]
         if _band(c) is not None:  # the computed sub-tiles only
             n = _band_counts(c)
-            subs = c["grid"][0] * c["grid"][1] * (n.full_subs + n.partial_subs)
+            subs = c["grid"][0] * c["grid"][1] * (n.full_subs + n.partial_subs
+                                                  + sum(n.edge_subs))
             out[kind]["flops"] += 4.0 * subs * bq * bkc * c["head_dim"]
         else:
             out[kind]["flops"] += 4.0 * steps * bq * bkv * c["head_dim"]

@@ -22,12 +22,20 @@ from __future__ import annotations
 import dataclasses
 
 from splash.blocks import BlockSizes, fit_block_sizes
-from splash.mask import EMPTY, FULL, PARTIAL
+from splash.mask import EDGE, EMPTY, FULL, PARTIAL
 from splash.mask_info import build_mask_info
 
-# (class name, static class, q blocks, kv blocks): the profiles ``class_costs`` reads.
+# (class name, static class, q blocks, kv blocks): the profiles ``class_costs`` reads
+# (``class_profiles`` adds one "edge<k>" per edge mask of the mask).
 CLASS_PROFILES = (("full", FULL, 2, 2), ("full", FULL, 2, 3), ("empty", EMPTY, 2, 2),
                   ("full", FULL, 1, 2), ("partial", PARTIAL, 1, 2))
+
+
+def class_profiles(mask) -> tuple:
+    """``CLASS_PROFILES`` and, per edge mask k of ``mask`` (``Mask.edge_masks``), ("edge<k>",
+    EDGE + k, 1, 2): each edge class's work, taken from one q block as PARTIAL's."""
+    return CLASS_PROFILES + tuple((f"edge{k}", EDGE + k, 1, 2)
+                                  for k in range(len(mask.edge_masks())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,7 @@ class TileCounts:
         grid_kv_steps: the sparse grid's kv axis (the largest visit count).
         visited: (q block, kv block) steps with work, summed over q blocks.
         full_subs, partial_subs: visited sub-tiles of each class (the rest are skipped).
+        edge_subs: visited sub-tiles of class ``EDGE + k``, per edge mask k.
     """
 
     q_blocks: int
@@ -48,6 +57,7 @@ class TileCounts:
     visited: int
     full_subs: int
     partial_subs: int
+    edge_subs: tuple[int, ...] = ()
 
     @property
     def visited_density(self) -> float:
@@ -62,7 +72,7 @@ class TileCounts:
     @property
     def sub_tile_density(self) -> float:
         """Computed sub-tiles / all sub-tiles of the dense grid."""
-        return (self.full_subs + self.partial_subs) / (
+        return (self.full_subs + self.partial_subs + sum(self.edge_subs)) / (
             self.q_blocks * self.kv_blocks * self.num_sub)
 
 
@@ -80,17 +90,22 @@ def tile_counts(mask, q_len: int, bs: BlockSizes, kv_len: int | None = None) -> 
     return TileCounts(q_blocks=nq, kv_blocks=-(-kv_len // fitted.block_kv), num_sub=num_sub,
                       grid_kv_steps=steps, visited=int(count.sum()),
                       full_subs=int((classes == FULL).sum()),
-                      partial_subs=int((classes == PARTIAL).sum()))
+                      partial_subs=int((classes == PARTIAL).sum()),
+                      edge_subs=tuple(int((classes == EDGE + k).sum())
+                                      for k in range(len(mask.edge_masks()))))
 
 
 def sparse_call_cycles(counts: TileCounts, cost: dict, *, batch: int, heads: int) -> float:
     """Estimated cycles of one masked call (grid (batch, heads, q_blocks, grid_kv_steps)):
     per q block ``cost["per_q_block"]``, per grid step ``cost["step"]`` (a skip step's
-    overhead, paid by every step), per visited sub-tile ``cost["full"]`` or
-    ``cost["partial"]`` by its class."""
+    overhead, paid by every step), per visited sub-tile ``cost["full"]``,
+    ``cost["partial"]`` or ``cost["edges"][k]`` by its class (an edge class at PARTIAL's
+    cost where ``cost`` has no "edges": an upper bound, the edge branch does less)."""
+    edges = cost.get("edges") or [cost["partial"]] * len(counts.edge_subs)
     per_head = (counts.q_blocks * cost["per_q_block"]
                 + counts.q_blocks * counts.grid_kv_steps * cost["step"]
-                + counts.full_subs * cost["full"] + counts.partial_subs * cost["partial"])
+                + counts.full_subs * cost["full"] + counts.partial_subs * cost["partial"]
+                + sum(n * c for n, c in zip(counts.edge_subs, edges, strict=True)))
     return batch * heads * per_head
 
 
@@ -109,17 +124,27 @@ def class_costs(profiles: dict, num_sub: int, block_q: int | None = None) -> dic
     q<rows>", "partial 1x2 q<rows>") and extrapolated linearly to ``block_q`` (elementwise
     work on the (block_kv_compute, block_q) score tile). Returns cycles: per_q_block, step
     (EMPTY's per step: the overhead of any grid step), full and partial (per computed
-    sub-tile, above the step's)."""
+    sub-tile, above the step's), and edges (per edge class k, from "edge<k> 1x2" as PARTIAL's,
+    [] without those profiles)."""
     full_step = (profiles["full 2x3"] - profiles["full 2x2"]) / 2
     per_q_block = profiles["full 2x2"] / 2 - 2 * full_step
     step = (profiles["empty 2x2"] / 2 - per_q_block) / 2
     full = (full_step - step) / num_sub
-    if "partial 1x2" in profiles:
-        mask_work = (profiles["partial 1x2"] - profiles["full 1x2"]) / (2 * num_sub)
-    else:
-        rows = sorted(int(k.split(" q")[1]) for k in profiles if k.startswith("partial 1x2 q"))
-        lo, hi = rows[0], rows[-1]
-        work = {r: (profiles[f"partial 1x2 q{r}"] - profiles[f"full 1x2 q{r}"]) / (2 * num_sub)
-                for r in (lo, hi)}
-        mask_work = work[lo] + (block_q - lo) * (work[hi] - work[lo]) / (hi - lo)
-    return dict(per_q_block=per_q_block, step=step, full=full, partial=full + mask_work)
+    edges = sorted({k.split()[0] for k in profiles if k.startswith("edge")},
+                   key=lambda name: int(name[4:]))
+    return dict(per_q_block=per_q_block, step=step, full=full,
+                partial=full + _mask_work(profiles, "partial", num_sub, block_q),
+                edges=[full + _mask_work(profiles, e, num_sub, block_q) for e in edges])
+
+
+def _mask_work(profiles: dict, name: str, num_sub: int, block_q: int | None) -> float:
+    """Cycles a sub-tile of class ``name`` ("partial", "edge<k>") adds to a FULL one: from
+    "<name> 1x2" against "full 1x2", or extrapolated in block_q from the "... q<rows>" pairs
+    (``class_costs``)."""
+    if f"{name} 1x2" in profiles:
+        return (profiles[f"{name} 1x2"] - profiles["full 1x2"]) / (2 * num_sub)
+    rows = sorted(int(k.split(" q")[1]) for k in profiles if k.startswith(f"{name} 1x2 q"))
+    lo, hi = rows[0], rows[-1]
+    work = {r: (profiles[f"{name} 1x2 q{r}"] - profiles[f"full 1x2 q{r}"]) / (2 * num_sub)
+            for r in (lo, hi)}
+    return work[lo] + (block_q - lo) * (work[hi] - work[lo]) / (hi - lo)
