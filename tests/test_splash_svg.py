@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 import custom_splash_attention as csa  # noqa: E402
 from splash import svg  # noqa: E402
-from splash.mask import EMPTY, Mask  # noqa: E402
+from splash.mask import EDGE, EMPTY, PARTIAL, Mask  # noqa: E402
 from splash.mask_info import build_mask_info  # noqa: E402
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -60,11 +60,35 @@ def test_width_is_svgs_rule():
 @pytest.mark.parametrize("window,anchor", [(0, 0), (40, 39), (129, 300), (1000, 10)])
 @pytest.mark.parametrize("shape", [(391, 391, 128, 128, 0), (200, 391, 128, 256, 150)])
 def test_closed_form_classes_equal_the_default(window, anchor, shape):
+    """The closed form against the protocol's exhaustive default, an edge class counting
+    as PARTIAL (the default knows no edges)."""
     q_len, kv_len, bq, bkv, offset = shape
     mask = svg.AnchoredBandMask(window, anchor)
+    got = mask.block_classes(q_len, kv_len, bq, bkv, q_offset=offset)
     np.testing.assert_array_equal(
-        mask.block_classes(q_len, kv_len, bq, bkv, q_offset=offset),
+        np.where(got >= EDGE, PARTIAL, got),
         Mask.block_classes(mask, q_len, kv_len, bq, bkv, q_offset=offset))
+
+
+def test_edge_classes_are_exact():
+    """Every tile the closed form classes ``EDGE + k`` has edge mask k's predicate equal
+    to the mask's on each of its pairs (brute force over random tilings; every edge class
+    occurs)."""
+    rng, seen = np.random.default_rng(0), set()
+    for _ in range(150):
+        q_len, kv_len, w, a = (int(x) for x in rng.integers([50, 50, 0, 0], [400, 400, 200, 150]))
+        bq, bkv, off = (int(x) for x in rng.integers([1, 1, 0], [64, 64, 100]))
+        mask = svg.AnchoredBandMask(w, a)
+        classes = mask.block_classes(q_len, kv_len, bq, bkv, q_offset=off)
+        for i, j in zip(*np.nonzero(classes >= EDGE), strict=True):
+            q = off + np.arange(i * bq, min((i + 1) * bq, q_len))[:, None]
+            kv = np.arange(j * bkv, min((j + 1) * bkv, kv_len))[None, :]
+            edge = mask.edge_masks()[classes[i, j] - EDGE]
+            want = mask.tile_predicate(q, kv)
+            np.testing.assert_array_equal(
+                np.broadcast_to(edge.tile_predicate(q, kv), want.shape), want)
+            seen.add(int(classes[i, j]))
+    assert seen == {svg.UPPER_EDGE, svg.LOWER_EDGE, svg.ANCHOR_EDGE}
 
 
 def test_visited_tiles_are_the_non_empty_tiles():
@@ -104,6 +128,24 @@ def test_kernel_equals_dense_reference(dtype, pattern):
         allowed = _temporal_dense(50, P)
     out = np.asarray(jnp.asarray(out, jnp.float32))
     np.testing.assert_allclose(out, _reference(q, k, v, allowed), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_edge_branches_equal_dense_reference(dtype):
+    """N = 643 (odd) at 128-blocks, band 150, anchor 100: the table has tiles of every edge
+    class, the ragged last sub-tile is PARTIAL, and the kernel equals float32 attention."""
+    n, bs = 643, csa.BlockSizes(128, 128, 128)
+    mask = svg.AnchoredBandMask(150, 100)
+    lay, row = (lambda i: (i.layout, i.table[0]))(build_mask_info(mask, n, n, bs))
+    classes = row[1 + lay.num_q_blocks * (1 + lay.num_kv_steps):]
+    assert {svg.UPPER_EDGE, svg.LOWER_EDGE, svg.ANCHOR_EDGE, PARTIAL} <= set(classes.tolist())
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, n, 64)), dtype) for _ in range(3))
+    out = csa.splash_attention(q, k, v, options=csa.AttentionOptions(block_sizes=bs, mask=mask),
+                               interpret=True)
+    np.testing.assert_allclose(np.asarray(jnp.asarray(out, jnp.float32)),
+                               _reference(q, k, v, _dense(n, 150, 100)), atol=TOL[dtype],
                                rtol=TOL[dtype])
 
 

@@ -55,7 +55,10 @@ def test_tile_counts_match_the_dense_mask(frames, frame_size, sparsity, blocks):
     counts = se.tile_counts(mask, seq, bs)
     want = brute_counts(mask, seq, bs)
     got = {k: getattr(counts, k) for k in want}
+    # The brute force knows no edge classes: its PARTIAL is PARTIAL plus the edges.
+    got["partial_subs"] += sum(counts.edge_subs)
     assert got == want
+    assert len(counts.edge_subs) == 3 and sum(counts.edge_subs) > 0
     assert counts.visited < counts.q_blocks * counts.kv_blocks  # something is skipped
     assert counts.visited_density == want["visited"] / (want["q_blocks"] * want["kv_blocks"])
 
@@ -76,7 +79,11 @@ def test_class_costs_split_made_up_profiles():
                 "empty 2x2": grid(2, 2, 0), "full 1x2": grid(1, 2, 800),
                 "partial 1x2": grid(1, 2, 1200)}
     cost = se.class_costs(profiles, 2)
-    assert cost == pytest.approx(dict(per_q_block=1000, step=100, full=800, partial=1200))
+    assert cost == pytest.approx(dict(per_q_block=1000, step=100, full=800, partial=1200,
+                                      edges=[]))
+    # Edge classes (one compare each): 900 and 950 per sub-tile, in edge order.
+    edged = dict(profiles, **{"edge1 1x2": grid(1, 2, 950), "edge0 1x2": grid(1, 2, 900)})
+    assert se.class_costs(edged, 2)["edges"] == pytest.approx([900, 950])
     # The mask's work from two smaller block_q (linear in block_q: 0.25 cycles per row per
     # sub-tile here, 1200 - 800 = 400 at 1600 rows), when the real one's profile is missing.
     reduced = {k: v for k, v in profiles.items() if k != "partial 1x2"}
@@ -88,6 +95,11 @@ def test_class_costs_split_made_up_profiles():
                            full_subs=10, partial_subs=5)
     cycles = se.sparse_call_cycles(counts, cost, batch=2, heads=5)
     assert cycles == pytest.approx(10 * (3 * 1000 + 12 * 100 + 10 * 800 + 5 * 1200))
+    counts = se.TileCounts(q_blocks=3, kv_blocks=10, num_sub=2, grid_kv_steps=4, visited=9,
+                           full_subs=10, partial_subs=5, edge_subs=(4, 2))
+    cycles = se.sparse_call_cycles(counts, dict(cost, edges=[900, 950]), batch=2, heads=5)
+    assert cycles == pytest.approx(10 * (3 * 1000 + 12 * 100 + 10 * 800 + 5 * 1200 + 4 * 900
+                                         + 2 * 950))
 
 
 def test_step_and_run_combination_on_made_up_inputs():
