@@ -383,16 +383,17 @@ def _splash_route(q, k, v, attention: str, options: AttentionOptions, routing: d
 def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real, tail):
     """A self-attention call under ``splash.svg.sparse_scope``: SVG's routing, the temporal
     heads permuted, one ``_splash_route`` call with the scope's mask (``sparse_attention``).
-    Sequence parallelism's declared tail padding (``tail``: the real token count) is cut
-    off first and the padded rows come back as zeros (no real token reads them). Raises
-    ValueError for any other key mask (SVG's band has no place for one)."""
-    if real is not None and tail is None:
-        raise ValueError("sparse attention: a key mask other than sequence parallelism's tail "
-                         "padding is not supported")
-    n = q.shape[2]
-    if tail is not None:
-        q, k, v = (x[:, :, :tail] for x in (q, k, v))
+    Sequence parallelism's declared tail padding (``tail``: the real token count) stays in
+    place: its keys are left out (``valid_kv_len``), its rows are computed and read by no
+    real token. Raises ValueError for any other key mask (SVG's band has no place for one)
+    or a real token count other than the scope's grid."""
     scope, mesh = _svg.active_scope(), routing["mesh"]
+    grid = scope.num_frames * scope.frame_size
+    if (real is not None and tail is None) or (tail or q.shape[2]) != grid:
+        raise ValueError(f"sparse attention: expected {grid} real tokens (the scope's grid) "
+                         f"and no key mask but sequence parallelism's tail padding, got "
+                         f"{tail or q.shape[2]} of {q.shape[2]} tokens"
+                         f"{' and a key mask' if real is not None and tail is None else ''}")
     if scope.block_sizes is not None:  # the band calls' own blocks (SPARSE_BLOCK_SIZES)
         options = dataclasses.replace(options, block_sizes=BlockSizes(*scope.block_sizes))
     if mesh is not None and q.shape[0] % mesh.shape["dp"] == 0 and q.shape[1] % mesh.shape[
@@ -400,22 +401,17 @@ def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real
         # Routing and permutation per device, on the whole sequences the layout gives each
         # device: on the token-sharded global arrays XLA gathered them (Wan 14B 720p,
         # v6e:2x4: 2.3 GB of all-gathers and 19.6 ms per layer, the step 2.750 s, estimated)
-        out = _sharded_attention(
+        return _sharded_attention(
             q, k, v, mesh=mesh, options=options, scale=scale, interpret=routing["interpret"],
             around=lambda q, k, v, attend: _svg.sparse_attention(q, k, v, scope, attend,
                                                                  scale=scale))
-        return out if tail is None else jax.numpy.pad(
-            out, ((0, 0), (0, 0), (0, n - tail), (0, 0)))
 
-    def attend(q, k, v, mask):
+    def attend(q, k, v, mask, valid_kv_len=None):
         return _splash_route(q, k, v, "splash", dataclasses.replace(options, mask=mask),
                              routing, scale=scale, real=None, segment_ids=None, before=0,
-                             tail=None)
+                             tail=valid_kv_len)
 
-    out = _svg.sparse_attention(q, k, v, _svg.active_scope(), attend, scale=scale)
-    if tail is not None:
-        out = jax.numpy.pad(out, ((0, 0), (0, 0), (0, n - tail), (0, 0)))
-    return out
+    return _svg.sparse_attention(q, k, v, scope, attend, scale=scale)
 
 
 def _cudnn_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real, tail):

@@ -109,7 +109,8 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
 
     ``around`` (``splash`` kernel, "heads" and "ulysses" layouts only: each device then holds
     whole sequences of its heads): ``(q, k, v, attend) -> out`` runs per device on those
-    whole sequences, with ``attend(q, k, v, mask)`` the kernel call under ``mask``. SVG's
+    whole sequences, with ``attend(q, k, v, mask, valid_kv_len)`` the kernel call under
+    ``mask``. SVG's
     routing and token permutation run there (``splash.svg.sparse_attention``), so XLA never
     gathers the token-sharded arrays for them. ValueError for another layout."""
     check_shapes(q, k, v)
@@ -134,9 +135,10 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                 q = fold_scale(q, softmax_scale(q.shape[3], scale))
             q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
         if around is not None:
-            def attend(q, k, v, mask):
+            def attend(q, k, v, mask, valid_kv_len=None):
                 return kernel.attention(q, k, v, dataclasses.replace(options, mask=mask),
-                                        scale=scale, interpret=interpret)
+                                        scale=scale, interpret=interpret,
+                                        valid_kv_len=valid_kv_len)
 
             out = around(q, k, v, attend)
         elif kernel_name == "stock_splash":

@@ -201,8 +201,10 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
     """SVG's per-head pattern choice on the sampled ``rows`` (frame-major positions).
 
     Args:
-        q, k, v: (batch, heads, N, head_dim), frame-major, N = num_frames * frame_size.
-        rows: int32 (R,) query rows.
+        q, k, v: (batch, heads, N', head_dim), frame-major, the first N = num_frames *
+            frame_size tokens real (rows past them, sequence parallelism's padding, are
+            left out as keys).
+        rows: int32 (R,) query rows, < N.
         mask: the mask both patterns apply, each on its own token order.
         scale: softmax scale (default head_dim ** -0.5).
 
@@ -211,20 +213,23 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
         attention over the rows and head_dim; a tie picks ``SPATIAL``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    f32 = jnp.float32
-    s = jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows].astype(f32), k.astype(f32),
+    f32, n = jnp.float32, num_frames * frame_size
+    # Scores from the inputs' own dtype with float32 accumulation: products of bf16 values
+    # are exact in float32, so this is the float32 product without a float32 copy of k.
+    s = jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k, preferred_element_type=f32,
                    precision=jax.lax.Precision.HIGHEST) * scale
     vf = v.astype(f32)
     kv = jnp.arange(q.shape[2], dtype=jnp.int32)[None, :]
     r = jnp.asarray(rows, jnp.int32)[:, None]
     pm = lambda t: position_major_index(t, num_frames, frame_size)  # noqa: E731
-    allowed = (mask.tile_predicate(r, kv), mask.tile_predicate(pm(r), pm(kv)))
+    real = kv < n
+    allowed = (mask.tile_predicate(r, kv) & real, mask.tile_predicate(pm(r), pm(kv)) & real)
 
     def rows_out(ok):
-        p = jax.nn.softmax(s if ok is None else jnp.where(ok, s, -jnp.inf), axis=-1)
+        p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
         return jnp.einsum("bhrk,bhkd->bhrd", p, vf, precision=jax.lax.Precision.HIGHEST)
 
-    golden = rows_out(None)
+    golden = rows_out(real)
     mse = jnp.stack([jnp.mean((rows_out(ok) - golden) ** 2, axis=(2, 3)) for ok in allowed])
     return jnp.argmin(mse, axis=0).astype(jnp.int32)
 
@@ -286,35 +291,44 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
     """SVG's sparse self-attention of one call.
 
     Args:
-        q, k, v: (batch, heads, N, head_dim), frame-major video tokens, N = num_frames *
-            frame_size (no text tokens, no padding).
+        q, k, v: (batch, heads, N', head_dim), frame-major video tokens: the first N =
+            num_frames * frame_size real, any rows after them padding (sequence
+            parallelism's), never attended; no text tokens.
         scope: the sparsity and token grid.
-        attend: ``(q, k, v, mask) -> out`` (batch, heads, N, head_dim): one kernel call
-            with ``mask`` for every head.
+        attend: ``(q, k, v, mask, valid_kv_len) -> out`` (batch, heads, N', head_dim): one
+            kernel call with ``mask`` for every head and the keys from ``valid_kv_len`` on
+            left out (None: every key).
         scale: softmax scale (default head_dim ** -0.5).
 
     Returns:
-        (batch, heads, N, head_dim) in q.dtype, frame-major.
+        (batch, heads, N', head_dim) in q.dtype, frame-major; padded rows hold the kernel's
+        output for them (finite, read by no real token).
 
     Raises:
-        ValueError: N is not num_frames * frame_size.
+        ValueError: N' < num_frames * frame_size, or k's length differs from q's.
     """
     f, p = scope.num_frames, scope.frame_size
-    if q.shape[2] != f * p or k.shape[2] != f * p:
-        raise ValueError(f"sparse attention: expected {f} x {p} = {f * p} tokens (no padding),"
-                         f" got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    n, n_pad = f * p, q.shape[2]
+    if n_pad < n or k.shape[2] != n_pad:
+        raise ValueError(f"sparse attention: expected at least {f} x {p} = {n} tokens in q and"
+                         f" as many in k, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     mask = scope.mask
-    which = route(q, k, v, sample_rows(f * p), mask, f, p, scale)
+    which = route(q, k, v, sample_rows(n), mask, f, p, scale)
     temporal = (which == TEMPORAL)[:, :, None]  # (batch, heads, 1)
     # One row gather per tensor, the row order chosen per head: the estimate charged the
     # jnp.where over both orders (two transposes and a select per tensor) 10.3 ms of copies
     # per Wan 14B 720p layer on v6e against 1.9 ms for a gather (benchmarks/svg_results.md).
-    t = np.arange(f * p)
-    to_pm = jnp.where(temporal, jnp.asarray((t % f) * p + t // f, jnp.int32), t)
-    to_fm = jnp.where(temporal, jnp.asarray(position_major_index(t, f, p), jnp.int32), t)
+    # Padded rows stay in place (identity past n): slicing them off and padding back cost
+    # 1.9 ms of copies per layer there.
+    t = np.arange(n_pad)
+    pm_order = np.where(t < n, (t % f) * p + t // f, t)
+    fm_order = np.where(t < n, position_major_index(t, f, p), t)
+    to_pm = jnp.where(temporal, jnp.asarray(pm_order, jnp.int32), t)
+    to_fm = jnp.where(temporal, jnp.asarray(fm_order, jnp.int32), t)
 
-    def gather(x, index):  # (B, H, N, D) rows in ``index``'s (B, H, N) order
+    def gather(x, index):  # (B, H, N', D) rows in ``index``'s (B, H, N') order
         return jnp.take_along_axis(x, index[..., None], axis=2)
 
-    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask)
+    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask,
+                 None if n_pad == n else n)
     return gather(out, to_fm)

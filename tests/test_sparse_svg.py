@@ -175,8 +175,8 @@ def test_default_density_equals_eager_svg_reference(tiny_checkpoint_8h, dense):
 
 def test_sequence_parallel_padding(tiny_checkpoint_8h):
     """Ulysses over sp 8: 320 tokens / 8 = 40 per shard, padded to 48 (Wan's 16-row token
-    tile), so the sparse call cuts the padded tail off and appends it back; frames equal the
-    default mesh's (dp2 x tp4, no padding) within float32 rounding (measured 3.0e-7)."""
+    tile), kept in place through the sparse call (its keys left out by valid_kv_len); frames
+    equal the default mesh's (dp2 x tp4, no padding) within float32 rounding (measured 3.0e-7)."""
     frames, report = _ours(tiny_checkpoint_8h, ("--sparse", "svg", "--sp", "8"))
     assert report["mesh"] == {"dp": 1, "tp": 1, "sp": 8}
     base, report = _ours(tiny_checkpoint_8h, ("--sparse", "svg"))
