@@ -38,7 +38,7 @@ from engine.files.checkpoint import (
 )
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
-from engine.programs import experts, parking, sparse, step_cache
+from engine.programs import experts, parking, sparse, step_cache, step_plan
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
@@ -169,10 +169,10 @@ def sparse_estimate(est: dict, plan) -> dict:
     """``est`` (``estimate.estimate`` of a ``--sparse`` run, with its ``sparse`` entry) with
     ``sparse_seconds_per_step`` (seconds; {program key: seconds} with several sparse
     programs, one per expert density), ``average_seconds_per_step`` over ``plan``'s
-    (``sparse.StepPlan``) dense and sparse steps, ``sparse_plan`` (its counts in words) and
+    (``step_plan.StepPlan``) dense and sparse steps, ``sparse_plan`` (its counts in words) and
     ``step_plan``. ``seconds_per_step`` stays the dense step's. ESTIMATES."""
     by_key = {k: v["seconds_per_step"] for k, v in est["sparse"].items()}
-    k = sum(p != sparse.DENSE for p in plan.programs)
+    k = sum(p != step_plan.DENSE for p in plan.programs)
     return dict(est, sparse_seconds_per_step=next(iter(by_key.values())) if len(by_key) == 1
                 else by_key,
                 average_seconds_per_step=plan.average_seconds(est["seconds_per_step"], by_key),
@@ -598,8 +598,8 @@ def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
             config.model.model_id, "transformer"), mesh, shape, chip, attention)
         if config.sparse is None:
             return est
-        return sparse_estimate(est, sparse.StepPlan.build(_expert_of_step(config, family),
-                                                          config.sparse))
+        return sparse_estimate(est, step_plan.StepPlan.build(
+            _expert_of_step(config, family), config.sparse, config.step_cache))
     except ValueError as e:
         raise UsageError(f"--estimate: {e}") from None
     except RuntimeError as e:

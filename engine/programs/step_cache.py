@@ -75,7 +75,8 @@ def kept_specs(shapes, mesh) -> list:
 
 @dataclasses.dataclass
 class StepCache:
-    """The compiled full and cached step programs (weights bound) and the schedule.
+    """The compiled full and cached step programs (weights bound); which step runs which is
+    the run's ``step_plan.StepPlan`` (its ``cached``, from ``CacheSettings.schedule``).
 
     full: (latents, t, embeds) -> (noise prediction, kept tuple).
     cached: (latents, t, embeds, kept tuple) -> noise prediction.
@@ -96,9 +97,6 @@ class StepCache:
     experts: list | None = None
     ensure: object = None
 
-    def schedule(self, num_steps: int) -> tuple:
-        return self.settings.schedule(num_steps)
-
     def add_experts(self, placed: list, scale_arrays: list, ensure=None) -> None:
         """Bind a two-expert model's weights and guidance scales (``ExpertStep``'s), in
         ``EXPERT_NAMES`` order; ``ensure``: ``ExpertParking.ensure`` when the idle expert is
@@ -107,32 +105,11 @@ class StepCache:
                         for p, s in zip(placed, scale_arrays, strict=True)]
         self.ensure = ensure
 
-    def warmup_schedule(self, steps: int, num_steps: int) -> tuple:
-        """The warmup runs each program at least once: full, then cached (when the real
-        schedule caches any step), alternating, for ``steps`` steps and until a cached step
-        ran; a cached step only where the step before ran the same expert (the warmup runs
-        the first steps of the real loop, each with its expert's weights)."""
-        if self.cached is None or not any(self.schedule(num_steps)):
-            return (False,) * steps
-        which = self._experts(num_steps)
-        out = []
-        for i in range(num_steps):
-            if len(out) >= steps and any(out):
-                break
-            out.append(bool(out) and not out[-1] and which[i] == which[i - 1])
-        return tuple(out)
-
-    def _experts(self, num_steps: int) -> list[int]:
-        """Per step of the loop (or a prefix of it), the expert whose weights it runs."""
-        n = self.settings.expert_steps
-        if not self.experts or not n:
-            return [0] * num_steps
-        return self.settings.expert_of_steps(sum(n))[:num_steps]
-
-    def runner(self, schedule: tuple, calibrate: bool = False):
-        """The model call of one loop over ``schedule`` (the run's, or the warmup's prefix):
-        each step with its expert's weights."""
-        return _Runner(self, schedule, calibrate, self._experts(len(schedule)))
+    def runner(self, plan, calibrate: bool = False):
+        """The model call of one loop over ``plan`` (a ``step_plan.StepPlan``: the run's, or
+        the warmup's): each step full or cached, with its expert's weights, as the plan
+        says."""
+        return _Runner(self, plan, calibrate)
 
     def call(self, expert: int, latents, t, embeds, kept=None):
         """The full (``kept`` None) or cached program with ``expert``'s weights."""
@@ -149,24 +126,26 @@ class StepCache:
 
 
 class _Runner:
-    """One sampling loop's model call: picks the program per step from the schedule (and the
-    expert from ``experts``, one index per step) and holds the kept arrays on the device
-    between steps. ``kinds`` lists "full" / "cached" per call; with ``calibrate`` it collects
-    MagCache's magnitude ratio per step and branch (None at each expert's first step)."""
+    """One sampling loop's model call: ``at_step(i)`` runs step ``i`` as ``plan`` says (the
+    full or the cached program, with ``plan.experts[i]``'s weights) and holds the kept arrays
+    on the device between steps. ``kinds`` lists "full" / "cached" per call; with
+    ``calibrate`` it collects MagCache's magnitude ratio per step and branch (None at each
+    expert's first step)."""
 
-    def __init__(self, cache: StepCache, schedule: tuple, calibrate: bool, experts: list):
-        self.cache, self.schedule, self.index, self.experts = cache, schedule, 0, experts
+    def __init__(self, cache: StepCache, plan, calibrate: bool):
+        self.cache, self.plan = cache, plan
         self.kept, self.kinds, self.calibrate, self.ratios = None, [], calibrate, []
         self.kept_by = None  # the expert whose full step recorded ``kept``
         self.kept_bytes_by_device = None  # {device id: bytes}, read off the live arrays
 
-    def __call__(self, latents, t, embeds):
-        i, cached = self.index, self.schedule[self.index]
-        expert = self.experts[i]
-        self.index += 1
+    def at_step(self, i: int):
+        return functools.partial(self._step, i)
+
+    def _step(self, i: int, latents, t, embeds):
+        cached, expert = self.plan.cached[i], self.plan.experts[i]
         self.kinds.append("cached" if cached else "full")
         if cached:
-            if self.kept_by != expert:  # the schedules never do this; a guard, not a path
+            if self.kept_by != expert:  # the plans never do this; a guard, not a path
                 raise GenerationError(f"step {i}: a cached step of expert {expert} would "
                                       f"read what expert {self.kept_by} recorded")
             return self.cache.call(expert, latents, t, embeds, self.kept)

@@ -59,10 +59,6 @@ class CacheSettings:
             return [(0, num_steps)]
         return [(0, self.expert_steps[0]), (self.expert_steps[0], self.expert_steps[1])]
 
-    def expert_of_steps(self, num_steps: int) -> list[int]:
-        """Per step, the index of the expert that runs it (all 0 for one expert)."""
-        return [k for k, (_, n) in enumerate(self.spans(num_steps)) for _ in range(n)]
-
     def expert_ratios(self) -> list:
         """The per-step ratio tuple of each expert (one entry for one expert)."""
         if self.expert_steps is None:
