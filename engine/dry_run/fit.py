@@ -154,15 +154,18 @@ def _sparse_rows(config, family, placed, mesh, abstract_inputs, capacity: int,
                         capacity) for key, c in compiled.items()]
 
 
-def _expert_of_step(config, family) -> list[int]:
-    """Per denoising step, its expert (0, or 1 for a two-expert model's low-noise one),
-    from the checkpoint's scheduler as a run decides it (``experts.expert_steps``)."""
+def run_plan(config, family) -> step_plan.StepPlan:
+    """The run's ``step_plan.StepPlan`` before any model loads (the dry run's estimate): per
+    step its expert (0, or 1 for a two-expert model's low-noise one, from the checkpoint's
+    scheduler as a run decides it, ``experts.expert_steps``), dense or sparse
+    (``config.sparse``) and full or cached (``config.step_cache``)."""
     n, model_id = config.video.num_inference_steps, config.model.model_id
     split = experts.expert_steps(
         read_model_index(model_id), read_component_config(
             model_id, "scheduler", filename="scheduler_config.json"), family.scheduler.make,
         config.video.scheduler, config.video.flow_shift, n, family.scheduler.sigmas)
-    return [0] * n if split is None else [0] * split[0] + [1] * split[1]
+    expert_of_step = [0] * n if split is None else [0] * split[0] + [1] * split[1]
+    return step_plan.StepPlan.build(expert_of_step, config.sparse, config.step_cache)
 
 
 def sparse_estimate(est: dict, plan) -> dict:
@@ -598,8 +601,7 @@ def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
             config.model.model_id, "transformer"), mesh, shape, chip, attention)
         if config.sparse is None:
             return est
-        return sparse_estimate(est, step_plan.StepPlan.build(
-            _expert_of_step(config, family), config.sparse, config.step_cache))
+        return sparse_estimate(est, run_plan(config, family))
     except ValueError as e:
         raise UsageError(f"--estimate: {e}") from None
     except RuntimeError as e:
