@@ -189,7 +189,7 @@ def test_mag_ratios_forms(experts_checkpoint, tiny_checkpoint, tmp_path):
 
 def test_deepcache_two_expert_schedule():
     settings = step_cache_settings.CacheSettings("deepcache", start=1, end=9, interval=4,
-                                        expert_steps=SPLIT)
+                                                 expert_steps=SPLIT)
     assert [i for i, c in enumerate(settings.schedule(STEPS)) if c] == DEEP_CACHED
     one = step_cache_settings.CacheSettings("deepcache", start=1, end=9, interval=4)
     assert [i for i, c in enumerate(one.schedule(STEPS)) if c] == [2, 3, 4, 6, 7, 8]
