@@ -44,7 +44,7 @@ from engine.files import report as reporting
 from engine.files.checkpoint import looks_local, model_config_dir
 from engine.files.image import check_for_model
 from engine.pipeline import Generation, upscale
-from engine.programs import experts, parking, sparse, step_cache
+from engine.programs import experts, parking, sparse, step_cache_flags
 from engine.run import clock, runtime
 from engine.run.config import (
     RunConfig,
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(p.add_argument_group("model-family flags (docs/flags.md)"))
     _add_run_flags(p.add_argument_group("run and benchmark"))
     _add_parallel_flags(p.add_argument_group("parallelism and kernel"))
-    step_cache.add_cache_flags(p.add_argument_group("step caching (docs/features.md)"))
+    step_cache_flags.add_cache_flags(p.add_argument_group("step caching (docs/features.md)"))
     sparse.add_sparse_flags(p.add_argument_group("sparse attention (docs/features.md)"))
     dry_flags.add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
     serving.add_serve_flags(p.add_argument_group("serving (docs/serving.md)"))
@@ -332,11 +332,11 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                                        "--lora_2"),
                   scheduler=(scheduler := resolve_scheduler(args.scheduler, family)),
                   upscale=upscale.validate_flags(args, family, values, serve),
-                  step_cache=step_cache.validate_cache_flags(
+                  step_cache=step_cache_flags.validate_cache_flags(
                       args, values["num_inference_steps"], make_scheduler=family.scheduler.make,
                       scheduler=scheduler, flow_shift=flow_shift, sigmas=family.scheduler.sigmas),
                   sparse=sparse.validate_sparse_flags(args, family, values))
-    flags = {k: v for k, v in vars(args).items() if k not in step_cache.FLAGS + serving.FLAGS
+    flags = {k: v for k, v in vars(args).items() if k not in step_cache_flags.FLAGS + serving.FLAGS
              + upscale.FLAGS + OPTION_NAMES + sparse.FLAGS + ("cache", "sr")}
     config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
                           "options": options,

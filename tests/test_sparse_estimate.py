@@ -13,7 +13,8 @@ import pytest
 import generate_flax
 from custom_splash_attention import AttentionOptions, BlockSizes, splash_attention
 from engine.dry_run import estimate, fit
-from engine.programs.sparse import SparseSettings, StepPlan
+from engine.programs.sparse import SparseSettings
+from engine.programs.step_plan import StepPlan
 from splash.svg import svg_mask
 
 sys.path.insert(0, os.path.dirname(__file__))

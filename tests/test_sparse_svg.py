@@ -259,7 +259,7 @@ def test_two_experts_per_expert_density(two_experts_8h):
 def test_warmup_runs_every_program_of_the_plan_once():
     """A dense warmup prefix gets one more step per program it leaves out, so the timed runs
     never make a program's first call (Wan 2.1: 10 of 50 steps dense, warmup 2)."""
-    from engine.programs.sparse import PlannedStep, StepPlan
+    from engine.programs.step_plan import PlannedStep, StepPlan
 
     calls = {k: (lambda k=k: k) for k in ("dense", "svg0.5", "svg0.2")}
     one = StepPlan((0,) * 6, ("dense",) * 3 + ("svg0.5",) * 3)

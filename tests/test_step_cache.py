@@ -20,7 +20,7 @@ from parity import assert_frames_close
 
 import generate_flax
 from engine.pipeline import generate
-from engine.programs import step_cache
+from engine.programs import mag_ratios, step_cache_settings
 from families import FAMILIES, wan
 
 SHAPE = dict(height=64, width=96, frames=9)
@@ -125,7 +125,7 @@ def _deepcache_reference(pipe, blocks, run, *, start, end, interval, recompute=1
 
 
 def test_deepcache_seed_schedule():
-    cached = step_cache.deepcache_schedule(50, 11, 45, 4)
+    cached = step_cache_settings.deepcache_schedule(50, 11, 45, 4)
     full = [i for i, c in enumerate(cached) if not c]
     assert full == [*range(11), *range(11, 45, 4), *range(45, 50)]
     assert sum(cached) == 25
@@ -137,7 +137,7 @@ def test_nearest_interp_is_diffusers(length, target):
 
     src = torch.linspace(0.8, 1.2, length)
     want = nearest_interp(src, target).tolist()
-    assert list(step_cache.nearest_interp(src.tolist(), target)) == pytest.approx(want)
+    assert list(step_cache_settings.nearest_interp(src.tolist(), target)) == pytest.approx(want)
 
 
 def test_magcache_schedule_replays_diffusers_hook(tiny_checkpoint):
@@ -165,9 +165,9 @@ def test_magcache_schedule_replays_diffusers_hook(tiny_checkpoint):
                 model(hidden_states=x, timestep=torch.tensor([500]), encoder_hidden_states=text)
                 theirs.append(calls[0] == before)
         model.disable_cache()
-        ours = step_cache.magcache_schedule(steps, step_cache.nearest_interp(ratios, steps),
-                                            kw["threshold"], kw["max_skip_steps"],
-                                            kw["retention_ratio"])
+        ours = step_cache_settings.magcache_schedule(
+            steps, step_cache_settings.nearest_interp(ratios, steps), kw["threshold"],
+            kw["max_skip_steps"], kw["retention_ratio"])
         assert list(ours) == theirs, (trial, kw)
         for block in model.blocks:
             block.ffn._forward_hooks.clear()
@@ -179,16 +179,16 @@ def test_shipped_wan_ratios_are_chosen_by_checkpoint():
     for model_id, name in (("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1-t2v-14b"),
                            ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v-1.3b")):
         cfg = read_component_config(model_id, "transformer")
-        assert step_cache.builtin_for_checkpoint(cfg, read_model_index(model_id)) == name
-        entry = step_cache.load_builtin_ratios()[name]
+        assert mag_ratios.builtin_for_checkpoint(cfg, read_model_index(model_id)) == name
+        entry = mag_ratios.load_builtin_ratios()[name]
         assert len(entry["published"]) == 100  # 50 steps, cond and uncond interleaved
-        assert len(step_cache.per_step_ratios(entry)) == 50
+        assert len(mag_ratios.per_step_ratios(entry)) == 50
     # A two-expert (Wan 2.2) checkpoint of the same transformer shape gets Wan 2.2's, not
     # Wan 2.1's; another boundary gets none (tests/test_step_cache_experts.py).
     cfg = read_component_config("Wan-AI/Wan2.1-T2V-14B-Diffusers", "transformer")
-    assert step_cache.builtin_for_checkpoint(cfg, {"boundary_ratio": 0.875}) == \
+    assert mag_ratios.builtin_for_checkpoint(cfg, {"boundary_ratio": 0.875}) == \
         "wan2.2-t2v-a14b"
-    assert step_cache.builtin_for_checkpoint(cfg, {"boundary_ratio": 0.8}) is None
+    assert mag_ratios.builtin_for_checkpoint(cfg, {"boundary_ratio": 0.8}) is None
 
 
 def test_parity_schedule_has_a_margin():
@@ -196,17 +196,17 @@ def test_parity_schedule_has_a_margin():
     on the host), never from computed values, and no decision sits near the threshold: half
     or 1.5 times diffusers' 0.06 skips the same steps, so rounding cannot flip one."""
     for threshold in (0.03, 0.06, 0.09):
-        assert [i for i, c in enumerate(step_cache.magcache_schedule(
+        assert [i for i, c in enumerate(step_cache_settings.magcache_schedule(
             STEPS, RATIOS, threshold, 3, 0.2)) if c] == [2, 3, 4, 6, 7]
 
 
 def test_published_wan_14b_schedule_skips_steps():
     """The published Wan 14B ratios at the MagCache script's setting (0.12, K 2, 0.2) and at
     diffusers' defaults (0.06, K 3, 0.2): how many of 50 steps each skips (README figures)."""
-    entry = step_cache.load_builtin_ratios()["wan2.1-t2v-14b"]
-    ratios = step_cache.per_step_ratios(entry)
-    script = step_cache.magcache_schedule(50, ratios, 0.12, 2, 0.2)
-    defaults = step_cache.magcache_schedule(50, ratios, 0.06, 3, 0.2)
+    entry = mag_ratios.load_builtin_ratios()["wan2.1-t2v-14b"]
+    ratios = mag_ratios.per_step_ratios(entry)
+    script = step_cache_settings.magcache_schedule(50, ratios, 0.12, 2, 0.2)
+    defaults = step_cache_settings.magcache_schedule(50, ratios, 0.06, 3, 0.2)
     assert not any(script[:10]) and not any(defaults[:10])  # retention: first 10 full
     assert sum(script) == 25 and sum(defaults) == 24, (sum(script), sum(defaults))
 

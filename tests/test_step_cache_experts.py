@@ -27,7 +27,7 @@ from parity import assert_frames_close
 
 import generate_flax
 from engine.pipeline import generate
-from engine.programs import step_cache
+from engine.programs import mag_ratios, step_cache_settings
 from engine.run.errors import UsageError
 from families import FAMILIES, wan
 
@@ -138,8 +138,8 @@ def test_expert_schedule_replays_two_diffusers_hooks(tiny_checkpoint):
                           encoder_hidden_states=text)
                     theirs.append(count[0] == before)
             model.disable_cache()
-        settings = step_cache.CacheSettings(
-            "magcache", mag_ratios=step_cache._interpolated(ratios, sum(split), split),
+        settings = step_cache_settings.CacheSettings(
+            "magcache", mag_ratios=mag_ratios.interpolated(ratios, sum(split), split),
             expert_steps=split, **kw)
         assert list(settings.schedule(sum(split))) == theirs, (trial, split, kw)
 
@@ -188,10 +188,10 @@ def test_mag_ratios_forms(experts_checkpoint, tiny_checkpoint, tmp_path):
 
 
 def test_deepcache_two_expert_schedule():
-    settings = step_cache.CacheSettings("deepcache", start=1, end=9, interval=4,
-                                        expert_steps=SPLIT)
+    settings = step_cache_settings.CacheSettings("deepcache", start=1, end=9, interval=4,
+                                                 expert_steps=SPLIT)
     assert [i for i, c in enumerate(settings.schedule(STEPS)) if c] == DEEP_CACHED
-    one = step_cache.CacheSettings("deepcache", start=1, end=9, interval=4)
+    one = step_cache_settings.CacheSettings("deepcache", start=1, end=9, interval=4)
     assert [i for i, c in enumerate(one.schedule(STEPS)) if c] == [2, 3, 4, 6, 7, 8]
 
 
@@ -201,7 +201,7 @@ def test_parity_schedule_has_a_margin():
     the threshold: half or 1.5 times diffusers' 0.06 skips the same steps, so rounding in
     either run cannot flip one (a flipped decision would fail here, not as a flaky frame)."""
     for threshold in (0.03, 0.06, 0.09):
-        settings = step_cache.CacheSettings(
+        settings = step_cache_settings.CacheSettings(
             "magcache", mag_ratios=(tuple(RATIOS[0]), tuple(RATIOS[1])), expert_steps=SPLIT,
             threshold=threshold)
         assert [i for i, c in enumerate(settings.schedule(STEPS)) if c] == MAG_CACHED
@@ -219,14 +219,14 @@ def test_shipped_wan22_ratios():
     def settings_for(model_id, image, **kw):
         index = read_model_index(model_id)
         cfg = read_component_config(model_id, "transformer")
-        name = step_cache.builtin_for_checkpoint(cfg, index, image)
-        ratios = step_cache.per_step_ratios(step_cache.load_builtin_ratios()[name])
+        name = mag_ratios.builtin_for_checkpoint(cfg, index, image)
+        ratios = mag_ratios.per_step_ratios(mag_ratios.load_builtin_ratios()[name])
         split = experts.expert_steps(index, read_component_config(
             model_id, "scheduler", filename="scheduler_config.json"), wan.make_scheduler,
             "unipc", kw.pop("shift", 5.0), kw.pop("steps", 40))
         steps = sum(split) if split else 50
-        return name, split, step_cache.CacheSettings(
-            "magcache", mag_ratios=step_cache._interpolated(ratios, steps, split),
+        return name, split, step_cache_settings.CacheSettings(
+            "magcache", mag_ratios=mag_ratios.interpolated(ratios, steps, split),
             expert_steps=split, **kw)
 
     name, split, t2v = settings_for("Wan-AI/Wan2.2-T2V-A14B-Diffusers", False, shift=12.0,
@@ -243,9 +243,9 @@ def test_shipped_wan22_ratios():
     for image, want in ((False, "wan2.2-ti2v-5b-t2v"), (True, "wan2.2-ti2v-5b-i2v")):
         model_id = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
         cfg = read_component_config(model_id, "transformer")
-        assert step_cache.builtin_for_checkpoint(cfg, read_model_index(model_id), image) == want
-        entry = step_cache.load_builtin_ratios()[want]
-        assert len(entry["published"]) == 98 and len(step_cache.per_step_ratios(entry)) == 50
+        assert mag_ratios.builtin_for_checkpoint(cfg, read_model_index(model_id), image) == want
+        entry = mag_ratios.load_builtin_ratios()[want]
+        assert len(entry["published"]) == 98 and len(mag_ratios.per_step_ratios(entry)) == 50
 
 
 def test_few_step_lora_with_a_cache_warns(experts_checkpoint, tmp_path, caplog):

@@ -38,7 +38,7 @@ from engine.files.checkpoint import (
 )
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
-from engine.programs import experts, parking, sparse, step_cache
+from engine.programs import experts, parking, sparse, step_cache, step_plan
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
@@ -154,25 +154,28 @@ def _sparse_rows(config, family, placed, mesh, abstract_inputs, capacity: int,
                         capacity) for key, c in compiled.items()]
 
 
-def _expert_of_step(config, family) -> list[int]:
-    """Per denoising step, its expert (0, or 1 for a two-expert model's low-noise one),
-    from the checkpoint's scheduler as a run decides it (``experts.expert_steps``)."""
+def run_plan(config, family) -> step_plan.StepPlan:
+    """The run's ``step_plan.StepPlan`` before any model loads (the dry run's estimate): per
+    step its expert (0, or 1 for a two-expert model's low-noise one, from the checkpoint's
+    scheduler as a run decides it, ``experts.expert_steps``), dense or sparse
+    (``config.sparse``) and full or cached (``config.step_cache``)."""
     n, model_id = config.video.num_inference_steps, config.model.model_id
     split = experts.expert_steps(
         read_model_index(model_id), read_component_config(
             model_id, "scheduler", filename="scheduler_config.json"), family.scheduler.make,
         config.video.scheduler, config.video.flow_shift, n, family.scheduler.sigmas)
-    return [0] * n if split is None else [0] * split[0] + [1] * split[1]
+    expert_of_step = [0] * n if split is None else [0] * split[0] + [1] * split[1]
+    return step_plan.StepPlan.build(expert_of_step, config.sparse, config.step_cache)
 
 
 def sparse_estimate(est: dict, plan) -> dict:
     """``est`` (``estimate.estimate`` of a ``--sparse`` run, with its ``sparse`` entry) with
     ``sparse_seconds_per_step`` (seconds; {program key: seconds} with several sparse
     programs, one per expert density), ``average_seconds_per_step`` over ``plan``'s
-    (``sparse.StepPlan``) dense and sparse steps, ``sparse_plan`` (its counts in words) and
+    (``step_plan.StepPlan``) dense and sparse steps, ``sparse_plan`` (its counts in words) and
     ``step_plan``. ``seconds_per_step`` stays the dense step's. ESTIMATES."""
     by_key = {k: v["seconds_per_step"] for k, v in est["sparse"].items()}
-    k = sum(p != sparse.DENSE for p in plan.programs)
+    k = sum(p != step_plan.DENSE for p in plan.programs)
     return dict(est, sparse_seconds_per_step=next(iter(by_key.values())) if len(by_key) == 1
                 else by_key,
                 average_seconds_per_step=plan.average_seconds(est["seconds_per_step"], by_key),
@@ -598,8 +601,7 @@ def _estimate(config, family, mesh, shape, chip: str, attention: str) -> dict:
             config.model.model_id, "transformer"), mesh, shape, chip, attention)
         if config.sparse is None:
             return est
-        return sparse_estimate(est, sparse.StepPlan.build(_expert_of_step(config, family),
-                                                          config.sparse))
+        return sparse_estimate(est, run_plan(config, family))
     except ValueError as e:
         raise UsageError(f"--estimate: {e}") from None
     except RuntimeError as e:

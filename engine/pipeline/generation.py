@@ -28,7 +28,7 @@ from engine.pipeline.stages import (
     prepare_programs,
     program_settings,
 )
-from engine.programs import denoise, executables, experts, sparse, step_cache
+from engine.programs import denoise, executables, experts, step_cache, step_plan
 from engine.run import runtime
 from engine.run.config import RunConfig
 from engine.run.mesh import make_mesh
@@ -251,7 +251,7 @@ def step_report(config, family, pipe, programs, runs) -> tuple[dict, float | Non
                                                 config.video.num_inference_steps)
     cfg = dict(pipe.transformer.config) if pipe.transformer is not None else None
     step = programs.step
-    if isinstance(step, sparse.PlannedStep):  # --sparse: its plan (and the experts' entry)
+    if isinstance(step, step_plan.PlannedStep):  # its plan (and the experts' entry)
         out.update(step.report())
         step = step.expert_step
     flops = None if step is None else experts.flops_per_step(

@@ -33,8 +33,8 @@ class Programs:
     step: compiled model call ``(latents, t, embeds) -> noise prediction`` (weights bound),
         or an object whose ``at_timestep(host t)`` returns one
         (``engine.programs.experts.ExpertStep``: a two-expert model's weights chosen per step,
-        one compiled program; ``engine.programs.sparse.PlannedStep``: dense and sparse
-        programs, and the expert, chosen per step by its ``StepPlan``).
+        one compiled program; ``engine.programs.step_plan.PlannedStep``: dense and sparse
+        programs, the expert and cached or full, chosen per step by its ``StepPlan``).
     scheduler_config: the diffusers scheduler's config; a fresh scheduler is built from it
         per run (its ``_class_name`` names the class).
     sigmas: optional ``f(num_inference_steps) -> sigmas`` for ``set_timesteps`` (the
@@ -42,8 +42,9 @@ class Programs:
     embeds: the placed prompt embeddings pytree the step takes.
     timesteps_sharding: where the (1,) timestep arrays go (replicated).
     vae_decode: latents -> (1, 3, F, H, W) float32 video in [-1, 1] (a ``ChunkedDecoder``).
-    cache: ``engine.programs.step_cache.StepCache`` (full and cached programs, schedule) with step
-        caching on; ``step`` is then its full program's noise prediction.
+    cache: ``engine.programs.step_cache.StepCache`` (full and cached programs) with step
+        caching on; ``step`` is then a ``step_plan.PlannedStep`` whose plan says which steps
+        are cached (the reports read the cache's settings and kept arrays here).
     finish: ``(final latents, embeds) -> latents`` after the loop, before the decode and
         before a staged denoise saves them (the family's ``finish_latents``: TI2V-5B
         image-to-video puts the image's latents back on frame 0).
@@ -114,12 +115,18 @@ def new_scheduler(scheduler_config, num_inference_steps: int, timesteps_sharding
     return scheduler, timesteps
 
 
-def denoise_step(step, scheduler, latents, t_torch, t, embeds):
+def denoise_step(step, scheduler, latents, t_torch, t, embeds, index: int | None = None):
     """One denoising step: the compiled model call, then diffusers' scheduler step run eagerly
     on JAX arrays through torchax (its float32 math is exactly upstream's). Returns the next
-    float32 latents as a ``jax.Array`` (not yet synchronised)."""
+    float32 latents as a ``jax.Array`` (not yet synchronised).
+
+    ``index``: the step's index in the loop; a planned call (``at_step``) runs what its
+    ``step_plan.StepPlan`` says for that step. Without it (the profiler) or for a
+    two-expert ``ExpertStep``, the call is found by the host timestep (``at_timestep``)."""
     env = torchax.default_env()
-    if hasattr(step, "at_timestep"):  # the host picks the program / expert per step
+    if index is not None and hasattr(step, "at_step"):  # the plan's step ``index``
+        step = step.at_step(index)
+    elif hasattr(step, "at_timestep"):  # the expert of this timestep (or its plan step)
         step = step.at_timestep(t_torch)
     noise_pred = step(latents, t, embeds)
     with env:
@@ -135,8 +142,10 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_time
     Latents stay float32 between steps, as in diffusers' pipelines.
 
     Args:
-        step: compiled model call (weights bound) latents, t, embeds -> noise prediction
-            (with step caching, a ``step_cache`` runner that picks the program per step).
+        step: compiled model call (weights bound) latents, t, embeds -> noise prediction,
+            or a call with ``at_step(i)`` (a ``step_plan.PlannedStep``'s ``for_loop``: the
+            program, expert and cache decision of step ``i`` from the run's plan) or
+            ``at_timestep(t)`` (``experts.ExpertStep``).
         scheduler: a fresh scheduler with timesteps set.
         latents: (1, C, F', H', W') float32 ``jax.Array``.
         timesteps: [(torch timestep, (1,) ``jax.Array``)], ``scheduler.timesteps`` in order
@@ -154,7 +163,7 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_time
     scheduler.set_begin_index(0)
     for i, (t_torch, t) in enumerate(tqdm(timesteps, desc=desc, leave=False)):
         t0 = time.perf_counter()
-        latents = denoise_step(step, scheduler, latents, t_torch, t, embeds)
+        latents = denoise_step(step, scheduler, latents, t_torch, t, embeds, index=i)
         if step_times is not None:
             latents.block_until_ready()
             step_times.append(time.perf_counter() - t0)
@@ -182,11 +191,16 @@ def _fresh_loop(programs: Programs, num_inference_steps: int, limit: int | None 
     return scheduler, timesteps[:limit] if limit is not None else timesteps
 
 
-def _model_call(programs: Programs, schedule):
-    """The loop's model call: the step program, or a step-cache runner over ``schedule``."""
-    if programs.cache is None:
-        return programs.step
-    return programs.cache.runner(schedule, calibrate=programs.cache.settings.calibrate)
+def _model_call(step, warmup_steps: int | None = None):
+    """(the model call one sampling loop runs, its step count or None for all): the step
+    program itself, or a planned step's ``for_loop`` over the run's plan (with
+    ``warmup_steps``, over its warmup plan, ``StepPlan.warmup``)."""
+    if not hasattr(step, "for_loop"):
+        return step, warmup_steps
+    limit = None
+    if warmup_steps is not None:
+        step, limit = step.for_warmup(warmup_steps)
+    return step.for_loop(), limit
 
 
 def _denoise_now(programs: Programs, loop, latents0, *, desc: str, call=None,
@@ -226,17 +240,10 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
     if warmup_steps == 0:
         return {}
     out, t0, latents = {}, time.perf_counter(), latents0
-    if programs.step is not None:
-        schedule, limit = None, warmup_steps
-        if programs.cache is not None:  # both cache programs run: full, then cached
-            schedule = programs.cache.warmup_schedule(warmup_steps, num_inference_steps)
-            limit = len(schedule)
-        if hasattr(programs.step, "for_warmup"):  # a step plan: each of its programs once
-            step, limit = programs.step.for_warmup(warmup_steps)
-            programs = dataclasses.replace(programs, step=step)
+    if programs.step is not None:  # a planned step: each of its programs (and cached) once
+        call, limit = _model_call(programs.step, warmup_steps)
         loop = _fresh_loop(programs, num_inference_steps, limit=limit)
-        latents = _denoise_now(programs, loop, latents0, desc="warmup",
-                               call=_model_call(programs, schedule))
+        latents = _denoise_now(programs, loop, latents0, desc="warmup", call=call)
         out.update(warmup_denoise_s=time.perf_counter() - t0, warmup_steps=len(loop[1]))
     if programs.upscale is not None:  # its hand-off and step, on the warmup's latents
         t1 = time.perf_counter()
@@ -270,8 +277,7 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
         if programs.step is not None:
             loop = _fresh_loop(programs, num_inference_steps)
             cache = programs.cache
-            call = _model_call(programs, None if cache is None
-                               else cache.schedule(num_inference_steps))
+            call, _ = _model_call(programs.step)
             step_times = []
             t0 = time.perf_counter()
             latents = _denoise_now(programs, loop, latents0, desc=label, call=call,

@@ -238,7 +238,8 @@ class ExpertParking:
 class ExpertStep:
     """The loop's model call for a two-expert model.
 
-    ``engine.programs.denoise.denoise_step`` calls ``at_timestep(t)`` with each step's host timestep
+    ``engine.programs.denoise.denoise_step`` calls ``at_timestep(t)`` with each step's host
+    timestep (or a ``step_plan.PlannedStep`` calls ``for_expert(k)`` with the plan's expert)
     and runs the returned ``(latents, t, inputs) -> noise prediction``: the one compiled
     program with the chosen expert's weights and guidance scale as arguments.
 
@@ -278,7 +279,11 @@ class ExpertStep:
 
     def at_timestep(self, t):
         """The model call for host timestep ``t`` (a torch or Python number)."""
-        k = self.expert_for(t)
+        return self.for_expert(self.expert_for(t))
+
+    def for_expert(self, k: int):
+        """The model call with expert ``k``'s weights and guidance scale (a
+        ``step_plan.StepPlan`` names the expert per step)."""
         if self.parking is not None:  # the boundary step: park the done expert, gather k
             self.parking.ensure(k)
         placed, scale = self.experts[k], self.scale_arrays[k]

@@ -1,5 +1,5 @@
-"""Sparse VideoGen (SVG 1, ``--sparse svg``): its flags, the run's settings, the per-step
-plan (which expert, dense or sparse) and the step programs the plan chooses between.
+"""Sparse VideoGen (SVG 1, ``--sparse svg``): its flags, the run's settings and the sparse
+step programs; which step runs dense or sparse is the run's ``step_plan.StepPlan``.
 
 The kernel side (the mask, the two token orders, the routing, the sparse SDPA call) is
 ``splash.svg``; a family gives its checkpoints' published setting (``SparsePolicy``,
@@ -7,25 +7,22 @@ The kernel side (the mask, the two token orders, the routing, the sparse SDPA ca
 the step function traced under ``splash.svg.sparse_scope``, in which every self-attention
 call of the layers in the scope's range routes its heads and runs the band mask, and the
 block scan splits at that range (``engine.weights.scan_layers``). Dense steps run the plain
-program. ``StepPlan`` says per step which program and which expert; ``PlannedStep`` is the
-loop's model call that follows it.
+program. ``step_plan.StepPlan`` says per step which program (and which expert, and cached or
+full); ``step_plan.PlannedStep`` is the loop's model call that follows it.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
 from engine.files.checkpoint import read_component_config
-from engine.programs import experts
 from engine.programs.step import compile_step
 from engine.run.errors import fail
 from splash import svg
 
 FLAGS = ("sparse", "sparse_density")
 KINDS = ("none", "svg")
-DENSE = "dense"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +107,7 @@ def _refuse_combinations(args, family) -> None:
              f"--attention {args.attention}")
     if args.cache not in (None, "none") or args.enable_cache:
         fail("--sparse", given, "cannot be combined with a step cache (--cache/--enable_cache)"
-             " yet: both decide per step what a step computes, and no plan combines them")
+             " yet: no program runs a sparse step on the cache's kept arrays")
     for flag, on in (("--window_size", args.window_size is not None),
                      ("--no_scan_layers", args.scan_layers is False),
                      ("--serve", bool(args.serve)),
@@ -160,88 +157,6 @@ def validate_sparse_flags(args, family, values: dict):
                           source=policy.source if s is None else "--sparse_density")
 
 
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """What each denoising step runs: ``experts[i]`` (0, or 1 for a two-expert model's
-    low-noise expert) and ``programs[i]`` ("dense" or a sparse program's key)."""
-
-    experts: tuple[int, ...]
-    programs: tuple[str, ...]
-
-    @classmethod
-    def build(cls, expert_of_step: list[int], sparse: SparseSettings | None) -> StepPlan:
-        start, stop = sparse.steps if sparse is not None else (0, 0)
-        progs = tuple(sparse.key(e) if start <= i < stop else DENSE
-                      for i, e in enumerate(expert_of_step))
-        return cls(tuple(expert_of_step), progs)
-
-    def report(self) -> dict:
-        return dict(experts=list(self.experts), programs=list(self.programs),
-                    sparse_steps=sum(p != DENSE for p in self.programs))
-
-    def average_seconds(self, dense_s: float, sparse_s: dict) -> float:
-        """Mean seconds per step over the plan: ``dense_s`` for a dense step,
-        ``sparse_s[key]`` for a step of sparse program ``key``.
-
-        Raises:
-            KeyError: a sparse program of the plan missing from ``sparse_s``.
-            ValueError: an empty plan."""
-        if not self.programs:
-            raise ValueError("average_seconds: the plan has no steps")
-        return sum(dense_s if p == DENSE else sparse_s[p]
-                   for p in self.programs) / len(self.programs)
-
-
-class PlannedStep:
-    """The loop's model call when steps differ in program: ``at_timestep(t)`` finds the
-    step of host timestep ``t`` in ``timesteps`` and returns its program's call (each a
-    bound call or an ``experts.ExpertStep``, which then picks the expert).
-
-    Raises (``at_timestep``): KeyError for a timestep not in the run's schedule."""
-
-    def __init__(self, programs: dict, plan: StepPlan, timesteps, sparse: SparseSettings):
-        self.programs, self.plan, self.sparse = programs, plan, sparse
-        self.index = {float(t): i for i, t in enumerate(timesteps)}
-        first = next(iter(programs.values()))
-        self.schedule = getattr(first, "schedule", None)  # the experts' (for reports)
-
-    def for_warmup(self, steps: int) -> tuple[PlannedStep, int]:
-        """The warmup's plan: the run's first ``steps`` steps, then one more step for each
-        program they leave out (a sparse program behind a dense warmup), so the warmup
-        runs every compiled program once and the timed runs measure steady state. Each
-        step keeps the run's expert. Returns (the planned step, its step count)."""
-        progs = list(self.plan.programs[:steps])
-        progs += [p for p in dict.fromkeys(self.plan.programs) if p not in progs]
-        progs = progs[:len(self.plan.programs)]
-        warm = copy.copy(self)
-        warm.plan = StepPlan(self.plan.experts,
-                             tuple(progs) + self.plan.programs[len(progs):])
-        return warm, len(progs)
-
-    def at_timestep(self, t):
-        step = self.programs[self.plan.programs[self.index[float(t)]]]
-        return step.at_timestep(t) if hasattr(step, "at_timestep") else step
-
-    def __call__(self, latents, timestep, inputs):
-        raise TypeError("a planned step needs the host timestep: call at_timestep(t)")
-
-    @property
-    def expert_step(self):
-        """The dense program's ``experts.ExpertStep`` for a two-expert model, else None."""
-        dense = self.programs[DENSE]
-        return dense if isinstance(dense, experts.ExpertStep) else None
-
-    def report(self) -> dict:
-        """The report's ``step_plan`` entry, and ``experts`` for a two-expert model. FLOPs
-        elsewhere in the report are the dense step's (the sparse ones skip tiles)."""
-        out = dict(step_plan=dict(self.plan.report(), sparse=dataclasses.asdict(self.sparse),
-                                  compiled_programs=len(self.programs)))
-        if self.expert_step is not None:
-            out["experts"] = dict(self.expert_step.report(), compiled_programs=len(
-                self.programs))
-        return out
-
-
 def compile_sparse_programs(config, placed: dict, mesh, fn, latents, timestep, inputs,
                             timings: dict, seconds_by_key: dict | None = None) -> dict:
     """{key: compiled} of the run's sparse step programs (one per distinct expert density),
@@ -262,30 +177,3 @@ def compile_sparse_programs(config, placed: dict, mesh, fn, latents, timestep, i
             seconds_by_key[key] = s
     timings["compile_transformer_sparse_s"] = seconds
     return out
-
-
-def _bound(compiled, placed: dict):
-    """``(latents, t, inputs) -> noise prediction`` with ``placed``'s weights bound."""
-    params, buffers = placed["params"], placed["buffers"]
-    return lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)
-
-
-def planned_step(config, pipe, placed: dict, second: dict | None, dense, sparse_programs,
-                 inputs, parked) -> PlannedStep:
-    """Bind every program to the weights (through ``experts.ExpertStep`` for two experts)
-    and build the run's ``StepPlan`` from the scheduler's timesteps."""
-    timesteps = pipe.scheduler.timesteps
-    compiled = {DENSE: dense, **sparse_programs}
-    if second:
-        steps = {k: experts.ExpertStep(
-            c, [placed, second],
-            (config.video.guidance_scale, config.video.guidance_scale_2), inputs,
-            boundary_ratio=pipe.config.boundary_ratio,
-            num_train_timesteps=pipe.scheduler.config.num_train_timesteps,
-            timesteps=timesteps, parking=parked) for k, c in compiled.items()}
-        schedule = steps[DENSE].schedule
-    else:
-        steps = {k: _bound(c, placed) for k, c in compiled.items()}
-        schedule = [0] * len(timesteps)
-    plan = StepPlan.build(schedule, config.sparse)
-    return PlannedStep(steps, plan, timesteps, config.sparse)

@@ -1,11 +1,13 @@
-"""The denoising step's compiled model call, as the loop runs it: one program, or the step
-cache's full and cached pair, bound to one expert's weights or chosen per step between a
-two-expert model's (``engine.programs.experts.ExpertStep``)."""
+"""The denoising step's compiled model call, as the loop runs it: one program bound to one
+expert's weights or chosen per step between a two-expert model's
+(``engine.programs.experts.ExpertStep``); with a step cache or ``--sparse``, several programs
+chosen per step by the run's ``step_plan.StepPlan`` (``step_plan.PlannedStep``)."""
 
 from __future__ import annotations
 
 from engine.programs import experts, sparse, step_cache
 from engine.programs.step import compile_step
+from engine.programs.step_plan import DENSE, PlannedStep, StepPlan
 from engine.run.errors import GenerationError
 
 
@@ -29,10 +31,9 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
 
     Returns:
         step: ``(latents, t, inputs) -> noise prediction`` with the weights bound, an
-            ``ExpertStep``, or with ``config.sparse`` a ``sparse.PlannedStep`` (dense and
-            sparse programs, per step); with a cache it runs the full program (the loop
-            itself runs the
-            cache's runner).
+            ``ExpertStep``, or with a cache or ``config.sparse`` a ``step_plan.PlannedStep``
+            (the run's plan over its programs; with a cache its ``for_loop`` is the cache's
+            runner, and its dense program the full program's noise prediction).
 
     Raises:
         GenerationError: the experts' split by the loaded scheduler differs from the one the
@@ -53,31 +54,50 @@ def compile_transformer_step(config, stack, pipe, placed: dict, second: dict | N
     else:
         compiled, timings["compile_transformer_s"] = compile_step(placed, mesh, fn, latents,
                                                                   timestep, inputs)
-    if config.sparse is not None:  # dense and sparse programs, chosen per step by a plan
-        sparse_programs = sparse.compile_sparse_programs(config, placed, mesh, fn, latents,
-                                                         timestep, inputs, timings)
-        parked = (experts.ExpertParking([placed, second], memory=second["parked"])
-                  if second and second.get("parked") else None)
-        return sparse.planned_step(config, pipe, placed, second, compiled, sparse_programs,
-                                   inputs, parked), None
+    programs = {DENSE: compiled}
+    if config.sparse is not None:  # dense and sparse programs, chosen per step by the plan
+        programs.update(sparse.compile_sparse_programs(config, placed, mesh, fn, latents,
+                                                       timestep, inputs, timings))
+    # transformer_2 placed parked (experts.place_second): the idle expert stays parked.
+    parked = (experts.ExpertParking([placed, second], memory=second["parked"])
+              if second and second.get("parked") else None)
+    steps = {k: _bind(config, pipe, c, placed, second, inputs, parked)
+             for k, c in programs.items()}
+    if cache is None and len(steps) == 1:  # one program, no cache: nothing to plan
+        return steps[DENSE], None
+    expert_of_step = [0] * len(pipe.scheduler.timesteps)
     if second:
-        # transformer_2 placed parked (experts.place_second): the idle expert stays parked.
-        parked = (experts.ExpertParking([placed, second], memory=second["parked"])
-                  if second.get("parked") else None)
-        step = experts.ExpertStep(
-            compiled, [placed, second],
-            (config.video.guidance_scale, config.video.guidance_scale_2), inputs,
-            boundary_ratio=pipe.config.boundary_ratio,
-            num_train_timesteps=pipe.scheduler.config.num_train_timesteps,
-            timesteps=pipe.scheduler.timesteps, parking=parked)
+        expert_of_step = steps[DENSE].schedule
         if cache is not None:
-            split = (step.schedule.count(0), step.schedule.count(1))
-            if split != settings.expert_steps or step.schedule != sorted(step.schedule):
-                raise GenerationError(f"the experts' steps {step.schedule} differ from the "
-                                      f"split {settings.expert_steps} the step cache was "
-                                      "scheduled with")
-            cache.add_experts([placed, second], step.scale_arrays,
+            _check_split(expert_of_step, settings.expert_steps)
+            cache.add_experts([placed, second], steps[DENSE].scale_arrays,
                               parked.ensure if parked else None)
-        return step, cache
-    params, buffers = placed["params"], placed["buffers"]
-    return (lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)), cache
+    plan = StepPlan.build(expert_of_step, config.sparse, settings)
+    return PlannedStep(steps, plan, pipe.scheduler.timesteps, config.sparse, cache), cache
+
+
+def _bind(config, pipe, compiled, placed: dict, second: dict | None, inputs, parked):
+    """``compiled`` as the loop calls it: ``(latents, t, inputs) -> noise prediction`` with
+    ``placed``'s weights bound, or for two experts an ``experts.ExpertStep`` (one program,
+    either expert's weights and guidance scale)."""
+    if not second:
+        params, buffers = placed["params"], placed["buffers"]
+        return lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)
+    return experts.ExpertStep(
+        compiled, [placed, second],
+        (config.video.guidance_scale, config.video.guidance_scale_2), inputs,
+        boundary_ratio=pipe.config.boundary_ratio,
+        num_train_timesteps=pipe.scheduler.config.num_train_timesteps,
+        timesteps=pipe.scheduler.timesteps, parking=parked)
+
+
+def _check_split(expert_of_step: list, split) -> None:
+    """The loaded scheduler's experts per step against the split the step cache was
+    scheduled with before loading (``CacheSettings.expert_steps``).
+
+    Raises:
+        GenerationError: they differ, or the high-noise steps do not come first."""
+    if (expert_of_step.count(0), expert_of_step.count(1)) != split \
+            or expert_of_step != sorted(expert_of_step):
+        raise GenerationError(f"the experts' steps {expert_of_step} differ from the split "
+                              f"{split} the step cache was scheduled with")

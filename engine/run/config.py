@@ -191,7 +191,7 @@ class RunConfig:
 
     model: ``ModelSettings``; video: ``VideoSettings``; layout: ``LayoutSettings``; kernel:
     ``KernelSettings``; run: ``RunSettings``; dry: ``DryRunSettings``; hosts:
-    ``HostSettings``; step_cache: ``engine.programs.step_cache.CacheSettings`` (None: off);
+    ``HostSettings``; step_cache: ``engine.programs.step_cache_settings.CacheSettings`` (None: off);
     serve: ``engine.serve.flags.ServeSettings`` (None: no --serve); upscale: the family's
     super-resolution settings (``families.base.Upscale.validate``; None: no --sr); sparse:
     ``engine.programs.sparse.SparseSettings`` (None: --sparse none).
