@@ -327,7 +327,9 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
     to_fm = jnp.where(temporal, jnp.asarray(fm_order, jnp.int32), t)
 
     def gather(x, index):  # (B, H, N', D) rows in ``index``'s (B, H, N') order
-        return jnp.take_along_axis(x, index[..., None], axis=2)
+        # In bounds by construction: without the promise XLA adds a select per tensor for
+        # out-of-range rows (0.7 ms of copies per Wan 14B 720p layer on v6e, estimated).
+        return jnp.take_along_axis(x, index[..., None], axis=2, mode="promise_in_bounds")
 
     out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask,
                  None if n_pad == n else n)

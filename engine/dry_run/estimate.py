@@ -906,7 +906,10 @@ def _kernel_seconds(calls: list, kernels: dict, hz: float) -> dict:
     """Seconds and grid steps of the kernel calls of one program, self vs cross."""
     out = {k: dict(seconds=0.0, grid_steps=0, flops=0.0) for k in ("self", "cross")}
     for c in calls:
-        kind = "self" if c["q_len"] == c["kv_len"] else "cross"
+        # A masked call is self-attention even when its keys end early (the sparse band
+        # leaves sequence parallelism's padded keys out by valid_kv_len).
+        masked = c.get("band_window") is not None or c.get("window_size") is not None
+        kind = "self" if c["q_len"] == c["kv_len"] or masked else "cross"
         steps = math.prod(c["grid"])
         out[kind]["seconds"] += call_cycles(c, kernels[_kernel_key(c)]) / hz
         out[kind]["grid_steps"] += steps
