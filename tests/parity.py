@@ -15,9 +15,16 @@ import numpy as np
 
 
 def _where(a: np.ndarray, b: np.ndarray) -> str:
+    """The largest difference, where it is, and the box holding every value off by more
+    than float32 rounding (1e-5): a box of a few values says "a local corruption", the whole
+    shape says "a global change"."""
     diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
     idx = np.unravel_index(int(diff.argmax()), diff.shape)
-    return f"max |d| {diff.max():.3g} at index {tuple(int(i) for i in idx)} of {diff.shape}"
+    off = np.argwhere(diff > 1e-5)
+    box = "none" if not len(off) else " x ".join(
+        f"{lo}..{hi}" for lo, hi in zip(off.min(0), off.max(0), strict=True))
+    return (f"max |d| {diff.max():.3g} at index {tuple(int(i) for i in idx)} of {diff.shape}, "
+            f"{len(off)} values > 1e-5 in box {box}")
 
 
 def assert_frames_close(ours, want, *, atol: float, again) -> None:

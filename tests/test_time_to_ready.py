@@ -292,6 +292,32 @@ def test_cache_off_compiles_and_writes_nothing(mesh, tmp_path):
     assert not os.path.exists("none")
 
 
+def test_compilation_cache_none_after_a_cached_run_in_the_same_process(tmp_path):
+    """JAX's persistent-cache settings are process-wide: a run with --compilation_cache_dir
+    none after one with a folder (a test after another in one pytest worker) must compile
+    without the cache, and a run with another folder must write to that folder. JAX's own
+    monitoring events count the cache's traffic for each fresh program."""
+    from engine.run import runtime
+
+    saved = jax.config.jax_compilation_cache_dir
+
+    def traffic(scale):  # a program no earlier compile in this process has seen
+        before = dict(runtime.CACHE_STATS)
+        jax.jit(lambda x: x * scale + 1.0)(np.float32(2.0)).block_until_ready()
+        return runtime.cache_events_since(before)
+
+    try:
+        assert runtime.enable_compilation_cache(str(tmp_path / "first"))
+        assert traffic(3.0) == {"hits": 0, "misses": 1}
+        assert not runtime.enable_compilation_cache("none")
+        assert traffic(5.0) == {"hits": 0, "misses": 0}
+        assert runtime.enable_compilation_cache(str(tmp_path / "second"))
+        assert traffic(7.0) == {"hits": 0, "misses": 1}
+        assert os.listdir(tmp_path / "second")
+    finally:
+        runtime.enable_compilation_cache(saved or "none")
+
+
 def test_step_cache_programs_load_warm_with_the_same_frames(tiny_checkpoint, tmp_path):
     """DeepCache's full and cached step programs go through the executable cache too."""
     deepcache = ["--num_inference_steps", "8", "--cache", "deepcache", "--cache_start_step",

@@ -17,6 +17,7 @@ import zlib
 import jax
 import numpy as np
 import torch
+from jax.experimental.compilation_cache import compilation_cache
 
 import custom_splash_attention as csa
 from engine.run.errors import GenerationError, UsageError, fail, first_line
@@ -173,12 +174,24 @@ def enable_compilation_cache(path: str) -> bool:
     transformer step are the slow ones, and a warm process then skips XLA compilation entirely.
     Hits, misses and the compile seconds saved are counted in ``CACHE_STATS`` (the report's
     ``compilation_cache``) through ``jax.monitoring`` listeners.
+
+    JAX's cache settings are process-wide, and JAX reads them once, at the first compile: a
+    run with ``path`` "none" in a process where an earlier run had turned the cache on (a test
+    after another in one pytest worker) still compiled into that run's folder (measured: 5
+    misses, then 5 hits on a rerun, under "none"). A changed setting therefore resets JAX's
+    cache, so that the next compile reads the new one.
     """
     if path.lower() == "none":
+        if jax.config.jax_compilation_cache_dir is not None:
+            jax.config.update("jax_compilation_cache_dir", None)
+            compilation_cache.reset_cache()
         return False
     os.makedirs(path, exist_ok=True)
+    changed = jax.config.jax_compilation_cache_dir != path
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
+    if changed:
+        compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if not getattr(enable_compilation_cache, "listening", False):
