@@ -39,7 +39,8 @@ this script on their checkpoints and machines.
 
 Examples:
     python benchmarks/quality.py --model_id Wan-AI/Wan2.1-T2V-14B-Diffusers --seeds 42,43 \\
-        --setting "magcache=--cache magcache" --setting "int8=--quantize int8"
+        --setting "magcache=--cache magcache" --setting "int8=--quantize int8" \\
+        --setting "svg=--sparse svg --attention splash"
     python benchmarks/quality.py --model_id checkpoints/tiny-wan --setting "again=" \\
         --flags "--height 64 --width 96 --frames 9 --num_inference_steps 2 --dtype float32" \\
         --setting "int8=--quantize int8"

@@ -1,5 +1,10 @@
 """Sparse VideoGen (issue 53): static estimates of the sparse step, before the graph wiring.
 
+Superseded by ``--dry_run --estimate --sparse svg`` (the compiled sparse step, which also
+profiles the kernel's edge classes, ``splash.mask.EDGE``); kept for the record of how the
+parts were priced. It predates the edge classes: it profiles none, so the sub-tiles the
+kernel now runs as edges are charged at PARTIAL's cost here (an upper bound).
+
 ESTIMATES ONLY: no TPU is used, and nothing here is a measurement. libtpu compiles for a
 described chip on this CPU host (deviceless) and its static cost models are read, through
 the machinery of ``engine/dry_run/estimate.py``:
