@@ -70,24 +70,35 @@ def test_closed_form_classes_equal_the_default(window, anchor, shape):
         Mask.block_classes(mask, q_len, kv_len, bq, bkv, q_offset=offset))
 
 
+def _edge_predicates(q, kv, w, a):
+    """NumPy: the mask and its three edges (upper, lower, anchor), as the kernel's edge
+    masks define them."""
+    return ((np.abs(q - kv) <= w) | (kv < a),
+            [kv - q <= w, q - kv <= w, np.broadcast_to(kv < a, (q.shape[0], kv.shape[1]))])
+
+
 def test_edge_classes_are_exact():
     """Every tile the closed form classes ``EDGE + k`` has edge mask k's predicate equal
     to the mask's on each of its pairs (brute force over random tilings; every edge class
-    occurs)."""
+    occurs), and the edge masks are those predicates."""
+    q, kv = np.arange(300)[:, None], np.arange(280)[None, :]
+    mask = svg.AnchoredBandMask(70, 40)
+    want, edges = _edge_predicates(q, kv, 70, 40)
+    for edge, ref in zip(mask.edge_masks(), edges, strict=True):
+        np.testing.assert_array_equal(np.broadcast_to(edge.tile_predicate(q, kv), ref.shape), ref)
     rng, seen = np.random.default_rng(0), set()
     for _ in range(150):
         q_len, kv_len, w, a = (int(x) for x in rng.integers([50, 50, 0, 0], [400, 400, 200, 150]))
         bq, bkv, off = (int(x) for x in rng.integers([1, 1, 0], [64, 64, 100]))
-        mask = svg.AnchoredBandMask(w, a)
-        classes = mask.block_classes(q_len, kv_len, bq, bkv, q_offset=off)
-        for i, j in zip(*np.nonzero(classes >= EDGE), strict=True):
-            q = off + np.arange(i * bq, min((i + 1) * bq, q_len))[:, None]
-            kv = np.arange(j * bkv, min((j + 1) * bkv, kv_len))[None, :]
-            edge = mask.edge_masks()[classes[i, j] - EDGE]
-            want = mask.tile_predicate(q, kv)
-            np.testing.assert_array_equal(
-                np.broadcast_to(edge.tile_predicate(q, kv), want.shape), want)
-            seen.add(int(classes[i, j]))
+        classes = svg.AnchoredBandMask(w, a).block_classes(q_len, kv_len, bq, bkv, q_offset=off)
+        q, kv = off + np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+        want, edges = _edge_predicates(q, kv, w, a)
+        # Each pair's tile class, then per edge class: its mask equals the mask there.
+        per_pair = classes[np.arange(q_len)[:, None] // bq, np.arange(kv_len)[None, :] // bkv]
+        for k, edge in enumerate(edges):
+            where = per_pair == EDGE + k
+            np.testing.assert_array_equal(edge[where], want[where])
+            seen |= {EDGE + k} if where.any() else set()
     assert seen == {svg.UPPER_EDGE, svg.LOWER_EDGE, svg.ANCHOR_EDGE}
 
 

@@ -79,8 +79,8 @@ def test_class_costs_split_made_up_profiles():
                 "empty 2x2": grid(2, 2, 0), "full 1x2": grid(1, 2, 800),
                 "partial 1x2": grid(1, 2, 1200)}
     cost = se.class_costs(profiles, 2)
-    assert cost == pytest.approx(dict(per_q_block=1000, step=100, full=800, partial=1200,
-                                      edges=[]))
+    assert cost.pop("edges") == []
+    assert cost == pytest.approx(dict(per_q_block=1000, step=100, full=800, partial=1200))
     # Edge classes (one compare each): 900 and 950 per sub-tile, in edge order.
     edged = dict(profiles, **{"edge1 1x2": grid(1, 2, 950), "edge0 1x2": grid(1, 2, 900)})
     assert se.class_costs(edged, 2)["edges"] == pytest.approx([900, 950])
