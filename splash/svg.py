@@ -139,7 +139,7 @@ class AnchoredBandMask(Mask):
         q_hi = np.minimum(q_lo + block_q, q_offset + q_len) - 1
         kv_lo = np.arange(0, kv_len, block_kv, dtype=np.int64)[None, :]
         kv_hi = np.minimum(kv_lo + block_kv, kv_len) - 1
-        band_empty = (kv_lo > q_hi + w) | (kv_hi < q_lo - w)
+        band_empty = band_empty_from(kv_lo, kv_hi, q_lo, q_hi, w)
         empty = band_empty & (kv_lo >= a)
         # Full: the keys at or past the anchor (if any) are all inside every row's band.
         rest_lo = np.maximum(kv_lo, a)
