@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import assert_frames_close
+from parity import assert_frames_close, our_latents
 
 import generate_flax
 from engine.pipeline import generate
@@ -33,6 +33,12 @@ MAGCACHE = ("--cache", "magcache", "--mag_ratios", json.dumps(RATIOS))
 DEEPCACHE = ("--cache", "deepcache", "--cache_start_step", "1", "--cache_end_step", "7",
              "--cache_step_interval", "3")
 DEEP_CACHED = [2, 3, 5, 6]
+# The Wan parity tests compare final latents (tests/parity.py says why): ours and diffusers'
+# agree to 1.4e-5 on latents up to 4.6 over 8 steps (measured: MagCache 1.35e-5, DeepCache
+# 1.1e-5, sharded DeepCache 1.2e-5), ATOL 15 times that; skipping moves them from the
+# uncached run by 0.065 (MagCache) and 0.15 (DeepCache), so FAR, 50 times ATOL, still sees a
+# cache that skipped nothing.
+ATOL, FAR = 2e-4, 1e-2
 
 
 def _wan_pipe(checkpoint):
@@ -46,12 +52,15 @@ def _wan_pipe(checkpoint):
 
 
 def _run_wan(pipe, shape=SHAPE):
+    """diffusers' Wan run: its final latents (``output_type="latent"``), float32. The Wan
+    parity tests compare latents, which the tiny VAE's sign step cannot flip
+    (tests/parity.py)."""
     with torch.no_grad():
         return pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
                     num_inference_steps=STEPS, guidance_scale=5.0,
-                    generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
+                    generator=torch.Generator("cpu").manual_seed(SEED), output_type="latent",
                     num_frames=shape["frames"], height=shape["height"],
-                    width=shape["width"]).frames[0]
+                    width=shape["width"]).frames.float().numpy()
 
 
 def _block_calls(blocks) -> list:
@@ -76,9 +85,16 @@ def _ours(checkpoint, extra=(), devices=None, shape=SHAPE, steps=STEPS, flow_shi
     return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
+def _ours_latents(*args, **kw):
+    """``_ours``' (final latents, report)."""
+    with our_latents() as seen:
+        _, report = _ours(*args, **kw)
+    return seen[-1], report
+
+
 def _deepcache_reference(pipe, blocks, run, *, start, end, interval, recompute=1):
-    """Eager DeepCache on diffusers' blocks through diffusers' ``ModelHook``: returns the
-    frames of ``run(pipe)`` and the cached steps it saw."""
+    """Eager DeepCache on diffusers' blocks through diffusers' ``ModelHook``: returns what
+    ``run(pipe)`` returns and the cached steps it saw."""
     from diffusers.hooks import HookRegistry, ModelHook
 
     n = len(blocks)
@@ -218,7 +234,8 @@ def test_published_wan_14b_schedule_skips_steps():
 
 @pytest.fixture(scope="module")
 def wan_uncached(tiny_checkpoint):
-    return _ours(tiny_checkpoint, devices=jax.devices()[:1])[0]
+    """Our uncached Wan run's final latents."""
+    return _ours_latents(tiny_checkpoint, devices=jax.devices()[:1])[0]
 
 
 def test_magcache_matches_diffusers_hook(tiny_checkpoint, wan_uncached):
@@ -228,20 +245,21 @@ def test_magcache_matches_diffusers_hook(tiny_checkpoint, wan_uncached):
     pipe.transformer.enable_cache(MagCacheConfig(num_inference_steps=STEPS, mag_ratios=RATIOS))
     calls = _block_calls(pipe.transformer.blocks)
     want = _run_wan(pipe)
-    ours, report = _ours(tiny_checkpoint, MAGCACHE, devices=jax.devices()[:1])
+    ours, report = _ours_latents(tiny_checkpoint, MAGCACHE, devices=jax.devices()[:1])
 
     def again():
         pipe = _wan_pipe(tiny_checkpoint)
         pipe.transformer.enable_cache(MagCacheConfig(num_inference_steps=STEPS,
                                                      mag_ratios=RATIOS))
-        return _ours(tiny_checkpoint, MAGCACHE, devices=jax.devices()[:1])[0], _run_wan(pipe)
+        return (_ours_latents(tiny_checkpoint, MAGCACHE, devices=jax.devices()[:1])[0],
+                _run_wan(pipe))
 
-    assert_frames_close(ours, want, atol=1e-3, again=again)
+    assert_frames_close(ours, want, atol=ATOL, what="latents", again=again)
     # At least a third of the steps skipped, and skipping really changed the video.
     cached = report["cache"]["cached_steps"]
     assert cached == [2, 3, 4, 6, 7]
     assert calls[0] == 2 * (STEPS - len(cached))  # diffusers ran the blocks on the others
-    assert np.abs(ours - wan_uncached).max() > 0.1
+    assert np.abs(ours - wan_uncached).max() > FAR
     run = report["timings"]["runs"][0]
     assert run["step_kinds"] == ["cached" if i in cached else "full" for i in range(STEPS)]
 
@@ -251,9 +269,9 @@ def test_schedule_without_cached_steps_is_exactly_uncached(tiny_checkpoint, wan_
                    "--cache_step_interval", "1"),
                   ("--cache", "magcache", "--mag_ratios", json.dumps(RATIOS),
                    "--mag_retention_ratio", "1")):
-        frames, report = _ours(tiny_checkpoint, flags, devices=jax.devices()[:1])
+        latents, report = _ours_latents(tiny_checkpoint, flags, devices=jax.devices()[:1])
         assert report["cache"]["cached_steps"] == []
-        np.testing.assert_array_equal(frames, wan_uncached, err_msg=str(flags))
+        np.testing.assert_array_equal(latents, wan_uncached, err_msg=str(flags))
 
 
 def test_deepcache_wan_matches_eager_reference(tiny_checkpoint, wan_uncached):
@@ -261,10 +279,10 @@ def test_deepcache_wan_matches_eager_reference(tiny_checkpoint, wan_uncached):
     want, cached = _deepcache_reference(pipe, pipe.transformer.blocks, _run_wan, start=1, end=7,
                                         interval=3)
     assert cached == DEEP_CACHED
-    ours, report = _ours(tiny_checkpoint, DEEPCACHE, devices=jax.devices()[:1])
-    np.testing.assert_allclose(ours, want, atol=1e-3, rtol=0)
+    ours, report = _ours_latents(tiny_checkpoint, DEEPCACHE, devices=jax.devices()[:1])
+    np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
     assert report["cache"]["cached_steps"] == DEEP_CACHED
-    assert np.abs(ours - wan_uncached).max() > 0.1
+    assert np.abs(ours - wan_uncached).max() > FAR
 
 
 def test_sharded_cached_runs_equal_the_reference(tiny_checkpoint):
@@ -277,8 +295,9 @@ def test_sharded_cached_runs_equal_the_reference(tiny_checkpoint):
     pipe = _wan_pipe(tiny_checkpoint)
     want, _ = _deepcache_reference(pipe, pipe.transformer.blocks,
                                    lambda p: _run_wan(p, shape), start=1, end=7, interval=3)
-    ours, report = _ours(tiny_checkpoint, (*DEEPCACHE, *mesh, "--no_scan_layers"), shape=shape)
-    np.testing.assert_allclose(ours, want, atol=1e-3, rtol=0)
+    ours, report = _ours_latents(tiny_checkpoint, (*DEEPCACHE, *mesh, "--no_scan_layers"),
+                                 shape=shape)
+    np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
     kept = report["cache"]
     assert kept["kept_shapes"] == [[2, 45, 24]]
     assert kept["kept_bytes_per_chip"] == kept["kept_bytes"] // 2  # over dp; 45 tokens: no tp/sp

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import assert_frames_close
+from parity import assert_frames_close, our_latents
 
 import generate_flax
 from engine.pipeline import generate
@@ -47,6 +47,11 @@ DEEPCACHE = ("--cache", "deepcache", "--cache_start_step", "1", "--cache_end_ste
              "--cache_step_interval", "4")
 DEEP_CACHED = [2, 3, 6, 7, 8]
 SCALES = (5.0, 2.0)
+# The two-expert parity tests compare final latents (tests/parity.py says why): ours and
+# diffusers' agree to 4e-6 on latents up to 3.7 (measured: MagCache 3.9e-6, on dp2 x tp2 x sp2
+# 4.3e-6, DeepCache 3.5e-6); skipping moves them from the uncached run by 0.043 (MagCache) and
+# 0.12 (DeepCache), so FAR, 100 times ATOL, still sees a cache that skipped nothing.
+ATOL, FAR = 1e-4, 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,14 @@ def _ours(checkpoint, *extra, devices=None, steps=STEPS, shape=SHAPE):
     return generate(config, FAMILIES[config.model.family], devices=devices)
 
 
+def _ours_latents(checkpoint, *extra, devices=None):
+    """Our run's (final latents (1, 16, 2, 6, 8) float32, report): the two-expert parity
+    tests compare latents, which the tiny VAE's sign step cannot flip (tests/parity.py)."""
+    with our_latents() as seen:
+        _, report = _ours(checkpoint, *extra, devices=devices)
+    return seen[-1], report
+
+
 def _two_expert_pipe(checkpoint):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
@@ -83,12 +96,13 @@ def _two_expert_pipe(checkpoint):
 
 
 def _run(pipe):
+    """diffusers' two-expert run: its final latents (``output_type="latent"``), float32."""
     with torch.no_grad():
         return pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
                     num_inference_steps=STEPS, guidance_scale=SCALES[0],
                     guidance_scale_2=SCALES[1], generator=torch.Generator("cpu").manual_seed(SEED),
-                    output_type="np", num_frames=SHAPE["frames"], height=SHAPE["height"],
-                    width=SHAPE["width"]).frames[0]
+                    output_type="latent", num_frames=SHAPE["frames"], height=SHAPE["height"],
+                    width=SHAPE["width"]).frames.float().numpy()
 
 
 def _block_runs(transformer) -> list:
@@ -279,11 +293,12 @@ def test_few_step_lora_with_a_cache_warns(experts_checkpoint, tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def experts_uncached(experts_checkpoint):
-    return _ours(experts_checkpoint, *_scale_flags(), devices=jax.devices()[:1])[0]
+    """Our uncached run's final latents."""
+    return _ours_latents(experts_checkpoint, *_scale_flags(), devices=jax.devices()[:1])[0]
 
 
 def _magcache_reference(checkpoint):
-    """diffusers' MagCache hook on each expert (its own steps and ratios), eager: (frames, per
+    """diffusers' MagCache hook on each expert (its own steps and ratios), eager: (latents, per
     transformer call (cond, uncond per step) whether its blocks ran)."""
     from diffusers.hooks import MagCacheConfig
 
@@ -298,7 +313,7 @@ def _magcache_reference(checkpoint):
 
 
 def test_magcache_two_experts_match_diffusers_hooks(experts_checkpoint, experts_uncached):
-    """Each expert its own MagCache: equal frames to diffusers' hooks on transformer and
+    """Each expert its own MagCache: equal latents to diffusers' hooks on transformer and
     transformer_2 (4 and 6 steps, their own ratios), on 1 device and dp2 x tp2 x sp2; the
     cached steps in the report are the ones diffusers skipped."""
     want, calls = _magcache_reference(experts_checkpoint)
@@ -307,9 +322,9 @@ def test_magcache_two_experts_match_diffusers_hooks(experts_checkpoint, experts_
     assert calls[0::2] == calls[1::2]
     skipped = [i for i in range(STEPS) if not calls[2 * i]]
     flags = (*_scale_flags(), "--cache", "magcache", "--mag_ratios", json.dumps(RATIOS))
-    ours, report = _ours(experts_checkpoint, *flags, devices=jax.devices()[:1])
-    assert_frames_close(ours, want, atol=1e-3, again=lambda: (
-        _ours(experts_checkpoint, *flags, devices=jax.devices()[:1])[0],
+    ours, report = _ours_latents(experts_checkpoint, *flags, devices=jax.devices()[:1])
+    assert_frames_close(ours, want, atol=ATOL, what="latents", again=lambda: (
+        _ours_latents(experts_checkpoint, *flags, devices=jax.devices()[:1])[0],
         _magcache_reference(experts_checkpoint)[0]))
     cache = report["cache"]
     assert cache["cached_steps"] == skipped == MAG_CACHED  # the steps diffusers skipped
@@ -320,11 +335,12 @@ def test_magcache_two_experts_match_diffusers_hooks(experts_checkpoint, experts_
                                           "transformer_2": [4, 5, 6, 7, 8, 9]}
     run = report["timings"]["runs"][0]
     assert run["step_kinds"] == ["cached" if i in MAG_CACHED else "full" for i in range(STEPS)]
-    assert np.abs(ours - experts_uncached).max() > 0.1  # far more than the tolerance
+    assert np.abs(ours - experts_uncached).max() > FAR  # far more than the tolerance
     mesh = ("--dp", "2", "--tp", "2", "--sp", "2")
-    mesh8, report8 = _ours(experts_checkpoint, *flags, *mesh)
-    assert_frames_close(mesh8, want, atol=1e-3, again=lambda: (
-        _ours(experts_checkpoint, *flags, *mesh)[0], _magcache_reference(experts_checkpoint)[0]))
+    mesh8, report8 = _ours_latents(experts_checkpoint, *flags, *mesh)
+    assert_frames_close(mesh8, want, atol=ATOL, what="latents", again=lambda: (
+        _ours_latents(experts_checkpoint, *flags, *mesh)[0],
+        _magcache_reference(experts_checkpoint)[0]))
     assert report8["cache"]["cached_steps"] == MAG_CACHED and report8["fallbacks"] == []
 
 
@@ -372,9 +388,9 @@ def _deepcache_two_expert_reference(pipe, *, cached: set):
             state["calls"] += 1
 
         model.register_forward_hook(count)
-    frames = _run(pipe)
+    latents = _run(pipe)
     assert state["calls"] == 2 * STEPS
-    return frames, state["experts"]
+    return latents, state["experts"]
 
 
 def test_deepcache_two_experts_match_eager_reference(experts_checkpoint, experts_uncached):
@@ -382,22 +398,22 @@ def test_deepcache_two_experts_match_eager_reference(experts_checkpoint, experts
     want, which = _deepcache_two_expert_reference(pipe, cached=set(DEEP_CACHED))
     assert which == [0] * SPLIT[0] + [1] * SPLIT[1]
     # With a warmup: a full and a cached step, each with the expert of its step.
-    ours, report = _ours(experts_checkpoint, *_scale_flags(), *DEEPCACHE, "--warmup_steps", "1",
-                         devices=jax.devices()[:1])
+    ours, report = _ours_latents(experts_checkpoint, *_scale_flags(), *DEEPCACHE,
+                                 "--warmup_steps", "1", devices=jax.devices()[:1])
     assert report["timings"]["warmup_steps"] == 2
-    np.testing.assert_allclose(ours, want, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
     assert report["cache"]["cached_steps"] == DEEP_CACHED
     assert report["cache"]["experts"]["transformer_2"]["cached_steps"] == [6, 7, 8]
-    assert np.abs(ours - experts_uncached).max() > 0.1
+    assert np.abs(ours - experts_uncached).max() > FAR
 
 
 def test_two_expert_schedule_without_cached_steps_is_exactly_uncached(experts_checkpoint,
                                                                      experts_uncached):
-    frames, report = _ours(experts_checkpoint, *_scale_flags(), "--cache", "magcache",
-                           "--mag_ratios", json.dumps(RATIOS), "--mag_retention_ratio", "1",
-                           devices=jax.devices()[:1])
+    latents, report = _ours_latents(experts_checkpoint, *_scale_flags(), "--cache", "magcache",
+                                    "--mag_ratios", json.dumps(RATIOS),
+                                    "--mag_retention_ratio", "1", devices=jax.devices()[:1])
     assert report["cache"]["cached_steps"] == []
-    np.testing.assert_array_equal(frames, experts_uncached)
+    np.testing.assert_array_equal(latents, experts_uncached)
 
 
 def test_two_expert_calibration_matches_diffusers(experts_checkpoint, capsys):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import assert_frames_close
+from parity import assert_frames_close, our_latents
 
 import generate_flax
 from engine.files.checkpoint import expert_count
@@ -34,8 +34,9 @@ def two_expert_checkpoint(tmp_path_factory):
                   "--experts", "2", "--boundary_ratio", str(BOUNDARY))
 
 
-def _reference(checkpoint, seed, frames=SHAPE["frames"], **kw):
-    """diffusers' WanPipeline.__call__, eager float32 PyTorch on CPU."""
+def _reference(checkpoint, seed, frames=SHAPE["frames"], output_type="np", **kw):
+    """diffusers' WanPipeline.__call__, eager float32 PyTorch on CPU: its frames, or with
+    ``output_type="latent"`` its final latents (float32 numpy)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
     vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae", dtype=torch.float32)
@@ -46,9 +47,9 @@ def _reference(checkpoint, seed, frames=SHAPE["frames"], **kw):
     with torch.no_grad():
         out = pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
                    num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed),
-                   output_type="np", num_frames=frames, height=SHAPE["height"],
+                   output_type=output_type, num_frames=frames, height=SHAPE["height"],
                    width=SHAPE["width"], **kw)
-    return out.frames[0]
+    return out.frames.float().numpy() if output_type == "latent" else out.frames[0]
 
 
 def _ours(checkpoint, seed, flags=(), devices=None, frames=SHAPE["frames"]):
@@ -62,27 +63,38 @@ def _ours(checkpoint, seed, flags=(), devices=None, frames=SHAPE["frames"]):
     return generate(args, FAMILIES[args.model.family], devices=devices)
 
 
+def _our_latents(*args, **kw):
+    """``_ours``' (final latents, report)."""
+    with our_latents() as seen:
+        _, report = _ours(*args, **kw)
+    return seen[-1], report
+
+
 def test_two_experts_match_diffusers(two_expert_checkpoint):
     """Both experts run (steps 0-1 and 2-3) with different scales; 1 device and dp2 x tp2 x
-    sp2 match diffusers' eager two-expert loop; swapping the scales moves the video by far
-    more than the tolerance."""
+    sp2 match diffusers' eager two-expert loop; swapping the scales moves the result by far
+    more than the tolerance. Final latents are compared, not frames: the tiny VAE's sign
+    step (tests/parity.py) made this test fail on frames."""
     # 5 frames (2 latent frames) keep it lean; the 3-program decode is covered by the TI2V
     # test and the decode test below.
     ck, seed, frames = two_expert_checkpoint, 7, 5
-    ref = _reference(ck, seed, frames, guidance_scale=5.0, guidance_scale_2=2.0)
-    swapped = _reference(ck, seed, frames, guidance_scale=2.0, guidance_scale_2=5.0)
+    latent = dict(output_type="latent", guidance_scale_2=2.0)
+    ref = _reference(ck, seed, frames, guidance_scale=5.0, **latent)
+    swapped = _reference(ck, seed, frames, guidance_scale=2.0,
+                         **{**latent, "guidance_scale_2": 5.0})
     flags = ["--guidance_scale", "5", "--guidance_scale_2", "2"]
-    one, report = _ours(ck, seed, flags, devices=jax.devices()[:1], frames=frames)
-    mesh8, report8 = _ours(ck, seed, flags + ["--dp", "2", "--tp", "2", "--sp", "2"],
-                           frames=frames)
-    assert ref.std() > 0.01  # not a flat video: the comparison means something
-    # float32 on both sides; measured ~2e-7 (1 device) and ~3e-7 (8 devices).
+    one, report = _our_latents(ck, seed, flags, devices=jax.devices()[:1], frames=frames)
+    mesh8, report8 = _our_latents(ck, seed, flags + ["--dp", "2", "--tp", "2", "--sp", "2"],
+                                  frames=frames)
+    assert ref.std() > 0.1  # not flat latents: the comparison means something
+    # float32 on both sides; measured 3.8e-6 (1 device) and 3.7e-6 (8 devices) on latents up to 4.3.
     mesh = ["--dp", "2", "--tp", "2", "--sp", "2"]
-    for frames_, devices, extra in ((one, jax.devices()[:1], []), (mesh8, None, mesh)):
-        assert_frames_close(frames_, ref, atol=1e-3, again=lambda d=devices, e=extra: (
-            _ours(ck, seed, flags + e, devices=d, frames=frames)[0],
-            _reference(ck, seed, frames, guidance_scale=5.0, guidance_scale_2=2.0)))
-    assert np.abs(swapped - ref).max() > 0.1  # measured ~0.5: 100x the tolerance
+    for latents, devices, extra in ((one, jax.devices()[:1], []), (mesh8, None, mesh)):
+        assert_frames_close(latents, ref, atol=1e-4, what="latents",
+                            again=lambda d=devices, e=extra: (
+                                _our_latents(ck, seed, flags + e, devices=d, frames=frames)[0],
+                                _reference(ck, seed, frames, guidance_scale=5.0, **latent)))
+    assert np.abs(swapped - ref).max() > 1e-2  # measured 0.49
     for r in (report, report8):
         experts = r["experts"]
         assert experts["steps"] == {"transformer": [0, 1], "transformer_2": [2, 3]}
