@@ -108,9 +108,10 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
     ``sharded_splash_attention`` documents the arguments, layouts and errors.
 
     ``around`` (``splash`` kernel, "heads" and "ulysses" layouts only: each device then holds
-    whole sequences of its heads): ``(q, k, v, attend) -> out`` runs per device on those
-    whole sequences, with ``attend(q, k, v, mask, valid_kv_len)`` the kernel call under
-    ``mask``. SVG's
+    whole sequences of its heads): ``(q, k, v, attend, fold) -> out`` runs per device on
+    those whole sequences, with ``attend(q, k, v, mask, valid_kv_len, q_scaled=False)`` the
+    kernel call under ``mask`` and ``fold(q)`` the kernel's scaling of q (``fold_scale``),
+    for ``around`` to apply where it fuses (then ``q_scaled=True``). SVG's
     routing and token permutation run there (``splash.svg.sparse_attention``), so XLA never
     gathers the token-sharded arrays for them. ValueError for another layout."""
     check_shapes(q, k, v)
@@ -135,12 +136,15 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                 q = fold_scale(q, softmax_scale(q.shape[3], scale))
             q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
         if around is not None:
-            def attend(q, k, v, mask, valid_kv_len=None):
+            def attend(q, k, v, mask, valid_kv_len=None, q_scaled=False):
                 return kernel.attention(q, k, v, dataclasses.replace(options, mask=mask),
                                         scale=scale, interpret=interpret,
-                                        valid_kv_len=valid_kv_len)
+                                        valid_kv_len=valid_kv_len, q_scaled=q_scaled)
 
-            out = around(q, k, v, attend)
+            def fold(q):
+                return fold_scale(q, softmax_scale(q.shape[3], scale))
+
+            out = around(q, k, v, attend, fold)
         elif kernel_name == "stock_splash":
             out = stock_splash_attention(q, k, v, scale=scale, block_sizes=options.block_sizes,
                                          segment_ids=seg, interpret=interpret)

@@ -218,19 +218,21 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
     # are exact in float32, so this is the float32 product without a float32 copy of k.
     s = jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k, preferred_element_type=f32,
                    precision=jax.lax.Precision.HIGHEST) * scale
-    vf = v.astype(f32)
     kv = jnp.arange(q.shape[2], dtype=jnp.int32)[None, :]
     r = jnp.asarray(rows, jnp.int32)[:, None]
     pm = lambda t: position_major_index(t, num_frames, frame_size)  # noqa: E731
     real = kv < n
-    allowed = (mask.tile_predicate(r, kv) & real, mask.tile_predicate(pm(r), pm(kv)) & real)
-
-    def rows_out(ok):
-        p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
-        return jnp.einsum("bhrk,bhkd->bhrd", p, vf, precision=jax.lax.Precision.HIGHEST)
-
-    golden = rows_out(real)
-    mse = jnp.stack([jnp.mean((rows_out(ok) - golden) ** 2, axis=(2, 3)) for ok in allowed])
+    allowed = (real, mask.tile_predicate(r, kv) & real, mask.tile_predicate(pm(r), pm(kv)) & real)
+    # Probabilities in v's dtype, as SVG's sample_mse computes them in the model's (bf16 on
+    # its GPUs: softmax in bf16, then p @ v); float32 runs stay float32 at HIGHEST. The three
+    # patterns' rows are stacked into one dot, so v is read once (the estimate had three float32
+    # p @ v dots over a float32 copy of v: 0.95 ms per Wan 14B 720p layer on v6e).
+    p = jnp.concatenate([jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1).astype(v.dtype)
+                         for ok in allowed], axis=2)  # (batch, heads, 3 R, N')
+    exact = jax.lax.Precision.HIGHEST if v.dtype == f32 else jax.lax.Precision.DEFAULT
+    out = jnp.einsum("bhrk,bhkd->bhrd", p, v, preferred_element_type=f32, precision=exact)
+    golden, spatial, temporal = jnp.split(out, 3, axis=2)
+    mse = jnp.stack([jnp.mean((o - golden) ** 2, axis=(2, 3)) for o in (spatial, temporal)])
     return jnp.argmin(mse, axis=0).astype(jnp.int32)
 
 
@@ -287,7 +289,8 @@ def layer_segments(start: int, stop: int) -> list[tuple[int, int, SparseScope | 
     return [r for r in runs if r[0] < r[1]]
 
 
-def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = None):
+def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = None,
+                     fold=None):
     """SVG's sparse self-attention of one call.
 
     Args:
@@ -299,6 +302,10 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
             kernel call with ``mask`` for every head and the keys from ``valid_kv_len`` on
             left out (None: every key).
         scale: softmax scale (default head_dim ** -0.5).
+        fold: None, or ``q -> q'`` the kernel's own scaling of q (``kernel.fold_scale``):
+            applied inside q's row gather, and ``attend`` is then called with
+            ``q_scaled=True``, so the kernel skips its own pass over the permuted q
+            (routing reads the unscaled q either way).
 
     Returns:
         (batch, heads, N', head_dim) in q.dtype, frame-major; padded rows hold the kernel's
@@ -331,6 +338,7 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
         # out-of-range rows (0.7 ms of copies per Wan 14B 720p layer on v6e, estimated).
         return jnp.take_along_axis(x, index[..., None], axis=2, mode="promise_in_bounds")
 
-    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask,
-                 None if n_pad == n else n)
+    kw = {} if fold is None else dict(q_scaled=True)
+    out = attend(gather(q if fold is None else fold(q), to_pm), gather(k, to_pm),
+                 gather(v, to_pm), mask, None if n_pad == n else n, **kw)
     return gather(out, to_fm)

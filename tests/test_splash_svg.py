@@ -160,14 +160,16 @@ def test_kernel_edge_branches_equal_dense_reference(dtype):
                                rtol=TOL[dtype])
 
 
-def _svg_rule(q, k, v, rows, masks):
-    """NumPy port of SVG's sample_mse + argmin over [spatial, temporal] (float64)."""
+def _svg_rule(q, k, v, rows, masks, p_dtype=np.float64):
+    """NumPy port of SVG's sample_mse + argmin over [spatial, temporal] (float64; the
+    probabilities rounded to ``p_dtype`` before they meet v, as SVG's bf16 run rounds its
+    softmax output)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     s = q[:, :, rows] @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
 
     def attend(scores):
         e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        return (e / e.sum(axis=-1, keepdims=True)) @ v
+        return (e / e.sum(axis=-1, keepdims=True)).astype(p_dtype).astype(np.float64) @ v
 
     golden = attend(s)
     mses = [np.mean((attend(np.where(m[rows], s, -np.inf)) - golden) ** 2, axis=(2, 3))
@@ -175,11 +177,13 @@ def _svg_rule(q, k, v, rows, masks):
     return np.argmin(np.stack(mses), axis=0)
 
 
-def test_routing_equals_svgs_rule_with_ties():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_routing_equals_svgs_rule_with_ties(dtype):
     """Head 0 attends by position (same position in every frame): temporal; head 1 by frame:
     spatial; heads 2-3 random; head 4 has zero values (every pattern's rows equal full
     attention's exactly: a tie) and picks spatial, as torch.argmin does; a window covering the whole
-    sequence ties every head."""
+    sequence ties every head. bf16 inputs: the rule on the same bf16 values, probabilities in
+    bf16 (``route`` computes them in v's dtype, as SVG's sample_mse does in the model's)."""
     rng = np.random.default_rng(0)
     d, n = 16, F * P
     pos = np.tile(rng.standard_normal((P, d)), (F, 1)) * 3  # by position
@@ -188,14 +192,15 @@ def test_routing_equals_svgs_rule_with_ties():
     k = np.stack([pos, frm, *rng.standard_normal((2, n, d)), rng.standard_normal((n, d))])
     v = rng.standard_normal((5, n, d))
     v[4] = 0.0  # every pattern's rows are exactly full attention's (0): a tie
-    q, k, v = (x[None].astype(np.float32) for x in (q, k, v))
+    q, k, v = (np.asarray(jnp.asarray(x[None], dtype).astype(jnp.float32)) for x in (q, k, v))
     rows = svg.sample_rows(n, 64, seed=1)
+    p_dtype = np.float64 if dtype == jnp.float32 else jnp.bfloat16
     for window in (20, 10 * n):
         mask = svg.AnchoredBandMask(window, P)
         masks = (_dense(n, window, P), _temporal_dense(window, P))
-        want = _svg_rule(q, k, v, rows, masks)
-        got = np.asarray(svg.route(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), rows,
-                                   mask, F, P))
+        want = _svg_rule(q, k, v, rows, masks, p_dtype)
+        got = np.asarray(svg.route(*(jnp.asarray(x, dtype) for x in (q, k, v)), rows, mask, F,
+                                   P))
         np.testing.assert_array_equal(got, want)
         if window == 20:
             assert want[0, 0] == svg.TEMPORAL and want[0, 1] == svg.SPATIAL
