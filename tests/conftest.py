@@ -279,6 +279,8 @@ SLOW = {
     "test_expert_parking.py::test_experts_parked_in_host_memory_give_the_unparked_frames":
         "30 s | test_swap_bytes_per_device_with_the_idle_expert_in_host_memory (the same "
         "placement, its bytes per device)",
+    "test_pipeline_parity.py::test_seed_changes_video_and_is_reproduced":
+        "25 s | test_float32_frames_match_diffusers (the parity), test_videos' seeds test",
 }
 
 
