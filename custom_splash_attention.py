@@ -403,8 +403,8 @@ def _svg_route(q, k, v, options: AttentionOptions, routing: dict, *, scale, real
         # v6e:2x4: 2.3 GB of all-gathers and 19.6 ms per layer, the step 2.750 s, estimated)
         return _sharded_attention(
             q, k, v, mesh=mesh, options=options, scale=scale, interpret=routing["interpret"],
-            around=lambda q, k, v, attend, fold: _svg.sparse_attention(
-                q, k, v, scope, attend, scale=scale, fold=fold))
+            around=lambda q, k, v, attend, q_scale: _svg.sparse_attention(
+                q, k, v, scope, attend, scale=scale, q_scale=q_scale))
 
     def attend(q, k, v, mask, valid_kv_len=None):
         return _splash_route(q, k, v, "splash", dataclasses.replace(options, mask=mask),

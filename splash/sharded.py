@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from splash import kernel
-from splash.kernel import check_shapes, expect_shape, fold_scale, softmax_scale
+from splash.kernel import LOG2_E, check_shapes, expect_shape, fold_scale, softmax_scale
 from splash.mask import SegmentIds, as_segment_ids, check_mask_index
 from splash.options import SPLASH_KERNELS, AttentionOptions
 from splash.stock import stock_splash_attention
@@ -108,10 +108,10 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
     ``sharded_splash_attention`` documents the arguments, layouts and errors.
 
     ``around`` (``splash`` kernel, "heads" and "ulysses" layouts only: each device then holds
-    whole sequences of its heads): ``(q, k, v, attend, fold) -> out`` runs per device on
+    whole sequences of its heads): ``(q, k, v, attend, q_scale) -> out`` runs per device on
     those whole sequences, with ``attend(q, k, v, mask, valid_kv_len, q_scaled=False)`` the
-    kernel call under ``mask`` and ``fold(q)`` the kernel's scaling of q (``fold_scale``),
-    for ``around`` to apply where it fuses (then ``q_scaled=True``). SVG's
+    kernel call under ``mask``; ``q_scale`` is None, or under Ulysses the factor q already
+    carries (``fold_scale`` before the all-to-all, where it fuses, as for a plain call). SVG's
     routing and token permutation run there (``splash.svg.sparse_attention``), so XLA never
     gathers the token-sharded arrays for them. ValueError for another layout."""
     check_shapes(q, k, v)
@@ -132,7 +132,7 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
         if layout == "ulysses":
             # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
             # receive every device's sequence shard of our head group, in sequence order.
-            if kernel_name == "splash" and around is None:
+            if kernel_name == "splash":
                 q = fold_scale(q, softmax_scale(q.shape[3], scale))
             q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
         if around is not None:
@@ -141,10 +141,8 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                                         scale=scale, interpret=interpret,
                                         valid_kv_len=valid_kv_len, q_scaled=q_scaled)
 
-            def fold(q):
-                return fold_scale(q, softmax_scale(q.shape[3], scale))
-
-            out = around(q, k, v, attend, fold)
+            q_scale = softmax_scale(q.shape[3], scale) * LOG2_E if layout == "ulysses" else None
+            out = around(q, k, v, attend, q_scale)
         elif kernel_name == "stock_splash":
             out = stock_splash_attention(q, k, v, scale=scale, block_sizes=options.block_sizes,
                                          segment_ids=seg, interpret=interpret)

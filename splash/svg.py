@@ -214,21 +214,23 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     f32, n = jnp.float32, num_frames * frame_size
-    # Scores from the inputs' own dtype with float32 accumulation: products of bf16 values
-    # are exact in float32, so this is the float32 product without a float32 copy of k.
-    s = jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k, preferred_element_type=f32,
-                   precision=jax.lax.Precision.HIGHEST) * scale
+    # SVG's sample_mse works in the model's dtype (bf16 on its GPUs): scores q k^T / sqrt(d)
+    # in bf16, softmax in bf16 (float32 inside), then p @ v. So do we: scores accumulated in
+    # float32 and rounded once to q's dtype (float32 runs stay float32 at HIGHEST), which
+    # halves the bytes the three softmaxes read (64 rows x 75,648 keys x 10 heads per Wan 14B
+    # 720p device: 97 MB in bf16).
+    s = (jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k, preferred_element_type=f32,
+                    precision=jax.lax.Precision.HIGHEST) * scale).astype(q.dtype)
     kv = jnp.arange(q.shape[2], dtype=jnp.int32)[None, :]
     r = jnp.asarray(rows, jnp.int32)[:, None]
     pm = lambda t: position_major_index(t, num_frames, frame_size)  # noqa: E731
     real = kv < n
     allowed = (real, mask.tile_predicate(r, kv) & real, mask.tile_predicate(pm(r), pm(kv)) & real)
-    # Probabilities in v's dtype, as SVG's sample_mse computes them in the model's (bf16 on
-    # its GPUs: softmax in bf16, then p @ v); float32 runs stay float32 at HIGHEST. The three
-    # patterns' rows are stacked into one dot, so v is read once (the estimate had three float32
-    # p @ v dots over a float32 copy of v: 0.95 ms per Wan 14B 720p layer on v6e).
-    p = jnp.concatenate([jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1).astype(v.dtype)
-                         for ok in allowed], axis=2)  # (batch, heads, 3 R, N')
+    # Probabilities in v's dtype. The three patterns' rows are stacked into one dot, so v is
+    # read once (the estimate had three float32 p @ v dots over a float32 copy of v: 0.95 ms
+    # per Wan 14B 720p layer on v6e).
+    p = jnp.concatenate([jax.nn.softmax(jnp.where(ok, s.astype(f32), -jnp.inf), axis=-1)
+                         .astype(v.dtype) for ok in allowed], axis=2)  # (batch, heads, 3 R, N')
     exact = jax.lax.Precision.HIGHEST if v.dtype == f32 else jax.lax.Precision.DEFAULT
     out = jnp.einsum("bhrk,bhkd->bhrd", p, v, preferred_element_type=f32, precision=exact)
     golden, spatial, temporal = jnp.split(out, 3, axis=2)
@@ -290,7 +292,7 @@ def layer_segments(start: int, stop: int) -> list[tuple[int, int, SparseScope | 
 
 
 def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = None,
-                     fold=None):
+                     q_scale: float | None = None):
     """SVG's sparse self-attention of one call.
 
     Args:
@@ -302,10 +304,10 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
             kernel call with ``mask`` for every head and the keys from ``valid_kv_len`` on
             left out (None: every key).
         scale: softmax scale (default head_dim ** -0.5).
-        fold: None, or ``q -> q'`` the kernel's own scaling of q (``kernel.fold_scale``):
-            applied inside q's row gather, and ``attend`` is then called with
-            ``q_scaled=True``, so the kernel skips its own pass over the permuted q
-            (routing reads the unscaled q either way).
+        q_scale: None, or the factor q already carries (the kernel's ``fold_scale``,
+            scale * log2(e), applied where it fuses: before Ulysses' all-to-all): the
+            routing divides it out of its scores and ``attend`` is called with
+            ``q_scaled=True``, so the kernel makes no pass of its own over the permuted q.
 
     Returns:
         (batch, heads, N', head_dim) in q.dtype, frame-major; padded rows hold the kernel's
@@ -320,7 +322,9 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
         raise ValueError(f"sparse attention: expected at least {f} x {p} = {n} tokens in q and"
                          f" as many in k, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     mask = scope.mask
-    which = route(q, k, v, sample_rows(n), mask, f, p, scale)
+    true_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    which = route(q, k, v, sample_rows(n), mask, f, p,
+                  true_scale if q_scale is None else true_scale / q_scale)
     temporal = (which == TEMPORAL)[:, :, None]  # (batch, heads, 1)
     # One row gather per tensor, the row order chosen per head: the estimate charged the
     # jnp.where over both orders (two transposes and a select per tensor) 10.3 ms of copies
@@ -338,7 +342,7 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
         # out-of-range rows (0.7 ms of copies per Wan 14B 720p layer on v6e, estimated).
         return jnp.take_along_axis(x, index[..., None], axis=2, mode="promise_in_bounds")
 
-    kw = {} if fold is None else dict(q_scaled=True)
-    out = attend(gather(q if fold is None else fold(q), to_pm), gather(k, to_pm),
-                 gather(v, to_pm), mask, None if n_pad == n else n, **kw)
+    kw = {} if q_scale is None else dict(q_scaled=True)
+    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask,
+                 None if n_pad == n else n, **kw)
     return gather(out, to_fm)

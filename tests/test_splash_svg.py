@@ -162,10 +162,11 @@ def test_kernel_edge_branches_equal_dense_reference(dtype):
 
 def _svg_rule(q, k, v, rows, masks, p_dtype=np.float64):
     """NumPy port of SVG's sample_mse + argmin over [spatial, temporal] (float64; the
-    probabilities rounded to ``p_dtype`` before they meet v, as SVG's bf16 run rounds its
-    softmax output)."""
+    scores and the probabilities rounded to ``p_dtype``, as SVG's bf16 run rounds its
+    matmul and softmax outputs)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     s = q[:, :, rows] @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    s = s.astype(p_dtype).astype(np.float64)
 
     def attend(scores):
         e = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -182,8 +183,9 @@ def test_routing_equals_svgs_rule_with_ties(dtype):
     """Head 0 attends by position (same position in every frame): temporal; head 1 by frame:
     spatial; heads 2-3 random; head 4 has zero values (every pattern's rows equal full
     attention's exactly: a tie) and picks spatial, as torch.argmin does; a window covering the whole
-    sequence ties every head. bf16 inputs: the rule on the same bf16 values, probabilities in
-    bf16 (``route`` computes them in v's dtype, as SVG's sample_mse does in the model's)."""
+    sequence ties every head. bf16 inputs: the rule on the same bf16 values, scores and
+    probabilities in bf16 (``route`` rounds them to the inputs' dtype, as SVG's sample_mse
+    does in the model's)."""
     rng = np.random.default_rng(0)
     d, n = 16, F * P
     pos = np.tile(rng.standard_normal((P, d)), (F, 1)) * 3  # by position
