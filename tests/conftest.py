@@ -281,6 +281,11 @@ SLOW = {
         "placement, its bytes per device)",
     "test_pipeline_parity.py::test_seed_changes_video_and_is_reproduced":
         "25 s | test_float32_frames_match_diffusers (the parity), test_videos' seeds test",
+    # The fresh-clone suite then took 1,313 s of pytest here (CI adds ~190 s of install).
+    "test_pipeline_parity.py::test_no_cfg_path_matches_diffusers":
+        "22 s | test_euler_scheduler_without_cfg_matches_diffusers (CFG off against diffusers)",
+    "test_videos.py::test_cli_writes_every_video_and_one_report":
+        "23 s | test_each_video_equals_its_single_run (the videos), test_cli's mp4 and report",
 }
 
 
