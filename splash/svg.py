@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash.kernel import softmax_scale
 from splash.mask import EDGE, EMPTY, FULL, PARTIAL, Mask
 
 # SVG's sparse mask rounds its band half-width up to this many tokens (its flex block).
@@ -212,7 +213,7 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
         int32 (batch, heads): ``SPATIAL`` (0) or ``TEMPORAL`` (1), the lower MSE to full
         attention over the rows and head_dim; a tie picks ``SPATIAL``.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = softmax_scale(q.shape[-1], scale)
     f32, n = jnp.float32, num_frames * frame_size
     # SVG's sample_mse works in the model's dtype (bf16 on its GPUs): scores q k^T / sqrt(d)
     # in bf16, softmax in bf16 (float32 inside), then p @ v. So do we: scores accumulated in
@@ -322,9 +323,8 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
         raise ValueError(f"sparse attention: expected at least {f} x {p} = {n} tokens in q and"
                          f" as many in k, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     mask = scope.mask
-    true_scale = q.shape[-1] ** -0.5 if scale is None else scale
     which = route(q, k, v, sample_rows(n), mask, f, p,
-                  true_scale if q_scale is None else true_scale / q_scale)
+                  softmax_scale(q.shape[-1], scale) / (q_scale or 1.0))
     temporal = (which == TEMPORAL)[:, :, None]  # (batch, heads, 1)
     # One row gather per tensor, the row order chosen per head: the estimate charged the
     # jnp.where over both orders (two transposes and a select per tensor) 10.3 ms of copies

@@ -80,3 +80,11 @@ def our_latents():
 
     with mock.patch.object(denoise, "decode", recording):
         yield seen
+
+
+def latents_of(run, *args, **kw):
+    """``run(*args, **kw)``, a call that returns ``generate``'s (frames, report), under
+    ``our_latents``: (its last video's final latents, report)."""
+    with our_latents() as seen:
+        _, report = run(*args, **kw)
+    return seen[-1], report

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import assert_frames_close, our_latents
+from parity import assert_frames_close, latents_of
 
 import generate_flax
 from engine.pipeline import generate
@@ -87,9 +87,7 @@ def _ours(checkpoint, extra=(), devices=None, shape=SHAPE, steps=STEPS, flow_shi
 
 def _ours_latents(*args, **kw):
     """``_ours``' (final latents, report)."""
-    with our_latents() as seen:
-        _, report = _ours(*args, **kw)
-    return seen[-1], report
+    return latents_of(_ours, *args, **kw)
 
 
 def _deepcache_reference(pipe, blocks, run, *, start, end, interval, recompute=1):

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import assert_frames_close, our_latents
+from parity import assert_frames_close, latents_of
 
 import generate_flax
 from engine.pipeline import generate
@@ -79,9 +79,7 @@ def _ours(checkpoint, *extra, devices=None, steps=STEPS, shape=SHAPE):
 def _ours_latents(checkpoint, *extra, devices=None):
     """Our run's (final latents (1, 16, 2, 6, 8) float32, report): the two-expert parity
     tests compare latents, which the tiny VAE's sign step cannot flip (tests/parity.py)."""
-    with our_latents() as seen:
-        _, report = _ours(checkpoint, *extra, devices=devices)
-    return seen[-1], report
+    return latents_of(_ours, checkpoint, *extra, devices=devices)
 
 
 def _two_expert_pipe(checkpoint):

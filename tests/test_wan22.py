@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import assert_frames_close, our_latents
+from parity import assert_frames_close, latents_of
 
 import generate_flax
 from engine.files.checkpoint import expert_count
@@ -65,9 +65,7 @@ def _ours(checkpoint, seed, flags=(), devices=None, frames=SHAPE["frames"]):
 
 def _our_latents(*args, **kw):
     """``_ours``' (final latents, report)."""
-    with our_latents() as seen:
-        _, report = _ours(*args, **kw)
-    return seen[-1], report
+    return latents_of(_ours, *args, **kw)
 
 
 def test_two_experts_match_diffusers(two_expert_checkpoint):
