@@ -27,22 +27,36 @@ def ulysses_to_heads(x, sp: int):
     1) and concatenating the sequence (axis 2) in place, as before, cost 2-3 more passes over
     each of q, k and v (Wan 14B 720p, dp2 x sp4 on v6e, one block's HLO from a deviceless
     compile: layout copies 6.2 -> about 3 GB)."""
+    chunks = ulysses_receive(x, sp)  # (sp, B, H/sp, S/sp, D)
+    _, b, h, s, d = chunks.shape
+    return jnp.moveaxis(chunks, 0, 2).reshape(b, h, sp * s, d)
+
+
+def ulysses_receive(x, sp: int):
+    """Inside ``shard_map``: (B, H, S/sp, D) -> (sp, B, H/sp, S/sp, D), this device's head
+    group of every sequence shard, shard c at index c (tokens [c S/sp, (c + 1) S/sp)): the
+    all-to-all of ``ulysses_to_heads`` without the copy that merges the shards."""
     b, h, s, d = x.shape
     chunks = jnp.moveaxis(x.reshape(b, sp, h // sp, s, d), 1, 0)  # (sp, B, H/sp, S/sp, D)
     expect_shape("Ulysses chunks", chunks.shape, (sp, b, h // sp, s, d))
-    chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
-    # Axis 0 is now the sender, i.e. the sequence shard: (B, H/sp, sp, S/sp, D).
-    return jnp.moveaxis(chunks, 0, 2).reshape(b, h // sp, sp * s, d)
+    # Axis 0 is the head group before and the sender, i.e. the sequence shard, after.
+    return lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
 
 
 def ulysses_to_tokens(x, sp: int):
     """Inside ``shard_map``: (B, H/sp, S, D) -> (B, H, S/sp, D), the inverse of
     ``ulysses_to_heads``, with the same chunks-outermost all-to-all."""
     b, h, s, d = x.shape
-    chunks = jnp.moveaxis(x.reshape(b, h, sp, s // sp, d), 2, 0)  # (sp, B, H/sp, S/sp, D)
-    expect_shape("Ulysses chunks", chunks.shape, (sp, b, h, s // sp, d))
+    return ulysses_send(jnp.moveaxis(x.reshape(b, h, sp, s // sp, d), 2, 0), sp)
+
+
+def ulysses_send(chunks, sp: int):
+    """Inside ``shard_map``: (sp, B, H/sp, S/sp, D) sequence chunks (``ulysses_receive``'s
+    form) -> (B, H, S/sp, D): chunk c to sp device c, every head group back."""
+    _, b, h, s, d = chunks.shape
+    expect_shape("Ulysses chunks", chunks.shape, (sp, b, h, s, d))
     chunks = lax.all_to_all(chunks, "sp", split_axis=0, concat_axis=0, tiled=True)
-    return jnp.moveaxis(chunks, 0, 1).reshape(b, sp * h, s // sp, d)  # sender = head group
+    return jnp.moveaxis(chunks, 0, 1).reshape(b, sp * h, s, d)  # sender = head group
 
 
 def _check(options: AttentionOptions, kernel_name: str, valid_kv_len) -> None:
@@ -109,8 +123,11 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
 
     ``around`` (``splash`` kernel, "heads" and "ulysses" layouts only: each device then holds
     whole sequences of its heads): ``(q, k, v, attend, q_scale) -> out`` runs per device on
-    those whole sequences, with ``attend(q, k, v, mask, valid_kv_len, q_scaled=False)`` the
-    kernel call under ``mask``; ``q_scale`` is None, or under Ulysses the factor q already
+    those whole sequences, given as (C, B, H', S/C, D) chunks, chunk outermost (Ulysses:
+    the all-to-all's received shards, C = sp, unmerged; else C = 1), and returns out in
+    the same form, which Ulysses' return all-to-all sends as it is;
+    ``attend(q, k, v, mask, valid_kv_len, q_scaled=False)`` is the kernel call under
+    ``mask`` on (B, H', S, D); ``q_scale`` is None, or under Ulysses the factor q already
     carries (``fold_scale`` before the all-to-all, where it fuses, as for a plain call). SVG's
     routing and token permutation run there (``splash.svg.sparse_attention``), so XLA never
     gathers the token-sharded arrays for them. ValueError for another layout."""
@@ -134,15 +151,20 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
             # receive every device's sequence shard of our head group, in sequence order.
             if kernel_name == "splash":
                 q = fold_scale(q, softmax_scale(q.shape[3], scale))
-            q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
+            if around is not None:  # the shards stay unmerged: around reads them in place
+                q, k, v = (ulysses_receive(x, sp) for x in (q, k, v))
+            else:
+                q, k, v = (ulysses_to_heads(x, sp) for x in (q, k, v))
         if around is not None:
             def attend(q, k, v, mask, valid_kv_len=None, q_scaled=False):
                 return kernel.attention(q, k, v, dataclasses.replace(options, mask=mask),
                                         scale=scale, interpret=interpret,
                                         valid_kv_len=valid_kv_len, q_scaled=q_scaled)
 
-            q_scale = softmax_scale(q.shape[3], scale) * LOG2_E if layout == "ulysses" else None
-            out = around(q, k, v, attend, q_scale)
+            if layout == "ulysses":
+                q_scale = softmax_scale(q.shape[-1], scale) * LOG2_E
+                return ulysses_send(around(q, k, v, attend, q_scale), sp)
+            out = around(q[None], k[None], v[None], attend, None)[0]
         elif kernel_name == "stock_splash":
             out = stock_splash_attention(q, k, v, scale=scale, block_sizes=options.block_sizes,
                                          segment_ids=seg, interpret=interpret)

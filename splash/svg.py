@@ -197,12 +197,47 @@ def sample_rows(seq_len: int, count: int = NUM_SAMPLED_ROWS, seed: int = 0) -> n
     return np.sort(rng.integers(0, seq_len, size=min(count, seq_len))).astype(np.int32)
 
 
+def as_chunks(x) -> jax.Array:
+    """``x`` as (C, batch, heads, N'/C, head_dim) sequence chunks, chunk outermost: a 5-D
+    ``x`` as it is (Ulysses' received shards, unmerged), a 4-D one as its one chunk."""
+    return x if x.ndim == 5 else x[None]
+
+
+def chunk_rows(x, index) -> jax.Array:
+    """Rows of chunked ``x`` (C, B, H, s, D) at ``index`` (B, H, M), positions in the whole
+    sequence (chunk c holds [c s, (c + 1) s)): (B, H, M, D), one gather reading the chunks
+    where they lie (no merge copy first: 0.24 ms per tensor per Wan 14B 720p layer on v6e,
+    estimated). In bounds by construction, promised: XLA otherwise adds a select (0.7 ms of
+    copies per such layer)."""
+    s = x.shape[3]
+    at = jnp.stack([index // s, index % s], axis=-1)  # (B, H, M, 2): (chunk, row)
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=(3,), collapsed_slice_dims=(0, 3), start_index_map=(0, 3),
+        operand_batching_dims=(1, 2), start_indices_batching_dims=(0, 1))
+    return jax.lax.gather(x, at, dims, (1, 1, 1, 1, x.shape[4]),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def rows_to_chunks(x, index, chunks: int) -> jax.Array:
+    """(C, B, H, N'/C, D) chunks of ``x`` (B, H, N', D) reordered: chunk c's row j is
+    ``x[b, h, index[b, h, c N'/C + j]]``. One gather written in the layout Ulysses' return
+    all-to-all sends (no transposing copy after it)."""
+    b, h, n, _ = x.shape
+    at = jnp.moveaxis(index.reshape(b, h, chunks, n // chunks), 2, 0)[..., None]
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=(4,), collapsed_slice_dims=(2,), start_index_map=(2,),
+        operand_batching_dims=(0, 1), start_indices_batching_dims=(1, 2))
+    return jax.lax.gather(x, at, dims, (1, 1, 1, x.shape[3]),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: int,
           scale: float | None = None) -> jax.Array:
     """SVG's per-head pattern choice on the sampled ``rows`` (frame-major positions).
 
     Args:
-        q, k, v: (batch, heads, N', head_dim), frame-major, the first N = num_frames *
+        q, k, v: (batch, heads, N', head_dim), or the same as (C, batch, heads, N'/C,
+            head_dim) chunks (``as_chunks``), frame-major, the first N = num_frames *
             frame_size tokens real (rows past them, sequence parallelism's padding, are
             left out as keys).
         rows: int32 (R,) query rows, < N.
@@ -213,17 +248,24 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
         int32 (batch, heads): ``SPATIAL`` (0) or ``TEMPORAL`` (1), the lower MSE to full
         attention over the rows and head_dim; a tie picks ``SPATIAL``.
     """
+    q, k, v = (as_chunks(x) for x in (q, k, v))
+    chunks, s_len = k.shape[0], k.shape[3]
     scale = softmax_scale(q.shape[-1], scale)
     f32, n = jnp.float32, num_frames * frame_size
+    rows = np.asarray(rows, np.int32)
+    q_rows = chunk_rows(q, jnp.broadcast_to(rows, q.shape[1:3] + rows.shape))  # (B, H, R, D)
     # SVG's sample_mse works in the model's dtype (bf16 on its GPUs): scores q k^T / sqrt(d)
     # in bf16, softmax in bf16 (float32 inside), then p @ v. So do we: scores accumulated in
     # float32 and rounded once to q's dtype (float32 runs stay float32 at HIGHEST), which
     # halves the bytes the three softmaxes read (64 rows x 75,648 keys x 10 heads per Wan 14B
-    # 720p device: 97 MB in bf16).
-    s = (jnp.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k, preferred_element_type=f32,
-                    precision=jax.lax.Precision.HIGHEST) * scale).astype(q.dtype)
-    kv = jnp.arange(q.shape[2], dtype=jnp.int32)[None, :]
-    r = jnp.asarray(rows, jnp.int32)[:, None]
+    # 720p device: 97 MB in bf16). Keys as (chunk, row) free dims of one dot: k and v are
+    # read where they lie (a dot per chunk, or merging them first, cost 0.6-3 ms more per
+    # such layer on v6e in a deviceless compile of the routing alone).
+    s = jnp.einsum("bhrd,cbhkd->bhrck", q_rows, k, preferred_element_type=f32,
+                   precision=jax.lax.Precision.HIGHEST)
+    s = (s.reshape(*s.shape[:3], chunks * s_len) * scale).astype(q.dtype)  # (B, H, R, N')
+    kv = jnp.arange(chunks * s_len, dtype=jnp.int32)[None, :]
+    r = jnp.asarray(rows)[:, None]
     pm = lambda t: position_major_index(t, num_frames, frame_size)  # noqa: E731
     real = kv < n
     allowed = (real, mask.tile_predicate(r, kv) & real, mask.tile_predicate(pm(r), pm(kv)) & real)
@@ -233,11 +275,11 @@ def route(q, k, v, rows, mask: AnchoredBandMask, num_frames: int, frame_size: in
     p = jnp.concatenate([jax.nn.softmax(jnp.where(ok, s.astype(f32), -jnp.inf), axis=-1)
                          .astype(v.dtype) for ok in allowed], axis=2)  # (batch, heads, 3 R, N')
     exact = jax.lax.Precision.HIGHEST if v.dtype == f32 else jax.lax.Precision.DEFAULT
-    out = jnp.einsum("bhrk,bhkd->bhrd", p, v, preferred_element_type=f32, precision=exact)
+    out = jnp.einsum("bhrck,cbhkd->bhrd", p.reshape(*p.shape[:3], chunks, s_len), v,
+                     preferred_element_type=f32, precision=exact)
     golden, spatial, temporal = jnp.split(out, 3, axis=2)
     mse = jnp.stack([jnp.mean((o - golden) ** 2, axis=(2, 3)) for o in (spatial, temporal)])
     return jnp.argmin(mse, axis=0).astype(jnp.int32)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +341,9 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
     Args:
         q, k, v: (batch, heads, N', head_dim), frame-major video tokens: the first N =
             num_frames * frame_size real, any rows after them padding (sequence
-            parallelism's), never attended; no text tokens.
+            parallelism's), never attended; no text tokens. Or the same sequences as
+            (C, batch, heads, N'/C, head_dim) chunks, chunk outermost (``as_chunks``: what
+            Ulysses' all-to-all receives, C = sp), read where they lie.
         scope: the sparsity and token grid.
         attend: ``(q, k, v, mask, valid_kv_len) -> out`` (batch, heads, N', head_dim): one
             kernel call with ``mask`` for every head and the keys from ``valid_kv_len`` on
@@ -311,15 +355,17 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
             ``q_scaled=True``, so the kernel makes no pass of its own over the permuted q.
 
     Returns:
-        (batch, heads, N', head_dim) in q.dtype, frame-major; padded rows hold the kernel's
-        output for them (finite, read by no real token).
+        In q's form ((batch, heads, N', head_dim), or chunks as q's) and dtype, frame-major;
+        padded rows hold the kernel's output for them (finite, read by no real token).
 
     Raises:
         ValueError: N' < num_frames * frame_size, or k's length differs from q's.
     """
     f, p = scope.num_frames, scope.frame_size
-    n, n_pad = f * p, q.shape[2]
-    if n_pad < n or k.shape[2] != n_pad:
+    chunked = q.ndim == 5
+    q, k, v = (as_chunks(x) for x in (q, k, v))
+    chunks, n, n_pad = q.shape[0], f * p, q.shape[0] * q.shape[3]
+    if n_pad < n or k.shape != q.shape:
         raise ValueError(f"sparse attention: expected at least {f} x {p} = {n} tokens in q and"
                          f" as many in k, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     mask = scope.mask
@@ -336,13 +382,8 @@ def sparse_attention(q, k, v, scope: SparseScope, attend, scale: float | None = 
     fm_order = np.where(t < n, position_major_index(t, f, p), t)
     to_pm = jnp.where(temporal, jnp.asarray(pm_order, jnp.int32), t)
     to_fm = jnp.where(temporal, jnp.asarray(fm_order, jnp.int32), t)
-
-    def gather(x, index):  # (B, H, N', D) rows in ``index``'s (B, H, N') order
-        # In bounds by construction: without the promise XLA adds a select per tensor for
-        # out-of-range rows (0.7 ms of copies per Wan 14B 720p layer on v6e, estimated).
-        return jnp.take_along_axis(x, index[..., None], axis=2, mode="promise_in_bounds")
-
     kw = {} if q_scale is None else dict(q_scaled=True)
-    out = attend(gather(q, to_pm), gather(k, to_pm), gather(v, to_pm), mask,
+    out = attend(chunk_rows(q, to_pm), chunk_rows(k, to_pm), chunk_rows(v, to_pm), mask,
                  None if n_pad == n else n, **kw)
-    return gather(out, to_fm)
+    out = rows_to_chunks(out, to_fm, chunks)
+    return out if chunked else out[0]

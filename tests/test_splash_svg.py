@@ -218,3 +218,41 @@ def test_orders_round_trip():
     t = np.arange(F * P)
     np.testing.assert_array_equal(np.asarray(pm[0, :, 0]) // 3,
                                   t[np.argsort(svg.position_major_index(t, F, P))])
+
+
+def test_chunk_gathers_equal_numpy_indexing():
+    """``chunk_rows`` reads rows of (C, B, H, s, D) chunks by whole-sequence position and
+    ``rows_to_chunks`` writes rows into that form, as NumPy fancy indexing says."""
+    rng = np.random.default_rng(3)
+    c, b, h, s, d = 3, 2, 4, 7, 5
+    merged = rng.standard_normal((b, h, c * s, d)).astype(np.float32)
+    chunks = np.moveaxis(merged.reshape(b, h, c, s, d), 2, 0)  # chunk c = rows [c s, (c+1) s)
+    index = np.stack([rng.permutation(c * s) for _ in range(b * h)]).reshape(b, h, c * s)
+    want = np.take_along_axis(merged, index[..., None], axis=2)
+    got = np.asarray(svg.chunk_rows(jnp.asarray(chunks), jnp.asarray(index)))
+    np.testing.assert_array_equal(got, want)
+    back = np.asarray(svg.rows_to_chunks(jnp.asarray(merged), jnp.asarray(index), c))
+    np.testing.assert_array_equal(np.moveaxis(back, 0, 2).reshape(b, h, c * s, d), want)
+
+
+def test_sparse_attention_on_chunks_equals_merged():
+    """Ulysses hands ``sparse_attention`` its received shards unmerged; the routing, both
+    permutations and the result equal the call on the merged sequences (the kernel's
+    padded-tail form: 3 chunks of 67 rows for N = 195)."""
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, 6), (0, 0))) for x in _inputs(jnp.float32, 7, 4))
+    scope = svg.SparseScope(0.3, F, P, (0, 1))
+    calls = []
+
+    def attend(q, k, v, mask, valid_kv_len=None):
+        calls.append((np.asarray(q), np.asarray(k), np.asarray(v), valid_kv_len))
+        return q * 2.0 + k - v  # row-wise: the data movement is what is under test
+
+    want = svg.sparse_attention(q, k, v, scope, attend)
+    chunked = [jnp.moveaxis(x.reshape(1, 4, 3, 67, 64), 2, 0) for x in (q, k, v)]
+    got = svg.sparse_attention(*chunked, scope, attend)
+    assert got.shape == (3, 1, 4, 67, 64)
+    np.testing.assert_array_equal(np.asarray(jnp.moveaxis(got, 0, 2).reshape(want.shape)),
+                                  np.asarray(want))
+    for a, b in zip(calls[0], calls[1], strict=True):
+        np.testing.assert_array_equal(a, b)  # the same permuted rows reached the kernel
+    assert calls[0][3] == F * P
