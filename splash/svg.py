@@ -24,8 +24,9 @@ q, k, v permuted position-major in the graph first.
 
 In the model graph (``--sparse svg``): ``sparse_scope(SparseScope(...))`` declares, while a
 step program is traced, that its self-attention calls are sparse; the SDPA override then
-runs ``sparse_attention`` (route, permute the temporal heads position-major with
-``jnp.where`` per head, one single-mask kernel call with ``svg_mask``, permute back), and a
+runs ``sparse_attention`` (route, permute the temporal heads position-major with one row
+gather per tensor, one single-mask kernel call with ``svg_mask``, permute back; under Ulysses
+on the all-to-all's unmerged shards, ``chunk_rows`` / ``rows_to_chunks``), and a
 scanned block stack splits its scan at ``SparseScope.layers`` (``layer_segments``), the
 layers outside running dense.
 """
