@@ -143,14 +143,15 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
     segment_ids = as_segment_ids(segment_ids)
 
     def local(q, k, v, seg, mask_index):
-        q_shard = None
+        q_shard, q_scale = None, None
         if layout == "q_sequence":  # masks use global query positions
             q_shard = (lax.axis_index("sp"), sp)
         if layout == "ulysses":
             # (B/dp, H/tp, S/sp, D) -> (B/dp, H/(tp*sp), S, D): send head group j to sp device j,
             # receive every device's sequence shard of our head group, in sequence order.
             if kernel_name == "splash":
-                q = fold_scale(q, softmax_scale(q.shape[3], scale))
+                softmax = softmax_scale(q.shape[3], scale)
+                q, q_scale = fold_scale(q, softmax), softmax * LOG2_E  # what q now carries
             if around is not None:  # the shards stay unmerged: around reads them in place
                 q, k, v = (ulysses_receive(x, sp) for x in (q, k, v))
             else:
@@ -162,7 +163,6 @@ def sharded_attention(q, k, v, *, mesh, options: AttentionOptions, scale=None,
                                         valid_kv_len=valid_kv_len, q_scaled=q_scaled)
 
             if layout == "ulysses":
-                q_scale = softmax_scale(q.shape[-1], scale) * LOG2_E
                 return ulysses_send(around(q, k, v, attend, q_scale), sp)
             out = around(q[None], k[None], v[None], attend, None)[0]
         elif kernel_name == "stock_splash":
