@@ -11,9 +11,16 @@ same prompt and seed:
 
 - frames: generate_flax.py's ``--save_frames`` files (float32 (F, H, W, 3) in [0, 1],
   ``engine/files/report.py: save_frames``), not the mp4s (H.264 is lossy);
-- PSNR (dB) and SSIM from scikit-image (``skimage.metrics.peak_signal_noise_ratio`` and
-  ``structural_similarity`` with ``data_range=1.0``, ``channel_axis=-1``), computed per frame
-  and averaged over the video's frames. A frame equal to the exact one has an infinite PSNR:
+- PSNR (dB) from scikit-image (``skimage.metrics.peak_signal_noise_ratio``, ``data_range=1.0``,
+  over the RGB values) and SSIM as Wang et al. 2004 define it and as the papers users compare
+  against report it (Sparse VideoGen, the step-caching papers): on luma, Y = 0.299 R +
+  0.587 G + 0.114 B (ITU-R BT.601, full range: ``skimage.color.rgb2yuv``'s Y), with an 11x11
+  Gaussian window of sigma 1.5, the population (co)variances, K1 = 0.01, K2 = 0.03 and
+  ``data_range=1.0`` (``structural_similarity(..., gaussian_weights=True, sigma=1.5,
+  use_sample_covariance=False)``; scikit-image's defaults, a 7x7 uniform window with sample
+  covariances, give other figures), averaged over the window positions inside the frame.
+  Both are computed per frame and averaged over the video's frames. A frame equal to the
+  exact one has an infinite PSNR:
   a video's PSNR is the mean over its differing frames (``identical_frames`` counts the
   others), and ``inf`` when every frame is equal. The table prints ``inf``; the JSON holds the
   string ``"inf"`` (JSON has no infinity; null would read as "not measured");
@@ -87,11 +94,22 @@ NOTE = ("PSNR and SSIM measure how far each setting moves the video from the exa
         "same checkpoint, prompt and seed. This project's own figures come from tiny "
         "checkpoints with random weights on a CPU: they prove the harness, not the quality of "
         "an approximation. Quality on real weights is measured by users, with this script.")
+# The SSIM of Wang, Bovik, Sheikh and Simoncelli, "Image quality assessment: from error
+# visibility to structural similarity", IEEE TIP 13(4), 2004, on luma as their ssim.m takes
+# it (MATLAB's rgb2gray: BT.601 weights); the video papers report this one, not
+# scikit-image's default (7x7 uniform window, sample covariance).
+SSIM_VARIANT = ("SSIM of Wang et al. 2004 on luma Y = 0.299 R + 0.587 G + 0.114 B (ITU-R BT.601, "
+                "full range): 11x11 Gaussian window, sigma 1.5, population covariance, "
+                "K1 0.01, K2 0.03, data_range 1.0, mean over the window positions inside the "
+                "frame (skimage.metrics.structural_similarity(y_exact, y_other, "
+                "gaussian_weights=True, sigma=1.5, use_sample_covariance=False, "
+                "data_range=1.0))")
+# Wang et al.'s window: 2 * round(3.5 sigma) + 1 = 11 pixels (scipy's truncate=3.5).
+SSIM_WINDOW = 11
 METRIC = ("per frame, averaged over the video's frames: PSNR (dB) = "
-          "skimage.metrics.peak_signal_noise_ratio(exact, other, data_range=1.0), over the "
-          "frames that differ (inf when none does); SSIM = skimage.metrics."
-          "structural_similarity(exact, other, channel_axis=-1, data_range=1.0); frames from "
-          "--save_frames (float32 in [0, 1]); inf is written as the string \"inf\"")
+          "skimage.metrics.peak_signal_noise_ratio(exact, other, data_range=1.0) on RGB, over "
+          "the frames that differ (inf when none does); SSIM = " + SSIM_VARIANT + "; frames "
+          "from --save_frames (float32 in [0, 1]); inf is written as the string \"inf\"")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,37 +328,59 @@ def run_generate(argv: list[str], folder: str, name: str) -> dict:
 
 
 def _metrics():
-    """``skimage.metrics``, imported here so that --help works without scikit-image
-    (requirements.txt pins it); ``plan`` asks for it before any run.
+    """``(skimage.metrics, skimage.color)``, imported here so that --help works without
+    scikit-image (requirements.txt pins it); ``plan`` asks for them before any run.
 
     Raises:
         UsageError: scikit-image is not installed (one line, exit 2).
     """
     try:
-        from skimage import metrics
+        from skimage import color, metrics
     except ImportError:
         raise UsageError("scikit-image is not installed (PSNR and SSIM come from it): pip "
                          "install -r requirements.txt, which pins it") from None
-    return metrics
+    return metrics, color
+
+
+def frame_ssim(exact: np.ndarray, other: np.ndarray) -> float:
+    """SSIM of two (H, W, 3) RGB frames in [0, 1] (any float dtype), as ``SSIM_VARIANT``
+    says: Wang et al. 2004's on BT.601 luma, computed in float64.
+
+    scikit-image crops (11 - 1) // 2 = 5 pixels from each side of the SSIM map before its
+    mean, so the mean is over the window positions wholly inside the frame.
+
+    Raises:
+        GenerationError: a side shorter than the 11-pixel window (no family makes one).
+    """
+    if min(exact.shape[:2]) < SSIM_WINDOW:
+        raise GenerationError(f"frames of {exact.shape[0]}x{exact.shape[1]} pixels are smaller "
+                              f"than SSIM's {SSIM_WINDOW}x{SSIM_WINDOW} window")
+    metrics, color = _metrics()
+    # rgb2yuv's Y row is BT.601's (0.299, 0.587, 0.114); float64 in, float64 out.
+    y_exact, y_other = (color.rgb2yuv(np.asarray(f, np.float64))[..., 0]
+                        for f in (exact, other))
+    return float(metrics.structural_similarity(
+        y_exact, y_other, gaussian_weights=True, sigma=1.5, use_sample_covariance=False,
+        data_range=1.0))
 
 
 def video_metrics(exact: np.ndarray, other: np.ndarray) -> dict:
     """PSNR and SSIM of ``other`` against ``exact``, both (F, H, W, 3) float32 in [0, 1]:
-    scikit-image's, per frame, averaged over the frames (``METRIC``).
+    per frame, averaged over the frames (``METRIC``; SSIM by ``frame_ssim``).
 
     Returns:
         {"psnr_db", "ssim", "identical_frames", "frames", "psnr_db_frames", "ssim_frames"}.
     Raises:
-        GenerationError: the shapes differ.
+        GenerationError: the shapes differ, or the frames are smaller than SSIM's window.
     """
     if exact.shape != other.shape:
         raise GenerationError(f"frame shapes differ: exact {exact.shape}, other {other.shape}")
-    metrics = _metrics()
+    metrics, _ = _metrics()
     psnr, ssim = [], []
     for a, b in zip(exact, other, strict=True):
         with np.errstate(divide="ignore"):  # an equal frame: 10 log10(1 / 0) = inf, as meant
             psnr.append(float(metrics.peak_signal_noise_ratio(a, b, data_range=1.0)))
-        ssim.append(float(metrics.structural_similarity(a, b, channel_axis=-1, data_range=1.0)))
+        ssim.append(frame_ssim(a, b))
     return dict(psnr_db=mean_finite(psnr), ssim=float(np.mean(ssim)),
                 identical_frames=sum(math.isinf(p) for p in psnr), frames=len(psnr),
                 psnr_db_frames=psnr, ssim_frames=ssim)
@@ -408,15 +448,15 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 def tables(rows: list[dict], summary: dict) -> str:
     """The markdown tables: one row per approximate video, then one per run."""
-    lines = ["| setting | prompt | seed | PSNR dB | SSIM | identical frames | denoise s "
-             "(exact) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| setting | prompt | seed | PSNR dB | SSIM (Wang 2004, Y) | identical frames | "
+             "denoise s (exact) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         prompt = r["prompt"] if len(r["prompt"]) <= 40 else r["prompt"][:39] + "…"
         lines.append(f"| {r['setting']} | {prompt} | {r['seed']} | {_fmt(r['psnr_db'])} "
                      f"| {_fmt(r['ssim'], '.4f')} | {r['identical_frames']} of {r['frames']} "
                      f"| {_fmt(r['denoise_s'], '.3f')} ({_fmt(r['exact_denoise_s'], '.3f')}) |")
-    lines += ["", "| setting | flags | videos | PSNR dB mean / min | SSIM mean / min | "
-                  "steps cached | steady s/step | speed-up | cold start s |",
+    lines += ["", "| setting | flags | videos | PSNR dB mean / min | SSIM (Wang 2004, Y) "
+                  "mean / min | steps cached | steady s/step | speed-up | cold start s |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         metrics = ("– | – | –" if name == EXACT else
@@ -470,7 +510,8 @@ def run_all(args, common, settings, videos) -> dict:
                                                 out), out, name)
     rows = compare(runs, videos)
     exact = runs[EXACT]["report"]
-    result = dict(note=NOTE, metric=METRIC, model_id=args.model_id, flags=list(common),
+    result = dict(note=NOTE, metric=METRIC, ssim_variant=SSIM_VARIANT, model_id=args.model_id,
+                  flags=list(common),
                   devices=exact.get("devices"), weights=exact.get("weights"),
                   versions=exact.get("versions"), date=time.strftime("%Y-%m-%d %H:%M:%S"),
                   settings=summarize(runs, settings, rows), videos=rows,

@@ -4,8 +4,10 @@ On the tiny random Wan checkpoint (2 steps, 64x96x9, one prompt of the shipped V
 one seed) it runs the exact setting, the exact setting again and ``--quantize int8`` as
 generate_flax.py subprocesses. The references are independent of the harness: PSNR from
 NumPy (10 log10(1 / MSE) per frame, float64) on the saved frames; a rerun of the exact
-setting must give equal frames (PSNR inf, SSIM 1.0), int8 must not. The figures come from
-random weights: they prove the harness, not int8's quality.
+setting must give equal frames (PSNR inf, SSIM 1.0), int8 must not. SSIM is Wang et al.
+2004's on BT.601 luma: on a fixed pair it equals that paper's formula computed here in NumPy,
+not scikit-image's default figure. The figures come from random weights: they prove the
+harness, not int8's quality.
 """
 
 import importlib.util
@@ -88,6 +90,9 @@ def test_exact_rerun_gives_infinite_psnr_and_ssim_one(harness):
     # The output says where its figures come from.
     assert "random weights" in stdout and "measured by users" in stdout
     assert result["note"] == quality.NOTE
+    # The table and the JSON name the SSIM variant (Wang et al. 2004 on BT.601 luma).
+    assert "SSIM (Wang 2004, Y)" in stdout and quality.SSIM_VARIANT in stdout
+    assert result["ssim_variant"] == quality.SSIM_VARIANT
 
 
 def test_int8_differs_and_its_psnr_equals_numpy(harness):
@@ -133,6 +138,69 @@ def test_metrics_against_numpy_on_fixed_frames():
     assert quality.jsonable({"a": [math.inf, 1.5]}) == {"a": ["inf", 1.5]}
     with pytest.raises(quality.GenerationError, match="shapes differ"):
         quality.video_metrics(exact, exact[:2])
+
+
+def _wang_ssim(x: np.ndarray, y: np.ndarray, data_range: float = 1.0) -> float:
+    """Wang et al. 2004's mean SSIM of two (H, W) float64 images, straight from the paper's
+    formulas: an 11x11 Gaussian window (sigma 1.5, normalised to sum 1), weighted means,
+    population (co)variances sum w (x - mu_x)(y - mu_y), C1 = (0.01 L)^2, C2 = (0.03 L)^2,
+    averaged over every window position wholly inside the image. That is scikit-image's
+    border handling: it filters the whole image, then crops (11 - 1) // 2 = 5 pixels from
+    each side of the SSIM map before the mean, leaving exactly these positions."""
+    r = np.arange(-5, 6, dtype=np.float64)
+    g = np.exp(-r ** 2 / (2 * 1.5 ** 2))
+    w = np.outer(g, g) / np.outer(g, g).sum()
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    values = []
+    for i in range(x.shape[0] - 10):
+        for j in range(x.shape[1] - 10):
+            px, py = x[i:i + 11, j:j + 11], y[i:i + 11, j:j + 11]
+            mx, my = (w * px).sum(), (w * py).sum()
+            vx, vy = (w * (px - mx) ** 2).sum(), (w * (py - my) ** 2).sum()
+            cxy = (w * (px - mx) * (py - my)).sum()
+            values.append((2 * mx * my + c1) * (2 * cxy + c2)
+                          / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2)))
+    return float(np.mean(values))
+
+
+def _pattern_pair() -> tuple[np.ndarray, np.ndarray]:
+    """A deterministic 16x16 RGB pattern in [0, 1] (float32) and a perturbed copy: a
+    different perturbation per channel, so luma and per-channel SSIM disagree."""
+    i, j, c = np.meshgrid(np.arange(16), np.arange(16), np.arange(3), indexing="ij")
+    exact = 0.5 + 0.4 * np.sin(0.7 * i + 0.3 * j + c)
+    other = np.clip(exact + 0.3 * np.cos(2.1 * i - 1.7 * j + 2.0 * c) * (c + 1) / 3, 0, 1)
+    return exact.astype(np.float32), other.astype(np.float32)
+
+
+def test_ssim_is_wang_2004_on_bt601_luma():
+    from skimage.metrics import structural_similarity
+
+    exact, other = _pattern_pair()
+    # BT.601 luma, computed here apart from the harness (which takes skimage's rgb2yuv).
+    luma = [f.astype(np.float64) @ np.array([0.299, 0.587, 0.114]) for f in (exact, other)]
+    want = _wang_ssim(*luma)
+    got = quality.video_metrics(exact[None], other[None])["ssim"]
+    print(f"Wang 2004 on Y: harness {got!r}, NumPy {want!r}")
+    assert got == pytest.approx(want, abs=1e-6)  # float64 on both sides: measured ~1e-16
+    assert 0.5 < want < 0.99  # the pair is neither equal nor unrelated (measured 0.9527)
+    assert quality.frame_ssim(exact, exact) == 1.0
+    # The old figure (scikit-image's defaults: 7x7 uniform window, sample covariance, per RGB
+    # channel) is another number: a harness still computing it fails the 1e-6 above.
+    # Measured: Wang 2004 on Y 0.95273, the old figure 0.88213; each ingredient alone also
+    # moves it: the 7x7 uniform window on the same Y 0.96316, the Gaussian window per RGB
+    # channel 0.84996.
+    old = structural_similarity(exact, other, channel_axis=-1, data_range=1.0)
+    assert abs(old - want) > 1e-2, (old, want)
+    uniform_on_y = structural_similarity(*luma, data_range=1.0)
+    gaussian_on_rgb = structural_similarity(exact, other, channel_axis=-1, data_range=1.0,
+                                            gaussian_weights=True, sigma=1.5,
+                                            use_sample_covariance=False)
+    assert abs(uniform_on_y - want) > 5e-3 and abs(gaussian_on_rgb - want) > 5e-2
+    # The output names the variant.
+    assert "Wang et al. 2004" in quality.METRIC and "BT.601" in quality.METRIC
+    assert "gaussian_weights=True, sigma=1.5, use_sample_covariance=False" in quality.METRIC
+    with pytest.raises(quality.GenerationError, match="smaller than SSIM's 11x11 window"):
+        quality.frame_ssim(exact[:10], other[:10])
 
 
 @pytest.mark.parametrize("extra, flag, words", [
