@@ -2,8 +2,10 @@
 
 No model hub is reachable from CI or the developers' machines, so demos and tests run on this
 checkpoint. Every component is real: a ``WanTransformer3DModel``, an ``AutoencoderKLWan``, a
-``UMT5EncoderModel``, a T5 Unigram tokenizer trained offline with the ``tokenizers`` library,
-and the ``UniPCMultistepScheduler`` config that Wan 2.1 ships. They are written with
+``UMT5EncoderModel``, a T5 Unigram tokenizer over a committed vocabulary
+(``tools/tiny_t5_vocab.json``, trained once with the ``tokenizers`` library), and the
+``UniPCMultistepScheduler`` config that Wan 2.1 ships. A build is byte-identical to the
+last (``tests/test_tiny_checkpoint_determinism.py``). They are written with
 ``WanPipeline.save_pretrained`` (safetensors), so ``generate_flax.py`` loads them through the
 same ``from_pretrained`` path as the real ``Wan-AI/Wan2.1-T2V-*-Diffusers`` weights.
 
@@ -36,16 +38,26 @@ Usage:
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan22-a14b --experts 2 \
         --boundary_ratio 0.9
     python tools/make_tiny_checkpoint.py --output checkpoints/tiny-wan22-ti2v --ti2v
+    python tools/make_tiny_checkpoint.py --train_vocab tools/tiny_t5_vocab.json  # after
+        # changing _CORPUS: retrain the committed vocabulary (and rebuild the checkpoints)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from tiny_checkpoint import write_pipeline  # tools/, beside this script
 
-# A small English corpus for the tokenizer; Wan prompts are English or Chinese prose.
+# The T5 tokenizer's (piece, log-probability) list, committed: the Unigram trainer's EM runs
+# in parallel threads, and two trainings gave scores differing in the last digit for 40 of
+# 175 pieces, so a trained vocabulary made every build's tokenizer.json differ.
+VOCAB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_t5_vocab.json")
+
+# The corpus the committed vocabulary was trained on (``--train_vocab``); Wan prompts are
+# English or Chinese prose.
 _CORPUS = """
 A cat walks on the grass, realistic style. A dog runs along the beach at sunset.
 Two anthropomorphic cats in comfy boxing gear and bright gloves fight intensely on a
@@ -87,16 +99,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="image-to-video layout (WanImageToVideoPipeline): Wan 2.1 I2V with "
                         "CLIP, or with --experts 2 Wan 2.2 I2V-A14B")
     p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
+    p.add_argument("--train_vocab", metavar="FILE",
+                   help="instead of a checkpoint, train the T5 Unigram vocabulary on the "
+                        "built-in corpus and write it to FILE (the committed one is "
+                        "tools/tiny_t5_vocab.json; scores may differ in the last digit "
+                        "between trainings) (default: none, build a checkpoint)")
     return p.parse_args(argv)
 
 
-def build_tokenizer(vocab_size: int = 400):
-    """Train a T5-style Unigram tokenizer on ``_CORPUS``; returns a ``T5Tokenizer``.
-
-    T5/UMT5 reserve ids 0, 1, 2 for <pad>, </s>, <unk>; the trainer is told so.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def build_tokenizer(vocab_path: str = VOCAB):
+    """A T5-style ``T5Tokenizer`` over the committed Unigram vocabulary ``vocab_path``: a
+    JSON list of [piece, log-probability] pairs in id order, ids 0, 1, 2 = <pad>, </s>, <unk>
+    (T5/UMT5 reserve them). Reading it, not training, makes builds byte-identical."""
     from transformers import T5Tokenizer
+
+    with open(vocab_path, encoding="utf-8") as f:
+        vocab = [(piece, float(score)) for piece, score in json.load(f)]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def train_vocab(vocab_size: int = 400) -> list[tuple[str, float]]:
+    """Train a T5-style Unigram model on ``_CORPUS`` with the ``tokenizers`` library (0.23.3
+    made the committed file); returns its (piece, log-prob) list in id order. The special
+    tokens <pad>, </s>, <unk> take ids 0, 1, 2, as T5/UMT5 reserve them. Scores may differ in
+    the last digit between runs (parallel EM), hence the committed file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.Unigram())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
@@ -107,15 +134,15 @@ def build_tokenizer(vocab_size: int = 400):
         shrinking_factor=0.75,
     )
     tok.train_from_iterator(_CORPUS.split("\n"), trainer=trainer)
-    return T5Tokenizer(vocab=_unigram_vocab(tok), extra_ids=0)
-
-
-def _unigram_vocab(tok) -> list[tuple[str, float]]:
-    """Read the (piece, log-prob) list out of a trained Unigram model, in id order."""
-    import json
-
     model = json.loads(tok.to_str())["model"]
     return [(piece, float(score)) for piece, score in model["vocab"]]
+
+
+def write_vocab(vocab: list[tuple[str, float]], path: str) -> None:
+    """``vocab`` as a JSON list of [piece, score] pairs, one per line, UTF-8."""
+    lines = ",\n".join(json.dumps([piece, score], ensure_ascii=False) for piece, score in vocab)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"[\n{lines}\n]\n")
 
 
 def add_ignored_keys(folder: str) -> None:
@@ -263,6 +290,11 @@ def build_pipeline(args: argparse.Namespace):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.train_vocab:
+        vocab = train_vocab()
+        write_vocab(vocab, args.train_vocab)
+        print(f"wrote a {len(vocab)}-piece T5 Unigram vocabulary to {args.train_vocab}")
+        return 0
     pipe, out = write_pipeline(lambda: build_pipeline(args), args.output, force=args.force,
                                prefix=".tiny-wan-")
     if pipe is None:
