@@ -330,7 +330,9 @@ def route_short_attentions(transformer) -> None:
     """Trace every block's ``XLA_ATTENTIONS`` under ``forced_attention("xla")`` (forward
     hooks, at run time; diffusers' files are untouched), so only the video self-attention
     (``attn1``) reaches our kernel. The Splash wrapper takes heads or tokens over "sp";
-    the audio stream (not sharded over sp, 126 tokens) fits neither rule on every mesh."""
+    the audio stream (not sharded over sp, 126 tokens) fits neither rule on every mesh.
+    The scope ends even when the attention raises (``always_call``): a raise mid-trace must
+    not route every later trace's attention to XLA."""
     for block in transformer.transformer_blocks:
         for name in XLA_ATTENTIONS:
             contexts: list = []
@@ -341,11 +343,12 @@ def route_short_attentions(transformer) -> None:
                 contexts.append(context)
 
             def leave(_module, _args, _kwargs, _output, contexts=contexts):
-                contexts.pop().__exit__(None, None, None)
+                if contexts:  # empty when an earlier pre-hook raised before ``enter`` ran
+                    contexts.pop().__exit__(None, None, None)
 
             module = getattr(block, name)
             module.register_forward_pre_hook(enter, with_kwargs=True)
-            module.register_forward_hook(leave, with_kwargs=True)
+            module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def empty_transformer(cfg: dict, dtype):

@@ -107,16 +107,23 @@ def unpad_self_attention_keys(token: contextvars.Token) -> None:
 
 def mark_self_attention(module) -> list:
     """Hooks that flag SDPA calls traced inside ``module`` as self-attention (keys are the
-    video tokens themselves), for ``pad_self_attention_keys``. Returns the hook handles."""
+    video tokens themselves), for ``pad_self_attention_keys``. Returns the hook handles.
+
+    The flag is reset even when ``module``'s forward raises (``always_call``, torch >= 2.1):
+    a raise mid-trace must not leave later traces' attentions flagged."""
     tokens = []
 
     def enter(_module, _args):
         tokens.append(IN_SELF_ATTENTION.set(True))
 
     def leave(_module, _args, _output):
-        IN_SELF_ATTENTION.reset(tokens.pop())
+        # On a raise torch calls this too (output None); an earlier pre-hook's raise means
+        # ``enter`` never ran, and there is nothing to reset.
+        if tokens:
+            IN_SELF_ATTENTION.reset(tokens.pop())
 
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return [module.register_forward_pre_hook(enter),
+            module.register_forward_hook(leave, always_call=True)]
 
 
 def key_padding_mask(mask, q, k):

@@ -356,7 +356,9 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
     ``custom_splash_attention.pad_self_attention_keys`` makes the self-attention (modules
     named ``stack.self_attention``) mask the padded keys exactly (by length in our kernel when
     they are the keys' tail, else by segment ids); a forward hook after the last block slices
-    the padding off. Padded rows are never read by a real token.
+    the padding off. Padded rows are never read by a real token. A block that raises ends
+    the declaration (an ``always_call`` forward hook on every block): a raise mid-trace
+    leaves nothing for the next trace.
 
     Returns:
         the hook handles.
@@ -402,13 +404,21 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
     def unpad(module, args, output):
         if not padding:
             return output
-        csa.unpad_self_attention_keys(padding.pop("token"))
-        valid = padding.pop("valid")
-        padding.clear()
+        token, valid = padding["token"], padding["valid"]
+        padding.clear()  # first: the state ends even if the slice below raises
+        csa.unpad_self_attention_keys(token)
         # Sliced in JAX: a torchax slice is a lazy view that diffusers' later type_as rejects.
         hidden = interop.call_jax(lambda x: x[:, :valid], output[0] if stack.carry > 1
                                   else output)
         return (hidden, *output[1:]) if stack.carry > 1 else hidden
+
+    def drop_on_raise(module, args, output):
+        # torch calls an ``always_call`` hook with output None when the block raised: the
+        # declaration and the record end here, or every later trace (every later job in a
+        # server) would see this trace's padding.
+        if output is None and padding:
+            csa.unpad_self_attention_keys(padding["token"])
+            padding.clear()
 
     blocks = list(getattr(transformer, stack.attr))
     hooks = [block.register_forward_pre_hook(constrain_kwargs, with_kwargs=True)
@@ -417,6 +427,7 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
     if "tp" in axes:
         hooks += _megatron_sublayer_hooks(blocks, mesh, axes, stack)
     hooks.append(blocks[-1].register_forward_hook(unpad))
+    hooks += [block.register_forward_hook(drop_on_raise, always_call=True) for block in blocks]
     return hooks + _mark_video_key_attentions(transformer, stack)
 
 
