@@ -3,6 +3,7 @@ a real process, wait for /health, read the frames the server and the CLI wrote."
 
 from __future__ import annotations
 
+import base64
 import glob
 import os
 import shutil
@@ -19,6 +20,8 @@ from safetensors.numpy import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "generate_flax.py")
 KEY = "test-key-36"
+# The servers' --webhook_secret (Standard Webhooks: "whsec_" + base64 of 32 bytes).
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 # The served shape and settings: small enough that a job takes well under a second on CPU.
 SHAPE = ["--height", "64", "--width", "64", "--frames", "5"]
 SETTINGS = [*SHAPE, "--num_inference_steps", "2", "--warmup_steps", "1", "--dtype", "float32",

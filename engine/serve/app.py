@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from engine.run import runtime
@@ -31,7 +32,7 @@ from engine.serve import jobs as store_rows
 from engine.serve import model as warm
 from engine.serve import requests as checks
 from engine.serve.fleet import Fleet
-from engine.serve.jobs import CANCEL_AND_DELETE, ENDED, ID_PATTERN, Job, JobStore, new_id
+from engine.serve.jobs import CANCEL_AND_DELETE, ID_PATTERN, Job, JobStore, new_id
 from engine.serve.metrics import Metrics
 from engine.serve.requests import MAX_UPLOAD_BYTES, ApiError, refuse
 from engine.serve.storage import SharedFolder, Storage
@@ -92,11 +93,10 @@ def video_object(job: Job, queue_position: int | None = None,
 
 
 def notify(state: State, job_id: str) -> None:
-    """The job's webhook, if it asked for one and has ended (``engine.serve.webhooks``)."""
-    job = state.store.get(job_id)
-    if job is not None and job.settings.callback_url and job.status in ENDED:
-        state.webhooks.send(job.settings.callback_url,
-                            video_object(job, None, state.retention_s))
+    """A job has ended: its webhook, if any, is already in the store's outbox (written with
+    its end); the delivery thread looks now (``engine.serve.webhooks``)."""
+    if state.webhooks is not None:
+        state.webhooks.wake()
 
 
 def create_app(state: State) -> FastAPI:
@@ -136,9 +136,9 @@ def create_app(state: State) -> FastAPI:
             refuse("size", settings.size, f"no live server runs {settings.size} at "
                    f"{settings.num_frames} frames; live buckets: "
                    f"{', '.join(sorted(k.rsplit(':', 1)[1] for k in live))}")
-        if req.callback_url is not None:
-            settings = dataclasses.replace(settings, callback_url=webhooks.check_url(
-                req.callback_url, state.api_key))
+        if req.callback_url is not None:  # resolving its host blocks: off the event loop
+            settings = dataclasses.replace(settings, callback_url=await run_in_threadpool(
+                state.webhooks.check, req.callback_url))
         job_id = new_id()
         if info is not None:  # on disk before the job is committed: a restart finds it
             settings = dataclasses.replace(settings, input_reference=checks.InputReference(
@@ -342,7 +342,8 @@ def serve(config, family) -> int:
                   fleet=Fleet(store, f"{socket.gethostname()}:{s.port}"), api_key=s.api_key,
                   wake=threading.Event(), retention_s=s.retention_s)
     state.metrics = Metrics(state)
-    state.webhooks = webhooks.Webhooks(s.api_key)
+    state.webhooks = webhooks.Webhooks(store, s.webhook_secret, owner=state.fleet.id,
+                                       allow_private=s.webhook_allow_private)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=s.host, port=s.port,
                                            log_level="warning", access_log=False))
     failure: list = []
@@ -385,7 +386,8 @@ def open_store(config) -> JobStore:
     """
     s = config.serve
     try:
-        return JobStore(config.run.output_dir, s.jobs_db, s.lease_s)
+        return JobStore(config.run.output_dir, s.jobs_db, s.lease_s,  # renders webhooks
+                        render=lambda job: video_object(job, None, s.retention_s))
     except sa.exc.SQLAlchemyError as e:
         shown = "the SQLite file in --output_dir" if s.jobs_db is None else \
             store_rows.masked(s.jobs_db)

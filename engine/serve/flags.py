@@ -10,11 +10,13 @@ import sqlalchemy as sa
 
 from engine.run.errors import fail
 from engine.serve.jobs import DEFAULT_LEASE_S, masked
+from engine.serve.webhooks import secret_rule_error
 
 API_KEY_ENV = "GENERATE_FLAX_API_KEY"
 JOBS_DB_ENV = "GENERATE_FLAX_JOBS_DB"  # keeps a database password off the command line
+WEBHOOK_SECRET_ENV = "GENERATE_FLAX_WEBHOOK_SECRET"  # the same for the webhooks' secret
 FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames", "retention_hours",
-         "jobs_db", "job_lease_s")
+         "jobs_db", "job_lease_s", "webhook_secret", "webhook_allow_private")
 # --job_lease_s bounds: a heartbeat every third of the lease must fit a busy host's scheduling
 # hiccups (below 3 s, a loaded CPU host lost leases in tests); above an hour, a dead server's
 # job waits longer than anyone would.
@@ -34,7 +36,9 @@ class ServeSettings:
     size and frames are a request's defaults. ``retention_s``: seconds an ended job's files
     are kept before it becomes ``expired`` (None: kept until deleted). ``jobs_db``: the job
     store's URL (None: SQLite in --output_dir); ``lease_s``: seconds a running job's lease
-    lasts without a heartbeat."""
+    lasts without a heartbeat. ``webhook_secret``: the Standard Webhooks secret callbacks are
+    signed with (None: a request's ``callback_url`` is refused); ``webhook_allow_private``:
+    callbacks may go to private hosts (``engine.serve.webhooks``)."""
 
     host: str
     port: int
@@ -44,6 +48,8 @@ class ServeSettings:
     retention_s: float | None = None
     jobs_db: str | None = None
     lease_s: float = DEFAULT_LEASE_S
+    webhook_secret: str | None = None
+    webhook_allow_private: bool = False
 
     @property
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -58,7 +64,9 @@ class ServeSettings:
                     else self.retention_s / 3600,
                     jobs_db=None if self.jobs_db is None else
                     masked(self.jobs_db),
-                    job_lease_s=self.lease_s)
+                    job_lease_s=self.lease_s,
+                    webhook_secret_set=self.webhook_secret is not None,
+                    webhook_allow_private=self.webhook_allow_private)
 
 
 def add_serve_flags(g) -> None:
@@ -91,6 +99,14 @@ def add_serve_flags(g) -> None:
                    help=f"seconds a running job stays this server's without a heartbeat; a "
                         f"dead server's job runs again elsewhere after it (default "
                         f"{DEFAULT_LEASE_S:g})")
+    g.add_argument("--webhook_secret", default=None,
+                   help=f"with --serve, a request's callback_url gets the ended job POSTed, "
+                        f"signed with this Standard Webhooks secret (whsec_ + base64 of 24-64 "
+                        f"random bytes; default ${WEBHOOK_SECRET_ENV} if set, else callbacks "
+                        f"are refused)")
+    g.add_argument("--webhook_allow_private", action="store_true",
+                   help="with --webhook_secret, callbacks may also go to private, link-local "
+                        "and loopback hosts (a trusted network; default: public hosts only)")
 
 
 def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSettings | None:
@@ -106,9 +122,12 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if not args.serve:
         for flag in ("api_key", "serve_sizes", "serve_frames", "retention_hours", "jobs_db",
-                     "job_lease_s"):
+                     "job_lease_s", "webhook_secret"):
             if getattr(args, flag) is not None:
-                fail(f"--{flag}", getattr(args, flag), "needs --serve")
+                fail(f"--{flag}", getattr(args, flag) if flag != "webhook_secret" else
+                     "<redacted>", "needs --serve")
+        if args.webhook_allow_private:
+            fail("--webhook_allow_private", True, "needs --serve")
         return None
     for name, allowed, flag in _EXCLUSIVE:
         if getattr(args, name) != allowed:
@@ -124,6 +143,7 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
         fail("--api_key", "''", f"must not be empty (omit it and unset ${API_KEY_ENV} for "
              "no key)")
     jobs_db, lease_s = _jobs_db(args)
+    webhook_secret = _webhook_secret(args)
     multiple = defaults.get("pixel_multiple", family.sizes.pixel_multiple)
     sizes = _parse_sizes(args.serve_sizes, values, multiple, family.name)
     frames = _parse_frames(args.serve_frames, values, family.sizes.frame_step, family.name)
@@ -136,7 +156,8 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, sizes=sizes,
                          frames=frames,
                          retention_s=None if retention is None else retention * 3600,
-                         jobs_db=jobs_db, lease_s=lease_s)
+                         jobs_db=jobs_db, lease_s=lease_s, webhook_secret=webhook_secret,
+                         webhook_allow_private=args.webhook_allow_private)
 
 
 def _jobs_db(args) -> tuple[str | None, float]:
@@ -159,6 +180,22 @@ def _jobs_db(args) -> tuple[str | None, float]:
         fail("--job_lease_s", lease, f"must be in {LEASE_RANGE[0]:g}..{LEASE_RANGE[1]:g} "
              "seconds")
     return url, float(lease)
+
+
+def _webhook_secret(args) -> str | None:
+    """--webhook_secret or $GENERATE_FLAX_WEBHOOK_SECRET, checked (the value never shown).
+
+    Raises:
+        UsageError: not a Standard Webhooks secret, or --webhook_allow_private without one.
+    """
+    secret = args.webhook_secret if args.webhook_secret is not None else \
+        os.environ.get(WEBHOOK_SECRET_ENV) or None
+    if secret is not None and (why := secret_rule_error(secret)) is not None:
+        fail("--webhook_secret", f"<redacted, {len(secret)} characters>", why)
+    if secret is None and args.webhook_allow_private:
+        fail("--webhook_allow_private", True, f"needs --webhook_secret (or "
+             f"${WEBHOOK_SECRET_ENV}): without it no callback is accepted")
+    return secret
 
 
 def _parse_sizes(text, values, multiple: int, name: str) -> tuple:

@@ -20,6 +20,10 @@ the job, and learns it at its next step (``check``).
 
 Every state change is one guarded ``UPDATE`` (its ``WHERE`` names the status it expects),
 so an HTTP handler's cancel and a worker's claim never both win.
+
+The transaction that ends a job with a ``callback_url`` (completed, failed, cancelled) also
+writes its webhook to the ``outbox`` table, which ``engine.serve.webhooks`` delivers from
+(``claim_callback``, ``callback_done``, ``callback_retry``): a kill -9 loses no callback.
 """
 
 from __future__ import annotations
@@ -82,6 +86,18 @@ servers = sa.Table(
     sa.Column("served", sa.Text),  # JSON: the Served value (GET /v1/models)
     sa.Column("started_at", sa.Float),
     sa.Column("heartbeat_at", sa.Float))
+# Webhooks not yet delivered (engine.serve.webhooks), one row per ended job with a callback.
+outbox = sa.Table(
+    "outbox", metadata,
+    sa.Column("id", sa.String(100), primary_key=True),  # the webhook id: "<job id>:<status>"
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("body", sa.Text, nullable=False),  # JSON: the ended job's video object
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),  # claims so far
+    # The database's clock: when it may be tried next, or, while ``owner`` (a server id)
+    # delivers it, when that server's hold ends.
+    sa.Column("due_at", sa.Float, nullable=False),
+    sa.Column("owner", sa.String(64)),
+    sa.Index("outbox_due", "due_at"))
 # Columns a store written by an older server may lack: added on open.
 _ADDED = {"cancel": "VARCHAR(16)", "bucket": "VARCHAR(255)", "owner": "VARCHAR(64)",
           "lease_until": "FLOAT", "attempts": "INTEGER NOT NULL DEFAULT 0"}
@@ -161,14 +177,19 @@ class JobStore:
     files. Safe to call from the HTTP handlers and the worker thread at once. Rows come back
     as ``Job`` values.
 
+    ``render(job)``: the body of an ended job's webhook, a JSON-ready dict (the server's
+    ``video_object``; default: its id, object and status).
+
     Raises:
         sqlalchemy.exc.OperationalError: the database cannot be reached (the caller turns it
             into one line naming --jobs_db).
     """
 
     def __init__(self, folder: str, jobs_db: str | None = None,
-                 lease_s: float = DEFAULT_LEASE_S):
+                 lease_s: float = DEFAULT_LEASE_S, render=None):
         self.folder, self.lease_s = folder, float(lease_s)
+        self.render = render or (lambda job: dict(id=job.id, object="video",
+                                                  status=job.status))
         url = engine_url(jobs_db, folder)
         self.shared = url.get_backend_name() != "sqlite"  # several servers may share it
         self.url = masked(url)
@@ -238,9 +259,11 @@ class JobStore:
             gone &= sa.func.coalesce(jobs.c.lease_until, 0) < db_now()
         with self._lock, self.engine.begin() as db:
             n = db.execute(jobs.delete().where(gone & (jobs.c.cancel == CANCEL_AND_DELETE)))
-            m = db.execute(jobs.update().where(gone).values(
-                status="cancelled", completed_at=int(time.time()), cancel=None, owner=None))
-            return n.rowcount + m.rowcount
+            ended = db.execute(jobs.update().where(gone).values(
+                status="cancelled", completed_at=int(time.time()), cancel=None, owner=None)
+                .returning(jobs.c.id)).scalars().all()
+            self._announce(db, ended)
+            return n.rowcount + len(ended)
 
     def add(self, settings: VideoJob, job_id: str | None = None) -> Job:
         job_id = job_id or new_id()
@@ -343,6 +366,8 @@ class JobStore:
             # A plain cancel that came during the decode was too late: the job has ended.
             db.execute(jobs.update().where((jobs.c.id == job_id) &
                                            (jobs.c.cancel == CANCEL)).values(cancel=None))
+            if done:
+                self._announce(db, [job_id])
         return done > 0
 
     def cancelled(self, job_id: str, result: dict, owner: str) -> None:
@@ -351,9 +376,63 @@ class JobStore:
         held = self._held(job_id, owner)
         with self._lock, self.engine.begin() as db:
             db.execute(jobs.delete().where(held & (jobs.c.cancel == CANCEL_AND_DELETE)))
-            db.execute(jobs.update().where(held).values(
-                status="cancelled", completed_at=int(time.time()), result=json.dumps(result),
-                cancel=None, lease_until=None))
+            if db.execute(jobs.update().where(held).values(
+                    status="cancelled", completed_at=int(time.time()),
+                    result=json.dumps(result), cancel=None, lease_until=None)).rowcount:
+                self._announce(db, [job_id])
+
+    # Webhooks: the outbox (engine.serve.webhooks delivers from it).
+
+    def _announce(self, db, job_ids) -> None:
+        """Inside the transaction that ended ``job_ids``: an outbox row, due now, for each
+        that asked for a ``callback_url`` and is not being deleted (a DELETE that came
+        while it ran removes it unannounced, as ``drop_if_deleted`` does)."""
+        if not job_ids:
+            return
+        ended = db.execute(jobs.select().where(
+            jobs.c.id.in_(list(job_ids)) & jobs.c.status.in_(ENDED) &
+            (sa.func.coalesce(jobs.c.cancel, "") != CANCEL_AND_DELETE))).all()
+        for job in map(_decode, ended):
+            hook = f"{job.id}:{job.status}"
+            known = db.execute(sa.select(outbox.c.id).where(outbox.c.id == hook)).first()
+            if job.settings.callback_url and known is None:
+                db.execute(outbox.insert().values(
+                    id=hook, url=job.settings.callback_url, attempts=0, due_at=db_now(),
+                    body=json.dumps(self.render(job), sort_keys=True)))
+
+    def claim_callback(self, owner: str, hold_s: float) -> dict | None:
+        """The longest-due webhook, now held by ``owner`` for ``hold_s`` seconds (its
+        ``attempts`` counted); None when none is due. Locked rows are skipped and the claim
+        is a guarded ``UPDATE``: two servers never hold one row at once, and a row whose
+        holder died is due again when the hold passes. Returns the row as a dict: "id",
+        "url", "body" (JSON text), "attempts" (this one included)."""
+        due = outbox.c.due_at <= db_now()
+        with self._lock, self.engine.begin() as db:
+            row = db.execute(sa.select(outbox.c.id).where(due).order_by(outbox.c.due_at)
+                             .limit(1).with_for_update(skip_locked=True)).first()
+            if row is None or not db.execute(outbox.update().where(
+                    (outbox.c.id == row.id) & due).values(
+                    owner=owner, due_at=db_now() + hold_s,
+                    attempts=outbox.c.attempts + 1)).rowcount:
+                return None
+            return dict(db.execute(outbox.select().where(outbox.c.id == row.id))
+                        .one()._mapping)
+
+    def callback_done(self, hook_id: str, owner: str) -> bool:
+        """Remove a webhook ``owner`` holds (delivered, refused or given up); False when its
+        hold had passed and another server took it."""
+        return self._execute(outbox.delete().where(
+            (outbox.c.id == hook_id) & (outbox.c.owner == owner))) > 0
+
+    def callback_retry(self, hook_id: str, owner: str, delay_s: float) -> bool:
+        """Release a webhook ``owner`` holds, due again ``delay_s`` seconds from now."""
+        return self._execute(outbox.update().where(
+            (outbox.c.id == hook_id) & (outbox.c.owner == owner)).values(
+            owner=None, due_at=db_now() + delay_s)) > 0
+
+    def pending_callbacks(self) -> int:
+        """Webhooks in the outbox, held or not."""
+        return self._execute(sa.select(sa.func.count()).select_from(outbox), rows=True)[0][0]
 
     # The HTTP side: cancel, delete, expire.
 
@@ -367,6 +446,7 @@ class JobStore:
             if db.execute(jobs.update().where((jobs.c.id == job_id) &
                                               (jobs.c.status == "queued")).values(
                     status="cancelled", completed_at=int(time.time()))).rowcount:
+                self._announce(db, [job_id])
                 return "queued"
             if db.execute(jobs.update().where((jobs.c.id == job_id) &
                                               (jobs.c.status == "in_progress")).values(
