@@ -39,6 +39,9 @@ from engine.serve.storage import SharedFolder, Storage
 from engine.serve.worker import Worker, video_name
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "index.html")
+# Seconds a client is asked to wait (``Retry-After``) when the job store does not answer:
+# a database restart or failover takes seconds to tens of seconds.
+STORE_RETRY_AFTER_S = 5
 
 
 @dataclasses.dataclass
@@ -143,7 +146,12 @@ def create_app(state: State) -> FastAPI:
         if info is not None:  # on disk before the job is committed: a restart finds it
             settings = dataclasses.replace(settings, input_reference=checks.InputReference(
                 **info, file=uploads.save(state.storage.folder, job_id, image, info)))
-        job = state.store.add(settings, job_id)
+        try:
+            job = state.store.add(settings, job_id)
+        except sa.exc.SQLAlchemyError:  # not accepted (503): no orphaned image file
+            if info is not None:
+                uploads.remove(state.storage.folder, settings)
+            raise
         state.wake.set()
         return video_object(job, state.store.queue_position(job), state.retention_s)
 
@@ -257,9 +265,13 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(sa.exc.SQLAlchemyError)
     async def store_away(_, e: sa.exc.SQLAlchemyError):
+        # Nothing was accepted (a create commits its job before answering): the client may
+        # send the same request again after Retry-After.
         return JSONResponse(ApiError(503, f"the job store did not answer "
-                                     f"({first_line(getattr(e, 'orig', None) or e)}); retry",
-                                     None, "store_unavailable", "server_error").body(), 503)
+                                     f"({first_line(getattr(e, 'orig', None) or e)}); retry "
+                                     f"after {STORE_RETRY_AFTER_S} s", None,
+                                     "store_unavailable", "server_error").body(), 503,
+                            headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(RequestValidationError)
     async def bad_query(_, e: RequestValidationError):

@@ -62,10 +62,10 @@ class Fleet:
             try:
                 if not self.store.heartbeat(self.id):  # forgotten after a long silence
                     self._register()
-            except sa.exc.SQLAlchemyError as e:  # the database is away: leases may lapse
-                print(f"heartbeat: the job store did not answer ({first_line(e)}); this "
-                      f"server's running job may be claimed by another after "
-                      f"{self.store.lease_s:g} s", file=sys.stderr, flush=True)
+            except sa.exc.SQLAlchemyError as e:  # tried again in a third of a lease
+                if not self.store.outage.away:  # an outage has its own line (outage.py)
+                    print(f"heartbeat: the job store failed ({first_line(e)})",
+                          file=sys.stderr, flush=True)
 
     def leave(self) -> None:
         """Stop the heartbeat and remove this server's row (a clean stop; a killed server's

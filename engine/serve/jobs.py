@@ -42,6 +42,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
+from engine.serve.outage import Outage
 from engine.serve.requests import VideoJob
 
 DB_NAME = "jobs.sqlite3"
@@ -194,10 +195,15 @@ class JobStore:
         self.shared = url.get_backend_name() != "sqlite"  # several servers may share it
         self.url = masked(url)
         if self.shared:
-            self.engine = sa.create_engine(url, pool_pre_ping=True, pool_size=4)
+            # A connection the database dropped (a restart) is replaced at checkout, and a
+            # host that does not answer fails a connect in 5 s instead of the OS's minutes.
+            self.engine = sa.create_engine(url, pool_pre_ping=True, pool_size=4,
+                                           connect_args=dict(connect_timeout=5))
         else:
             self.engine = sa.create_engine(url, connect_args={"check_same_thread": False})
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.outage = Outage(self.url, self.lease_s)  # engine.serve.outage: its lease rule
+        self.outage.watch(self.engine)
         # SQLite has one writer at a time: one lock keeps this process's threads from
         # meeting "database is locked"; PostgreSQL's row locks need none.
         self._lock = nullcontext() if self.shared else threading.Lock()
@@ -256,6 +262,8 @@ class JobStore:
         removed. Returns how many."""
         gone = (jobs.c.status == "in_progress") & jobs.c.cancel.is_not(None)
         if expired_only:
+            if not self.outage.settled():  # a lease that passed in an outage proves nothing
+                return 0
             gone &= sa.func.coalesce(jobs.c.lease_until, 0) < db_now()
         with self._lock, self.engine.begin() as db:
             n = db.execute(jobs.delete().where(gone & (jobs.c.cancel == CANCEL_AND_DELETE)))
@@ -304,6 +312,8 @@ class JobStore:
         run again from the start), of ``buckets``."""
         lapsed = (jobs.c.status == "in_progress") & jobs.c.cancel.is_(None) & \
             (sa.func.coalesce(jobs.c.lease_until, 0) < db_now())
+        if not self.outage.settled():  # back from an outage: owners renew first (outage.py)
+            lapsed = sa.false()
         return ((jobs.c.status == "queued") | lapsed) & jobs.c.bucket.in_(list(buckets))
 
     def claim(self, owner: str, buckets) -> Job | None:

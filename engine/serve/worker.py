@@ -6,6 +6,10 @@ lease while it runs (``engine.serve.fleet``'s heartbeat), and after each denoisi
 learns whether it was cancelled or is no longer its own (its lease passed while this server
 was unreachable, and another server took it over): either stops the job at that step.
 
+While the job store is away (``engine.serve.outage``) the running job goes on; its end is
+written once the store answers again, retried with bounded backoff (its lease holds
+meanwhile: the outage module's rule), and the next claim waits the same way.
+
 A job's failure (NaN latents, out of device memory) marks it
 ``failed`` with a one-line reason and the next job runs. In a multi-host run the other
 processes run the same job (``engine.serve.hosts``); when their outcome differs from
@@ -15,6 +19,7 @@ one-line error instead of risking a hang in the next collective.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -29,12 +34,12 @@ from engine.run.errors import GenerationError, UsageError, first_line
 from engine.serve import hosts, uploads
 from engine.serve.fleet import Fleet
 from engine.serve.jobs import LOST, Job, JobStore
+from engine.serve.outage import retry_delay
 from engine.serve.storage import Storage
 
 # Test hook: seconds to sleep after each denoising step of a served job, so a test can
 # cancel a running job between steps on the tiny checkpoint. Unset in normal use.
 STEP_DELAY_ENV = "GENERATE_FLAX_TEST_STEP_DELAY_S"
-STORE_RETRY_S = 2.0  # between claims while the job store does not answer
 
 
 def video_name(job_id: str) -> str:
@@ -64,10 +69,12 @@ class Worker:
         self.retention_s, self.next_sweep = retention_s, 0.0
         self.on_ended = on_ended  # f(job id) once a job has ended: its webhook
         self.wake, self.stopping, self.fatal = threading.Event(), False, None
+        self.halt = threading.Event()  # set by stop: ends a wait for the store at once
         self.done = 0
 
     def stop(self) -> None:
         self.stopping = True
+        self.halt.set()
         self.wake.set()
 
     def sweep(self) -> list[str]:
@@ -85,13 +92,16 @@ class Worker:
         return [job.id for job in expired]
 
     def loop(self) -> None:
+        away = 0  # claims in a row the store failed
         while not self.stopping:
             try:
                 self.sweep()
                 job = self.store.claim(self.fleet.id, self.fleet.buckets)
+                away = 0
             except sa.exc.SQLAlchemyError as e:  # the store is away: wait, never end
-                _store_away("claiming the next job", e)
-                self.wake.wait(STORE_RETRY_S)
+                _store_away(self.store, "claiming the next job", e)
+                self.halt.wait(retry_delay(away))
+                away += 1
                 continue
             if job is None:
                 self.wake.wait(0.5)
@@ -99,9 +109,9 @@ class Worker:
                 continue
             try:
                 self.run_one(job)
-            except sa.exc.SQLAlchemyError as e:  # its end unrecorded: its lease will lapse
-                _store_away(f"recording how {job.id} ended (it runs again once its lease "
-                            "passes)", e)
+            except sa.exc.SQLAlchemyError as e:  # stopping with its end unrecorded
+                _store_away(self.store, f"recording how {job.id} ended (it runs again once "
+                            "its lease passes)", e, always=True)
             except Exception as e:
                 self.fatal = f"job {job.id}: {first_line(e)}"
                 self.on_fatal(self.fatal)
@@ -118,7 +128,8 @@ class Worker:
         try:
             image = uploads.load(self.storage.folder, job.settings)
         except OSError as e:  # its input_reference was removed: this job only
-            self.store.fail(job_id, f"input_reference: {first_line(e)}", owner)
+            line = f"input_reference: {first_line(e)}"
+            self._ended(job, "failed", lambda: self.store.fail(job_id, line, owner))
             return
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
@@ -164,7 +175,7 @@ class Worker:
                 time.sleep(delay)  # the test hook: a cancel lands between steps
                 pending = self.store.check(job_id, self.fleet.id)
             except sa.exc.SQLAlchemyError as e:  # go on; the lease says whose the job is
-                _store_away(f"{job_id}'s step {done}", e)
+                _store_away(self.store, f"{job_id}'s step {done}", e)
                 pending = None
             if seq is not None:
                 self.handoff.decide(seq, done, pending is not None)
@@ -184,22 +195,23 @@ class Worker:
         if isinstance(error, LeaseLost):
             lost = True
         elif isinstance(error, hosts.JobCancelled):
-            self.store.cancelled(job.id, dict(files=[], timings={}, steps_done=error.steps,
-                                              wall_s=wall_s), owner)
-            if self.store.get(job.id) is None:  # DELETE of a running job: its image too
-                uploads.remove(self.storage.folder, job.settings)
+            result = dict(files=[], timings={}, steps_done=error.steps, wall_s=wall_s)
+            self._ended(job, "cancelled",
+                        lambda: self.store.cancelled(job.id, result, owner) or True)
+            if self._answered(lambda: self.store.get(job.id)) is None:  # DELETE of a
+                uploads.remove(self.storage.folder, job.settings)  # running job: its image
             print(f"{job.id}: cancelled after {error.steps} steps", flush=True)
         elif error is not None:
             line = first_line(error) if isinstance(error, (GenerationError, UsageError)) \
                 else f"{type(error).__name__}: {first_line(error)}"
-            lost = not self.store.fail(job.id, line, owner)
+            lost = not self._ended(job, "failed", lambda: self.store.fail(job.id, line, owner))
             if not lost:
                 print(f"{job.id}: failed: {line}", flush=True)
         else:
-            lost = not self.store.complete(job.id, dict(files=files, timings=timings,
-                                                        wall_s=wall_s,
-                                                        **reporting.audio_fields(audio)),
-                                           owner)
+            result = dict(files=files, timings=timings, wall_s=wall_s,
+                          **reporting.audio_fields(audio))
+            lost = not self._ended(job, "completed",
+                                   lambda: self.store.complete(job.id, result, owner))
             if not lost:
                 print(f"{job.id}: completed in {wall_s:.2f} s ({', '.join(files)})",
                       flush=True)
@@ -213,10 +225,47 @@ class Worker:
             uploads.remove(self.storage.folder, job.settings)
         return True
 
+    def _answered(self, call):
+        """``call()``, a store call, retried with backoff while the store is away.
 
-def _store_away(doing: str, error: Exception) -> None:
-    print(f"job store unreachable while {doing}: {first_line(error)}", file=sys.stderr,
-          flush=True)
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the store's error, only once the server stops.
+        """
+        for attempt in itertools.count():
+            try:
+                return call()
+            except sa.exc.SQLAlchemyError as e:
+                if self.stopping:
+                    raise
+                _store_away(self.store, "recording a job's end", e)
+                self.halt.wait(retry_delay(attempt))
+
+    def _ended(self, job: Job, status: str, write) -> bool:
+        """Record how ``job`` ended: ``write()`` (a guarded store call, True when it wrote)
+        until the store answers, so a job that finished while the database was away is
+        recorded when it is back, neither lost nor run again (its lease holds meanwhile:
+        ``engine.serve.outage``). False when the job is no longer this server's."""
+        tries = [0]
+
+        def once():
+            tries[0] += 1
+            return write()
+
+        if self._answered(once):
+            return True
+        if tries[0] == 1:
+            return False
+        # A try that failed may have committed and lost only its answer: the row says.
+        row = self._answered(lambda: self.store.get(job.id))
+        return row is not None and row.owner == self.fleet.id and row.status == status
+
+
+def _store_away(store: JobStore, doing: str, error: Exception, always: bool = False) -> None:
+    """One line for a store error, unless it is an outage the store already reported
+    (``engine.serve.outage``: one line per outage, not one per retry)."""
+    if always or not store.outage.away:
+        print(f"job store error while {doing}: {first_line(error)}", file=sys.stderr,
+              flush=True)
 
 
 def sweep_interval_s(retention_s: float) -> float:
