@@ -13,6 +13,8 @@ loaded, placed and compiled model, with a web page at ``/``:
     fatal_log  a multi-host process's stderr filter: JAX's fatal log on a peer's death -> one
                error line
     worker     one job at a time on the mesh, in arrival order
+    webhooks   callback_url: an outbox row in the job store, delivered signed (Standard
+               Webhooks), at least once, to public hosts only
     app        the FastAPI app and ``serve`` (uvicorn)
 
 The top wing of the engine: it imports the wings below it and never the script or
