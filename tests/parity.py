@@ -1,6 +1,6 @@
 """Parity against an eager reference, failing loudly with a diagnosis.
 
-The parity tests compare our frames with diffusers' eager float32 pipeline at atol 1e-3
+The parity tests compared our frames with diffusers' eager float32 pipeline at atol 1e-3
 while the two agree to ~2e-7 (measured; both sides are bit-identical across repeated runs in
 one process). Rare failures (1 in ~835 suite tests under load; once in CI, 2026-11-27, on a
 machine whose CPU differs from ours) had frames off by up to 0.07 in one patch of the last
@@ -11,11 +11,14 @@ is sign(x), a step. Where x is within float32 rounding of 0 a rounding differenc
 pixels by ~0.07, while the latents agree to 1e-6 of their scale (measured: the reference
 under torch's AVX2 and its non-vector kernels gives latents 1.8e-5 apart on a max of 13 and
 frames 0.036 apart; the first layer that differs by more than 1e-3 is that norm: 3e-7 in,
-2.0 out). So the tests that met such a flip compare the **final latents** (the VAE decode's
-input, diffusers' ``output_type="latent"``), which the flip never touches: ``our_latents``
-records ours. When a comparison fails, the helper computes both sides once more and says
-which of them changed between two identical runs. It never passes a test on the second try:
-a mismatch always fails.
+2.0 out). So every parity test that decodes through the tiny Wan 2.1 VAE compares the
+**final latents** (the VAE decode's input, diffusers' ``output_type="latent"``), which the
+flip never touches: ``our_latents`` records ours. One end-to-end test
+(``test_pipeline_parity.py::test_float32_frames_match_diffusers``) also keeps the frames,
+with ``assert_frames_close_but_a_patch``'s bound, which allows such a patch. When a
+comparison fails, the helper computes both sides once more and says which of them changed
+between two identical runs. It never passes a test on the second try: a mismatch always
+fails.
 """
 
 from __future__ import annotations
@@ -64,6 +67,36 @@ def assert_frames_close(ours, want, *, atol: float, again, what: str = "frames")
         f"{what} differ beyond atol {atol}: {_where(ours, want)}; run again: ours vs ours "
         f"{_where(ours2, ours)}, reference vs reference {_where(want2, want)}, ours vs "
         f"reference {_where(ours2, want2)}")
+
+
+def assert_frames_close_but_a_patch(ours, want, *, atol: float, patch_atol: float,
+                                    patch_fraction: float) -> None:
+    """Frames through the tiny Wan 2.1 VAE: equal within ``atol`` except for at most
+    ``patch_fraction`` of the values, which may be off by up to ``patch_atol``.
+
+    The VAE's one-channel RMS norm (module docstring) can flip on a float32 rounding
+    difference and move a patch of pixels (measured: 188 of 165,888 values by up to 0.017;
+    elsewhere up to 0.07); a decode bug (an axis, a scale or shift, a frame) moves most
+    values. The latents, compared tightly beside this, carry the precision.
+
+    Args:
+        ours, want: equal-shape frames in [0, 1], ours and the reference's.
+        atol: the bound for all but ``patch_fraction`` of the values.
+        patch_atol: the bound for every value.
+        patch_fraction: the largest share of values allowed beyond ``atol`` (0-1).
+
+    Raises:
+        AssertionError: either bound broken, naming the largest difference, where, and how
+            many values are beyond ``atol``.
+    """
+    ours, want = np.asarray(ours), np.asarray(want)
+    assert ours.shape == want.shape, (ours.shape, want.shape)
+    diff = np.abs(ours.astype(np.float64) - want.astype(np.float64))
+    beyond = int((diff > atol).sum())
+    assert diff.max() <= patch_atol and beyond <= patch_fraction * diff.size, (
+        f"frames differ beyond a patch: {beyond} of {diff.size} values beyond atol {atol} "
+        f"(allowed {patch_fraction:.2%}), every value within {patch_atol} required; "
+        f"{_where(ours, want)}")
 
 
 @contextlib.contextmanager
