@@ -183,6 +183,8 @@ SLOW = {
     "test_serve_faults.py::test_two_processes_serve_as_one": "",
     "test_serve_i2v.py": "| test_serve.py's OpenAI client",
     "test_time_to_ready.py::test_a_restarted_server_compiles_nothing": "| warm run",
+    "test_executable_cache_reuse.py::test_servers_in_turn_load_what_the_second_stored":
+        "three servers (~140 s) | the CLI's three runs",
     "test_time_to_ready.py::test_the_dry_run_exports_the_keys_a_run_computes": "",
     "test_time_to_ready.py::test_step_cache_programs_load_warm_with_the_same_frames": "",
     "test_cli.py::test_second_process_hits_the_persistent_compilation_cache": "| ttr warm run",

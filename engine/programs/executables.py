@@ -21,6 +21,12 @@ temporary name and renamed. A missing, truncated, corrupt, stale or mismatched e
 warning naming the reason, then a normal compile that replaces it; never a crash, never a
 wrong executable. The key sees source files on disk, not code patched at run time.
 
+Only a fresh compile is stored: a program to be stored is compiled past JAX's persistent
+compilation cache, since an executable that cache hands back runs but, on XLA:CPU, serialises
+without its code (``_compile`` says more). And a loaded program's first call is checked: one
+the runtime rejects is evicted, recompiled and logged as a miss, once, and the run goes on
+(``Checked``).
+
 Trust: the payload is JAX's own pickle-based format; loading one runs code, so the cache
 directory must be as trusted as the code itself (it lives in the user's cache folder). As
 ssh does with its keys, an entry is loaded only when its payload and the folder are owned by
@@ -45,6 +51,7 @@ from collections.abc import Callable
 
 import jax
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 
 from engine.run.errors import first_line
 
@@ -184,10 +191,11 @@ def compile_program(name: str, lower: Callable, args: tuple, *, extra=None,
 
     Returns:
         (``jax.stages.Compiled``, the meta value: stored on a hit, ``meta()`` on a compile,
-        None without ``meta``).
+        None without ``meta``). A loaded program comes as a ``Checked`` (the same calls and
+        attributes), whose first call is checked (see ``Checked``).
     """
     cache = _ACTIVE.stack[-1] if _ACTIVE.stack else None
-    entry = None
+    entry = sig = None
     if cache is not None:
         sig = dict(program=name, signature=signature(args, extra),
                    devices=[d.id for d in cache.devices])
@@ -196,20 +204,135 @@ def compile_program(name: str, lower: Callable, args: tuple, *, extra=None,
         loaded, reason = _load(entry, cache, args)
         if loaded is not None:
             EVENTS.append((name, "loaded", None))
-            return loaded
+            redo = functools.partial(_compile, name, lower, meta, cache, entry, sig)
+            return Checked(loaded[0], name, entry, redo), loaded[1]
         if reason is not None:
             log.warning("executable cache: %s: %s; compiling", name, reason)
+    return _compile(name, lower, meta, cache, entry, sig)
+
+
+def _compile(name: str, lower: Callable, meta, cache: Cache | None, entry: str | None,
+             sig: dict | None, reason: str | None = None):
+    """Lower and compile (tracing included), count it, and store it in ``cache`` under
+    ``entry`` when one is open; returns (compiled, ``meta()`` or None).
+
+    A program to be stored is compiled past JAX's persistent compilation cache
+    (``_fresh_compiles``): an executable that cache hands back is fit to run, not to be
+    serialised again. XLA:CPU deserialises a cached executable without the object code of
+    its fused functions, and ``serialize_executable.serialize`` of it then writes a payload
+    that loads but cannot run ("Function select_compare_fusion not found" at the first
+    dispatch; a toy program's payload shrank from 20,961 to 12,478 bytes; jax 0.10.2,
+    2026-12-02). Skipping JAX's cache costs nothing the executable cache does not repay:
+    the next run loads the stored program without tracing or compiling."""
     t0 = time.perf_counter()
     lowered = lower()
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    with _fresh_compiles() if entry is not None else contextlib.nullcontext():
+        hits = _jax_cache_hits()
+        compiled = lowered.compile()
+        served = _jax_cache_hits() > hits
     t2 = time.perf_counter()
     _count(compiled=1, lower_s=t1 - t0, compile_s=t2 - t1)
     value = meta() if meta is not None else None
-    EVENTS.append((name, "compiled", None if cache is None else "stored"))
-    if entry is not None:
+    stored = entry is not None and not served
+    EVENTS.append((name, "compiled", reason or ("stored" if stored else None)))
+    if stored:
         _store(entry, cache, compiled, value, sig)
+    elif entry is not None:  # another thread turned JAX's cache back on mid-compile
+        log.warning("executable cache: %s: not stored (JAX's compilation cache served it, "
+                    "and such an executable cannot be serialised again)", name)
     return compiled, value
+
+
+class _Hits(threading.local):
+    n = 0
+
+
+_HITS = _Hits()
+_BYPASS = dict(depth=0, toggled=False)
+_BYPASS_LOCK = threading.Lock()
+
+
+def _count_hit(event: str, **_) -> None:
+    # jax.monitoring calls listeners synchronously in the compiling thread
+    # (jax/_src/compiler.py: compile_or_get_cached), so a thread-local count is this
+    # thread's compiles' alone.
+    if event == "/jax/compilation_cache/cache_hits":
+        _HITS.n += 1
+
+
+@functools.lru_cache(maxsize=1)
+def _listening() -> bool:
+    jax.monitoring.register_event_listener(_count_hit)
+    return True
+
+
+def _jax_cache_hits() -> int:
+    """This thread's count of programs JAX's persistent cache has served."""
+    _listening()
+    return _HITS.n
+
+
+@contextlib.contextmanager
+def _fresh_compiles():
+    """Within the block, JAX's persistent compilation cache is off (neither read nor
+    written), for every thread: JAX reads its setting once and keeps it process-wide
+    (``compilation_cache.is_cache_used``), so it is turned off and reset, then on and reset
+    (``compilation_cache.reset_cache``, as ``engine.run.runtime.enable_compilation_cache``
+    does). Blocks may nest and overlap across threads (a background compile,
+    ``engine.pipeline.ahead``): the first to enter turns it off, the last to leave back on.
+    Another thread's compile meanwhile compiles instead of reading the cache."""
+    with _BYPASS_LOCK:
+        if _BYPASS["depth"] == 0:
+            _BYPASS["toggled"] = (jax.config.jax_enable_compilation_cache
+                                  and jax.config.jax_compilation_cache_dir is not None)
+            if _BYPASS["toggled"]:
+                jax.config.update("jax_enable_compilation_cache", False)
+                compilation_cache.reset_cache()
+        _BYPASS["depth"] += 1
+    try:
+        yield
+    finally:
+        with _BYPASS_LOCK:
+            _BYPASS["depth"] -= 1
+            if _BYPASS["depth"] == 0 and _BYPASS["toggled"]:
+                jax.config.update("jax_enable_compilation_cache", True)
+                compilation_cache.reset_cache()
+
+
+class Checked:
+    """A program loaded from the cache whose first call is checked: it is run to completion
+    (``jax.block_until_ready``); if the runtime rejects it (``JaxRuntimeError``: an entry
+    that loads but cannot run, e.g. one written before ``_compile`` skipped JAX's cache),
+    the entry is evicted, the program recompiled (and stored again), one warning names the
+    reason, and the call is answered by the new program, once. Later calls go straight to
+    the program: one attribute test each. Other attributes (``memory_analysis``...) are the
+    program's."""
+
+    def __init__(self, compiled, name: str, entry: str, redo: Callable):
+        self.compiled, self._name, self._entry, self._redo = compiled, name, entry, redo
+
+    def __call__(self, *args, **kwargs):
+        if self._redo is None:
+            return self.compiled(*args, **kwargs)
+        try:
+            out = jax.block_until_ready(self.compiled(*args, **kwargs))
+        except jax.errors.JaxRuntimeError as e:
+            reason = f"loaded program failed at its first call ({first_line(e)})"
+            log.warning("executable cache: %s: %s; evicted, compiling", self._name, reason)
+            for suffix in (".json", ".bin"):  # the header first: no reader sees half an entry
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._entry + suffix)
+            _count(loaded=-1)
+            self.compiled, _ = self._redo(reason=reason)
+            out = self.compiled(*args, **kwargs)
+        self._redo = None  # drops the lowering closure (and what it holds)
+        return out
+
+    def __getattr__(self, attr):
+        if attr == "compiled":  # not yet set: no recursion
+            raise AttributeError(attr)
+        return getattr(self.compiled, attr)
 
 
 def _load(entry: str, cache: Cache, args):
