@@ -401,6 +401,24 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
         new = dict(zip(names, [hidden, *rest], strict=True))
         return args, {**kwargs, **{k: v for k, v in new.items() if k in kwargs}}
 
+    blocks = list(getattr(transformer, stack.attr))
+    hooks = [block.register_forward_pre_hook(constrain_kwargs, with_kwargs=True)
+             if stack.token_kwargs else block.register_forward_pre_hook(constrain)
+             for block in blocks]
+    if "tp" in axes:
+        hooks += _megatron_sublayer_hooks(blocks, mesh, axes, stack)
+    return hooks + _end_padding_hooks(blocks, padding, stack) + _mark_video_key_attentions(
+        transformer, stack)
+
+
+def _end_padding_hooks(blocks, padding: dict, stack) -> list:
+    """The hooks that end sequence parallelism's token padding (``padding``: the record the
+    blocks' pre-hooks of ``add_sequence_parallel_hooks`` keep, with the ``splash.sdpa``
+    declaration's token): after the last block the declaration ends and the padded rows are
+    sliced off the output; when any block raises, the declaration and the record end too
+    (an ``always_call`` hook), or every later trace (every later job of a server) would see
+    this trace's padding. Returns the hook handles."""
+
     def unpad(module, args, output):
         if not padding:
             return output
@@ -413,22 +431,13 @@ def add_sequence_parallel_hooks(transformer, mesh, *, stack=scan_layers.DEFAULT_
         return (hidden, *output[1:]) if stack.carry > 1 else hidden
 
     def drop_on_raise(module, args, output):
-        # torch calls an ``always_call`` hook with output None when the block raised: the
-        # declaration and the record end here, or every later trace (every later job in a
-        # server) would see this trace's padding.
+        # torch calls an ``always_call`` hook with output None when the block raised.
         if output is None and padding:
             csa.unpad_self_attention_keys(padding["token"])
             padding.clear()
 
-    blocks = list(getattr(transformer, stack.attr))
-    hooks = [block.register_forward_pre_hook(constrain_kwargs, with_kwargs=True)
-             if stack.token_kwargs else block.register_forward_pre_hook(constrain)
-             for block in blocks]
-    if "tp" in axes:
-        hooks += _megatron_sublayer_hooks(blocks, mesh, axes, stack)
-    hooks.append(blocks[-1].register_forward_hook(unpad))
-    hooks += [block.register_forward_hook(drop_on_raise, always_call=True) for block in blocks]
-    return hooks + _mark_video_key_attentions(transformer, stack)
+    return [blocks[-1].register_forward_hook(unpad),
+            *(block.register_forward_hook(drop_on_raise, always_call=True) for block in blocks)]
 
 
 def _mark_video_key_attentions(transformer, stack) -> list:
