@@ -181,6 +181,8 @@ SLOW = {
     "test_serve_faults.py::test_kill_9_then_restart": "",
     "test_serve_faults.py::test_a_dead_process_ends_the_server_in_one_line": "",
     "test_serve_faults.py::test_two_processes_serve_as_one": "",
+    "test_serve_webhooks.py::test_a_callback_survives_kill_9_and_the_next_server_delivers_it_"
+    "once[postgresql]": "two servers (~100 s) | [sqlite], the outbox's PostgreSQL tests",
     "test_serve_i2v.py": "| test_serve.py's OpenAI client",
     "test_time_to_ready.py::test_a_restarted_server_compiles_nothing": "| warm run",
     "test_executable_cache_reuse.py::test_servers_in_turn_load_what_the_second_stored":

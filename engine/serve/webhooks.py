@@ -57,6 +57,7 @@ TIMEOUT_S = 10.0
 HOLD_S = 3 * TIMEOUT_S  # a claim outlives one attempt (resolve, connect, answer)
 POLL_S = 0.5  # how often an idle delivery thread looks at the outbox
 KEEP = 100  # the ``delivered`` entries kept (the newest)
+ANSWER_BYTES = 64 * 1024  # what is read of a receiver's answer
 log = logging.getLogger("generate_flax.serve.webhooks")
 
 
@@ -262,7 +263,7 @@ class Webhooks:
             connection.request("POST", path + (f"?{parts.query}" if parts.query else ""),
                                body=body.encode(), headers=self.headers(hook, body))
             response = connection.getresponse()
-            response.read()
+            response.read(ANSWER_BYTES)  # only the status matters; a huge answer is not kept
         finally:
             connection.close()
         if response.status >= 300:
