@@ -296,7 +296,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     family_key = _validate_model(args)
     family, options = FAMILIES[family_key], resolve_options(args, family_key)
     check_attention_options(args, family)
-    quantize.check_flag(args.quantize, family, args.topology if args.dry_run else None)
+    env = quantize.check_flag(args.quantize, family, args.topology if args.dry_run else None)
     defaults = {**family.flags.defaults, **family.flags.checkpoint_defaults(args.model_id)}
     values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
               for k in FAMILY_FLAGS}
@@ -339,7 +339,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     flags = {k: v for k, v in vars(args).items() if k not in step_cache_flags.FLAGS + serving.FLAGS
              + upscale.FLAGS + OPTION_NAMES + sparse.FLAGS + ("cache", "sr")}
     config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
-                          "options": options,
+                          "options": options, "process_env": env,
                           "flow_shift": flow_shift, "flow_shift_source": source,
                           "default_sources": sources})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     if config.dry.dry_run:
         return run_dry(config, family, checked)
     runtime.start_distributed(config.hosts.coordinator_address, config.hosts.num_processes,
-                              config.hosts.process_id)
+                              config.hosts.process_id, process_env=config.process_env)
     if config.serve is not None:  # the same stages, one load and compile, many jobs
         return serve(config, family)
     return generate(config, family, checked)

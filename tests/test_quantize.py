@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import generate_flax  # noqa: E402
 from engine.pipeline.generation import generate  # noqa: E402
+from engine.run import runtime  # noqa: E402
 from engine.weights import lora, placement, quantize, sharding  # noqa: E402
 from families import FAMILIES  # noqa: E402
 
@@ -187,39 +188,37 @@ def test_scale_specs_follow_the_weights_output_axis():
     assert out["s.weight_scale"] == P(None, ("tp", "sp"))
 
 
-def test_fp8_run_sends_gpu_dots_to_cublaslt_unless_the_user_chose(monkeypatch):
-    # An fp8 run adds the flag before the backend starts; a user's own setting wins; a dry
-    # run (TPU, deviceless) and int8 leave XLA_FLAGS alone.
+def test_fp8_run_sends_gpu_dots_to_cublaslt_unless_the_user_chose():
+    # An fp8 run asks for the flag (applied where the runtime starts); a user's own setting
+    # wins; a dry run (TPU, deviceless) and int8 ask for nothing in XLA_FLAGS. The check
+    # itself writes nothing (tests/test_process_env.py).
     family = FAMILIES["wan"]
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    quantize.check_flag("fp8", family, None)
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    runtime.apply_process_env(quantize.check_flag("fp8", family, None), env)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
     env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
-    quantize.prefer_cublas_fp8(env)
+    runtime.apply_process_env(quantize.prefer_cublas_fp8(), env)
     assert env == {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
-    monkeypatch.delenv("XLA_FLAGS")
-    quantize.check_flag("int8", family, None)
-    quantize.check_flag("fp8", family, "tpu7x:2x2x1")
-    assert "XLA_FLAGS" not in os.environ
+    assert quantize.check_flag("int8", family, None).xla_flags == ()
+    assert quantize.check_flag("fp8", family, "tpu7x:2x2x1").xla_flags == ()
 
 
 def test_8_bit_runs_ask_libtpu_to_fuse_the_quantization(monkeypatch):
     """Dry runs and runs that may take a TPU get the flag; the user's own setting wins; a run
     on another platform and an unquantized run leave LIBTPU_INIT_ARGS alone."""
     family, flag = FAMILIES["wan"], quantize.TPU_INPUT_FUSION
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_jf_dump_to=/tmp/x")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    quantize.check_flag("int8", family, "v6e:2x4")
-    assert os.environ["LIBTPU_INIT_ARGS"] == f"--xla_jf_dump_to=/tmp/x {flag}=true"
+    env = {"LIBTPU_INIT_ARGS": "--xla_jf_dump_to=/tmp/x"}
+    runtime.apply_process_env(quantize.check_flag("int8", family, "v6e:2x4"), env)
+    assert env["LIBTPU_INIT_ARGS"] == f"--xla_jf_dump_to=/tmp/x {flag}=true"
     env = {"LIBTPU_INIT_ARGS": f"{flag}=false"}
-    quantize.prefer_fused_quantization(env, dry_run=True)
+    runtime.apply_process_env(quantize.prefer_fused_quantization(env, dry_run=True), env)
     assert env == {"LIBTPU_INIT_ARGS": f"{flag}=false"}
-    monkeypatch.delenv("LIBTPU_INIT_ARGS")
-    quantize.check_flag("int8", family, None)  # JAX_PLATFORMS=cpu: no TPU to tell
-    quantize.check_flag("none", family, "v6e:2x4")
-    assert "LIBTPU_INIT_ARGS" not in os.environ
+    for settings in (quantize.check_flag("int8", family, None),  # JAX_PLATFORMS=cpu
+                     quantize.check_flag("none", family, "v6e:2x4")):
+        assert runtime.apply_process_env(settings, env := {}) == {} and env == {}
     env = {"JAX_PLATFORMS": "tpu,cpu"}
-    quantize.prefer_fused_quantization(env, dry_run=False)
+    runtime.apply_process_env(quantize.prefer_fused_quantization(env, dry_run=False), env)
     assert env["LIBTPU_INIT_ARGS"] == f"{flag}=true"
 
 
@@ -367,7 +366,6 @@ def test_tpu_compiles_8_bit_matmuls_and_the_estimate_charges_the_8_bit_rate(
     import subprocess
 
     from engine.dry_run import estimate
-    from engine.run import runtime
 
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: no deviceless TPU compiler")
@@ -376,7 +374,8 @@ def test_tpu_compiles_8_bit_matmuls_and_the_estimate_charges_the_8_bit_rate(
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     for key in ("LIBTPU_INIT_ARGS", "TPU_LIBRARY_PATH", "TPU_ACCELERATOR_TYPE"):
         env.pop(key, None)
-    quantize.prefer_fused_quantization(env, dry_run=True)  # as check_flag does for a dry run
+    # as a dry run applies check_flag's settings
+    runtime.apply_process_env(quantize.prefer_fused_quantization(env, dry_run=True), env)
     code = DEVICELESS.format(root=ROOT, topology=topology, scheme=scheme)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=env)

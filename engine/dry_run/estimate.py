@@ -302,19 +302,16 @@ def program_summary(hlo_text: str, chip: str, *, profile: dict | None = None,
 
 
 def setup_profile_environment(profile_dir: str | None = None) -> str:
-    """Put ``PROFILE_FLAG`` and the deviceless libtpu variables in the environment, before
-    libtpu loads; returns the profile directory (the flag's, if one was already set)."""
-    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
-    m = re.search(PROFILE_FLAG + r"=(\S+)", flags)
-    if m:
-        profile_dir = m.group(1)
-    else:
-        profile_dir = profile_dir or tempfile.mkdtemp(prefix="static_profile_")
-        os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {PROFILE_FLAG}={profile_dir}".strip()
-    for key, value in dict(TPU_ACCELERATOR_TYPE="v6e-8", TPU_WORKER_HOSTNAMES="localhost",
-                           TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-                           JAX_PLATFORMS="cpu").items():
-        os.environ.setdefault(key, value)
+    """Start a profiling process: put ``PROFILE_FLAG`` and the deviceless libtpu variables in
+    the environment (``runtime.apply_process_env``), before libtpu loads; returns the
+    profile directory (the flag's, if one was already set)."""
+    m = re.search(PROFILE_FLAG + r"=(\S+)", os.environ.get("LIBTPU_INIT_ARGS", ""))
+    profile_dir = m.group(1) if m else profile_dir or tempfile.mkdtemp(prefix="static_profile_")
+    runtime.apply_process_env(runtime.ProcessEnv(
+        libtpu_args=(f"{PROFILE_FLAG}={profile_dir}",),
+        defaults=(("TPU_ACCELERATOR_TYPE", "v6e-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                  ("TPU_SKIP_MDS_QUERY", "1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+                  ("JAX_PLATFORMS", "cpu"))))
     os.makedirs(profile_dir, exist_ok=True)
     return profile_dir
 
@@ -340,17 +337,23 @@ def clear_profile() -> str:
 
 
 def dump_block_hlo() -> str:
-    """Have XLA write the one-block program's optimized HLO as text (``XLA_FLAGS``; set before
-    libtpu loads); returns the directory.
+    """Apply ``block_hlo_env`` to the process environment (before libtpu loads); returns the
+    dump's directory."""
+    path = tempfile.mkdtemp(prefix="estimate_hlo_")
+    runtime.apply_process_env(block_hlo_env(path))
+    return path
+
+
+def block_hlo_env(path: str | None = None) -> runtime.ProcessEnv:
+    """``XLA_FLAGS`` that have XLA write the one-block program's optimized HLO as text to
+    ``path`` (None: a new temporary directory), as a ``runtime.ProcessEnv``.
 
     For tpu7x: jaxlib 0.10.2 cannot read back what libtpu 0.0.51 compiled
     (``compiled.as_text()``: "RET_CHECK failure ... async-update instruction should have 1
     operands but sees 3"), while libtpu's own dump is text from its own printer."""
-    path = tempfile.mkdtemp(prefix="estimate_hlo_")
-    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={path} "
-                               f"--xla_dump_hlo_as_text "
-                               f"--xla_dump_hlo_module_re=.*{BLOCK_NAME}.*").strip()
-    return path
+    path = path or tempfile.mkdtemp(prefix="estimate_hlo_")
+    return runtime.ProcessEnv(xla_flags=(f"--xla_dump_to={path}", "--xla_dump_hlo_as_text",
+                                         f"--xla_dump_hlo_module_re=.*{BLOCK_NAME}.*"))
 
 
 def block_hlo_text(compiled) -> str:

@@ -376,12 +376,17 @@ def _hosts(placed, vae_placed, n_experts: int = 1) -> dict:
 
 
 def _deviceless(config):
-    """Set libtpu up to compile for ``--topology`` with no TPU; (devices, chip)."""
+    """Start the dry run's runtime: libtpu set up to compile for ``--topology`` with no TPU,
+    after the flags' own settings (``config.process_env``: --quantize's libtpu flag), all
+    applied here, before libtpu loads (``runtime.apply_process_env``); (devices, chip)."""
+    settings = config.process_env or runtime.ProcessEnv()
     if config.dry.estimate and config.dry.topology.split(":")[0] in runtime.PROFILE_LIBTPU_CHIPS:
-        estimate.dump_block_hlo()  # the newer libtpu's HLO is read from its own text dump
+        settings += estimate.block_hlo_env()  # the newer libtpu's HLO is read from its dump
     # An exported VAE decode must be the program a run compiles: the full convolution search.
-    runtime.use_deviceless_tpu(config.dry.topology, profile_libtpu=True, fast_convs=not (
-        config.dry.dry_run_exact_convs or config.dry.aot_export))
+    settings += runtime.deviceless_tpu_env(config.dry.topology, profile_libtpu=True,
+                                           fast_convs=not (config.dry.dry_run_exact_convs
+                                                           or config.dry.aot_export))
+    runtime.apply_process_env(settings)
     runtime.configure_jax_platform()
     runtime.quiet_known_warnings()
     devices, chip = _topology(config.dry.topology)

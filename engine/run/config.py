@@ -181,7 +181,7 @@ GROUPS = (("model", ModelSettings), ("video", VideoSettings), ("layout", LayoutS
           ("hosts", HostSettings))
 _GROUP_OF = {f.name: group for group, cls in GROUPS for f in dataclasses.fields(cls)}
 # Settings kept as one value, not a flag group.
-_WHOLE = ("step_cache", "serve", "upscale", "sparse")
+_WHOLE = ("step_cache", "serve", "upscale", "sparse", "process_env")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,10 @@ class RunConfig:
     ``HostSettings``; step_cache: ``engine.programs.step_cache_settings.CacheSettings`` (None: off);
     serve: ``engine.serve.flags.ServeSettings`` (None: no --serve); upscale: the family's
     super-resolution settings (``families.base.Upscale.validate``; None: no --sr); sparse:
-    ``engine.programs.sparse.SparseSettings`` (None: --sparse none).
+    ``engine.programs.sparse.SparseSettings`` (None: --sparse none); process_env: the
+    ``engine.run.runtime.ProcessEnv`` the flags ask for (XLA and libtpu flags; None:
+    nothing), computed by validation without writing the environment and applied where the
+    runtime starts (``runtime.start_distributed``, the dry run's deviceless setup).
     Build one from flat flag values with ``from_flags``; ``replace`` takes flat names too.
     """
 
@@ -209,6 +212,7 @@ class RunConfig:
     serve: Any = None
     upscale: Any = None
     sparse: Any = None
+    process_env: Any = None
 
     @classmethod
     def from_flags(cls, **values) -> RunConfig:

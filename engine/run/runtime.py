@@ -4,6 +4,7 @@ host gathers, the deviceless TPU compile setup, and one-line device out-of-memor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import importlib.util
 import logging
@@ -13,6 +14,7 @@ import re
 import sys
 import warnings
 import zlib
+from collections.abc import Mapping, MutableMapping
 
 import jax
 import numpy as np
@@ -47,6 +49,59 @@ def has_gpu_device_files() -> bool:
         importlib.util.find_spec(p) is not None for p in plugins)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessEnv:
+    """Environment settings that XLA and libtpu read once, when their backend starts, as a
+    value: validation computes them (``engine.weights.quantize.check_flag``), the dry run adds
+    its own (``deviceless_tpu_env``), and only ``apply_process_env`` writes them, where the
+    runtime starts. Validating in-process (a test, the server) thus leaves the environment
+    as it was.
+
+    xla_flags / libtpu_args: flags ("--name=value" or "--name") added at the end of
+        ``XLA_FLAGS`` / ``LIBTPU_INIT_ARGS``, each unless the variable already names it (the
+        user's own setting wins).
+    defaults: (variable, value) pairs set unless the variable is set.
+    overrides: (variable, value) pairs set whatever the variable holds.
+    """
+
+    xla_flags: tuple[str, ...] = ()
+    libtpu_args: tuple[str, ...] = ()
+    defaults: tuple[tuple[str, str], ...] = ()
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    def __add__(self, other: ProcessEnv) -> ProcessEnv:
+        """Both settings, ``self``'s first (their flags in that order)."""
+        return ProcessEnv(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                             for f in dataclasses.fields(self)})
+
+    def changes(self, env: Mapping[str, str]) -> dict[str, str]:
+        """{variable: new value} that applying these settings to ``env`` would write; reads
+        ``env`` only."""
+        out = {}
+        for name, flags in (("XLA_FLAGS", self.xla_flags),
+                            ("LIBTPU_INIT_ARGS", self.libtpu_args)):
+            value = env.get(name, "")
+            for flag in flags:
+                if flag.split("=")[0] not in value:
+                    value = f"{value} {flag}".strip()
+            if value != env.get(name, ""):
+                out[name] = value
+        out.update((k, v) for k, v in self.defaults if k not in env and k not in out)
+        out.update(self.overrides)
+        return out
+
+
+def apply_process_env(settings: ProcessEnv | None,
+                      env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Write ``settings`` (None: nothing) into ``env``, the process environment: the one
+    writer of ``ProcessEnv``s, called where the runtime starts (``start_distributed``, the dry
+    run's deviceless setup, a profiling process), before JAX initialises a backend and libtpu
+    loads, which read these variables once. Returns {variable: value} written."""
+    changes = {} if settings is None else settings.changes(env)
+    env.update(changes)
+    return changes
+
+
 def configure_jax_platform() -> None:
     """Keep JAX on CPU on hosts with no TPU and no NVIDIA GPU unless the user chose a
     platform.
@@ -76,13 +131,26 @@ def topology_desc(topology: str):
 
 def use_deviceless_tpu(topology: str, *, fast_convs: bool = False,
                        profile_libtpu: bool = False) -> None:
-    """Let libtpu compile for ``topology`` (e.g. "v6e:2x4") on a host with no TPU.
+    """Apply ``deviceless_tpu_env`` (same arguments) to the process environment: the start of
+    a process that compiles for a TPU it does not have. Call before JAX touches the TPU
+    backend.
+
+    Raises:
+        UsageError: a tpu7x topology without the libtpu installed apart.
+    """
+    apply_process_env(deviceless_tpu_env(topology, fast_convs=fast_convs,
+                                         profile_libtpu=profile_libtpu))
+
+
+def deviceless_tpu_env(topology: str, *, fast_convs: bool = False,
+                       profile_libtpu: bool = False) -> ProcessEnv:
+    """What lets libtpu compile for ``topology`` (e.g. "v6e:2x4") on a host with no TPU, as a
+    ``ProcessEnv`` (the environment is read, not written).
 
     Sets, unless already set, the variables libtpu reads when it first initialises: an
     accelerator type (the topology name passed to ``get_topology_desc``, not this, picks the
     compile target), a single localhost worker, no metadata-server query, and no libtpu lock
-    (no chip is opened, so concurrent compiles need not take it). Call before JAX touches the
-    TPU backend.
+    (no chip is opened, so concurrent compiles need not take it).
 
     With ``profile_libtpu`` (the dry run, the profiling subprocesses), topologies of
     ``PROFILE_LIBTPU_CHIPS`` (tpu7x) select the libtpu installed apart
@@ -101,20 +169,20 @@ def use_deviceless_tpu(topology: str, *, fast_convs: bool = False,
     # ``import libtpu`` (Pallas TPU imports it) sets TPU_LIBRARY_PATH to the pinned library's
     # own path: that is not a choice of the user's.
     chosen = os.environ.get("TPU_LIBRARY_PATH") not in (None, "", _pinned_libtpu_path())
+    library = ()
     if profile_libtpu and chip in PROFILE_LIBTPU_CHIPS and not chosen:
         path = profile_libtpu_path()
         if not os.path.exists(path):
             fail("--topology", topology, f"{chip} compiles with libtpu "
                  f"{PROFILE_LIBTPU_VERSION} installed apart, not found at {path} "
                  "(`make venv` installs it)")
-        os.environ["TPU_LIBRARY_PATH"] = path
-    for key, value in dict(TPU_ACCELERATOR_TYPE=f"{chip}-{count}",
-                           TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1",
-                           ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
-        os.environ.setdefault(key, value)
-    if fast_convs:
-        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
-                                          + " --xla_jf_convolution_performance_target=0").strip()
+        library = (("TPU_LIBRARY_PATH", path),)
+    return ProcessEnv(
+        libtpu_args=("--xla_jf_convolution_performance_target=0",) if fast_convs else (),
+        defaults=(("TPU_ACCELERATOR_TYPE", f"{chip}-{count}"),
+                  ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_SKIP_MDS_QUERY", "1"),
+                  ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")),
+        overrides=library)
 
 
 def _pinned_libtpu_path() -> str | None:
@@ -207,8 +275,11 @@ def enable_compilation_cache(path: str) -> bool:
 DISTRIBUTED_HEARTBEAT_TIMEOUT_S = 30
 
 
-def start_distributed(coordinator_address, num_processes, process_id) -> bool:
-    """Join JAX's multi-controller runtime when the run spans several processes (hosts).
+def start_distributed(coordinator_address, num_processes, process_id,
+                      process_env: ProcessEnv | None = None) -> bool:
+    """Start a run's runtime: apply ``process_env`` (the run's ``RunConfig.process_env``,
+    ``apply_process_env``), choose the platform, and join JAX's multi-controller runtime when
+    the run spans several processes (hosts).
 
     With ``num_processes`` > 1 the arguments say who is who; off TPU the processes talk
     through JAX's CPU collectives (gloo). On a TPU VM without them, ``jax.distributed.
@@ -218,6 +289,7 @@ def start_distributed(coordinator_address, num_processes, process_id) -> bool:
     Raises:
         GenerationError: the runtime could not start (coordinator unreachable...).
     """
+    apply_process_env(process_env)
     configure_jax_platform()
     explicit = num_processes is not None
     if explicit and num_processes == 1:

@@ -49,6 +49,7 @@ from torchax import interop
 
 from engine.run import chips
 from engine.run.errors import fail
+from engine.run.runtime import ProcessEnv
 
 # scheme -> (QMAX, the weight's torch dtype, its NumPy dtype, the dot's accumulator)
 SCHEMES = {
@@ -112,28 +113,38 @@ def check_scheme(scheme: str, family, where: str, allowed) -> None:
              f"use --quantize {allowed}")
 
 
-def check_flag(scheme: str, family, topology: str | None) -> None:
+def check_flag(scheme: str, family, topology: str | None, env=os.environ) -> ProcessEnv:
     """``--quantize`` before any model loads: the family must name 8-bit layers and a dry
     run's ``topology`` ("v6e:2x4") must run ``scheme`` at its 8-bit rate. A real run checks
-    its devices in the prologue (``engine.pipeline.prologue.start``), and an fp8 one gets
-    ``prefer_cublas_fp8``'s XLA flag before the backend starts; every 8-bit run and dry run
-    that may compile for a TPU gets ``prefer_fused_quantization``'s libtpu flag."""
+    its devices in the prologue (``engine.pipeline.prologue.start``).
+
+    Returns the process settings ``scheme`` asks for (``env``, the environment, is read, never
+    written; ``engine.run.runtime.apply_process_env`` applies them where the runtime starts,
+    before the backend): an fp8 run gets ``prefer_cublas_fp8``'s XLA flag, and every 8-bit
+    run and dry run that may compile for a TPU ``prefer_fused_quantization``'s libtpu flag.
+
+    Raises:
+        UsageError: ``check_scheme``'s refusals.
+    """
+    settings = ProcessEnv()
     if topology:
         check_scheme(scheme, family, topology, eight_bit_for(topology.split(":")[0]))
     else:
         check_scheme(scheme, family, "this host", CHOICES[1:])
         if scheme == "fp8":
-            prefer_cublas_fp8(os.environ)
+            settings += prefer_cublas_fp8()
     if scheme != "none":
-        prefer_fused_quantization(os.environ, dry_run=bool(topology))
+        settings += prefer_fused_quantization(env, dry_run=bool(topology))
+    return settings
 
 
-def prefer_fused_quantization(env, *, dry_run: bool) -> None:
-    """Add ``TPU_INPUT_FUSION=true`` to ``env["LIBTPU_INIT_ARGS"]`` unless the user set that
-    flag, for a dry run (its deviceless TPU compile) or a run that may take a TPU
-    (``JAX_PLATFORMS`` unset or naming tpu): libtpu then fuses the activations'
-    quantization (a downcast convert to s8 / f8e4m3fn) into the 8-bit convolution's input,
-    as it fuses a bf16 producer into a bf16 one, instead of a pass that writes the codes.
+def prefer_fused_quantization(env, *, dry_run: bool) -> ProcessEnv:
+    """``TPU_INPUT_FUSION=true`` for ``LIBTPU_INIT_ARGS`` (added unless the user set that
+    flag, ``ProcessEnv``), for a dry run (its deviceless TPU compile) or a run that may take a
+    TPU (``JAX_PLATFORMS`` in ``env`` unset or naming tpu); else nothing. libtpu then fuses
+    the activations' quantization (a downcast convert to s8 / f8e4m3fn) into the 8-bit
+    convolution's input, as it fuses a bf16 producer into a bf16 one, instead of a pass that
+    writes the codes.
 
     Why (deviceless compiles of one Wan 14B 720p block, 2026-11-28): without the flag every
     8-bit operand was its own fusion writing its codes to HBM and read back by the matmul
@@ -141,29 +152,26 @@ def prefer_fused_quantization(env, *, dry_run: bool) -> None:
     ``v6e:2x4`` (int8) and 2.059 -> 2.038 s on ``tpu7x:2x2x1`` (fp8). A libtpu option that is
     off by default (in 0.0.42.1 and 0.0.51); the values are the same ops, fused. Its effect
     on a TPU has not been measured (no TPU here). The flag is read when libtpu starts, so
-    this must run before. To keep libtpu's default, set the flag to false yourself.
+    it must be applied before. To keep libtpu's default, set the flag to false yourself.
     """
     platforms = env.get("JAX_PLATFORMS", "")
     if not dry_run and platforms and "tpu" not in platforms.split(","):
-        return
-    args = env.get("LIBTPU_INIT_ARGS", "")
-    if TPU_INPUT_FUSION not in args:
-        env["LIBTPU_INIT_ARGS"] = f"{args} {TPU_INPUT_FUSION}=true".strip()
+        return ProcessEnv()
+    return ProcessEnv(libtpu_args=(f"{TPU_INPUT_FUSION}=true",))
 
 
-def prefer_cublas_fp8(env) -> None:
-    """Add ``--xla_gpu_enable_triton_gemm=false`` to ``env["XLA_FLAGS"]`` unless the user set
-    that flag: XLA's GPU compiler then sends the f8e4m3fn dots to cuBLASLt's fp8 GEMM.
+def prefer_cublas_fp8() -> ProcessEnv:
+    """``--xla_gpu_enable_triton_gemm=false`` for ``XLA_FLAGS`` (added unless the user set
+    that flag, ``ProcessEnv``): XLA's GPU compiler then sends the f8e4m3fn dots to cuBLASLt's
+    fp8 GEMM.
 
     Why (one H200, jax 0.11.2, 2026-11-27, ``benchmarks/fp8_probe.py``): with Triton GEMMs on,
     compiling one (2, 32760, 1536) x (8960, 1536) fp8 linear had not finished after 45 s (its
     autotuning), and a whole Wan 1.3B step had not after ~180 s; with them off each linear
     compiled in under 0.25 s as ``__cublas$lt$matmul$f8``. The flag is read when the backend
-    starts (so this must run before); CPU and TPU backends do not read it.
+    starts (so it must be applied before); CPU and TPU backends do not read it.
     """
-    flags = env.get("XLA_FLAGS", "")
-    if "--xla_gpu_enable_triton_gemm" not in flags:
-        env["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_triton_gemm=false".strip()
+    return ProcessEnv(xla_flags=("--xla_gpu_enable_triton_gemm=false",))
 
 
 def apply(module: torch.nn.Module, family, scheme: str) -> list[str]:
