@@ -208,6 +208,9 @@ class Webhooks:
                     print(f"webhooks: the job store did not answer ({type(e).__name__}); "
                           "callbacks wait for it", flush=True)
                 busy, away = False, True
+            except Exception as e:  # a bug must not end delivery for the server's lifetime
+                print(f"webhooks: {type(e).__name__}: {e}", flush=True)
+                busy = False
             if not busy:
                 self._wake.wait(POLL_S)
                 self._wake.clear()
