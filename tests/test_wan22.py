@@ -247,8 +247,9 @@ def test_dry_run_counts_both_experts_resident():
 def test_lora_2_fuses_into_the_second_expert(two_expert_checkpoint, tmp_path):
     """--lora into transformer and --lora_2 into transformer_2, fused at placement, equal
     diffusers' eager load_lora_weights(...) / load_lora_weights(..., load_into_transformer_2=
-    True) + fuse_lora(components=both, lora_scale=0.7); the --lora_2 file alone changes the
-    video by far more than the tolerance (so it reaches the second expert's steps)."""
+    True) + fuse_lora(components=both, lora_scale=0.7), on the final latents (the tiny VAE's
+    sign step, tests/parity.py); the --lora_2 file alone changes the video by far more than
+    the tolerance (so it reaches the second expert's steps)."""
     import json
     import os
     import sys
@@ -279,18 +280,22 @@ def test_lora_2_fuses_into_the_second_expert(two_expert_checkpoint, tmp_path):
     with torch.no_grad():
         ref = pipe(prompt=wan.DEFAULTS["prompt"], negative_prompt=wan.DEFAULTS["negative_prompt"],
                    num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed),
-                   output_type="np", num_frames=frames, height=SHAPE["height"],
-                   width=SHAPE["width"], guidance_scale=4.0, guidance_scale_2=2.0).frames[0]
+                   output_type="latent", num_frames=frames, height=SHAPE["height"],
+                   width=SHAPE["width"], guidance_scale=4.0,
+                   guidance_scale_2=2.0).frames.float().numpy()
     del pipe
     flags = ["--guidance_scale", "4", "--guidance_scale_2", "2", "--lora", f"{first}:0.7",
              "--lora_2", f"{second}:0.7"]
-    ours, report = _ours(ck, seed, flags, devices=jax.devices()[:1], frames=frames)
-    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    ours, report = _our_latents(ck, seed, flags, devices=jax.devices()[:1], frames=frames)
+    print("LoRA 2: latents max |ours - diffusers|", np.abs(ours - ref).max())
+    # Measured 2.1e-6 on latents up to ~4; 1e-4 as the two-expert test above.
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
     assert [x["path"] for x in report["loras"]] == [first]
     (entry,) = report["loras_2"]
     assert entry["path"] == second and entry["scale"] == 0.7 and entry["matched_weights"] == 40
-    without_2, _ = _ours(ck, seed, flags[:6], devices=jax.devices()[:1], frames=frames)
-    assert np.abs(without_2 - ref).max() > 0.05
+    without_2 = _our_latents(ck, seed, flags[:6], devices=jax.devices()[:1], frames=frames)[0]
+    print("without --lora_2: latents max |d|", np.abs(without_2 - ref).max())
+    assert np.abs(without_2 - ref).max() > 1e-2  # 100 times the tolerance; measured 0.46
 
 
 def test_lora_2_needs_a_second_expert(tiny_checkpoint, tmp_path, capsys):
