@@ -306,7 +306,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                if getattr(args, k, None) is None} or None
     serve = serving.validate_serve_flags(args, family, values, defaults)  # sizes: 1st bucket
     image_info = check_for_model(args, family, values)  # may size the video from the image
-    check_size(family, values, defaults.get("pixel_multiple", family.sizes.pixel_multiple))
+    check_size(family, values, args.model_id)
     broken = family.flags.check({**values, "model_id": args.model_id})
     if broken is not None:
         fail(broken[0], values[broken[0].lstrip("-")], broken[1])

@@ -12,10 +12,14 @@ transformer's config.json as a dict; tensors are torch CPU tensors.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from engine.files.checkpoint import read_component_config
+from engine.run.errors import UsageError, first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +75,26 @@ class Flags:
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The video's and latents' geometry.
+    """The video's and latents' geometry, read from the checkpoint's configs as diffusers'
+    pipelines read them from the loaded VAE and transformer (the compression ratios, the
+    patch sizes): no family keeps a ratio that a config could contradict. ``model_id`` is the
+    checkpoint (a local folder, or a Hub id; a dry run reads its config files; where it has
+    none, the family's shipped configs in ``configs/``: ``checkpoint_config``).
 
-    frame_step: frames must be ``frame_step * n + 1`` (VAE temporal compression).
-    pixel_multiple: height and width must be multiples of it (VAE x patch).
+    frame_step(model_id) -> int: frames must be ``frame_step * n + 1`` (VAE temporal
+        compression).
+    pixel_multiple(model_id) -> int: height and width must be multiples of it (VAE spatial
+        compression x transformer patch).
     latent_shape(vae_cfg, height, width, frames, model_id=None) -> (1, C, F', h, w) (or the
-        family's packed layout); ``model_id`` (the checkpoint, for a family whose latents
-        also follow other components' configs, e.g. LTX-2's audio VAE) may be ignored.
-    token_count(cfg, height, width, frames) -> video tokens per sample.
+        family's packed layout); ``vae_cfg`` is ``model_id``'s VAE config; ``model_id`` (for
+        a family whose latents also follow other components' configs, e.g. LTX-2's audio
+        VAE) may be ignored.
+    token_count(cfg, height, width, frames, model_id) -> video tokens per sample; ``cfg``
+        is ``model_id``'s transformer config.
     """
 
-    frame_step: int
-    pixel_multiple: int
+    frame_step: Callable
+    pixel_multiple: Callable
     latent_shape: Callable
     token_count: Callable
 
@@ -299,6 +311,37 @@ class ModelFamily:
     scheduler: Scheduling
     image: ImageConditioning = dataclasses.field(default_factory=ImageConditioning)
     upscale: Upscale | None = None
+
+
+def checkpoint_config(model_id: str | None, subfolder: str, shipped: str,
+                      filename: str = "config.json") -> dict:
+    """``<subfolder>/<filename>`` of checkpoint ``model_id`` (a local folder or a Hub id whose
+    configs ``configs/`` ships), else of ``shipped`` (the family's real checkpoint in
+    ``configs/``): what a dry run reads where diffusers reads the loaded component.
+
+    Raises:
+        UsageError: the checkpoint's file does not parse, or neither has it (a damaged
+            ``configs/``).
+    """
+    for source in (model_id, shipped):
+        try:
+            cfg = read_component_config(source, subfolder, filename=filename) if source \
+                else None
+        except (OSError, ValueError) as e:  # read before engine.files.integrity's check
+            raise UsageError(f"--model_id={source!r}: {subfolder}/{filename}: does not parse "
+                             f"({first_line(e)})") from None
+        if cfg is not None:
+            return cfg
+    raise UsageError(f"--model_id={model_id!r}: no {subfolder}/{filename}, and none shipped "
+                     f"for {shipped} in configs/")
+
+
+def init_value(cls, cfg: dict, name: str):
+    """``cfg[name]``, or for a key the config leaves out the default of ``cls.__init__``: the
+    value ``cls.from_config(cfg)`` builds the model with."""
+    if name in cfg:
+        return cfg[name]
+    return inspect.signature(cls.__init__).parameters[name].default
 
 
 def empty_model(cls, cfg: dict, dtype):

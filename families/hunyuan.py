@@ -55,16 +55,21 @@ from families.base import (
     TextEncoding,
     Transformer,
     VaePrograms,
+    checkpoint_config,
     empty_model,
+    init_value,
 )
 from families.rope import apply_rope
 
-VAE_TEMPORAL_SCALE = 4
-VAE_SPATIAL_SCALE = 16
+# The VAE's compression ratios and the transformer's patch sizes are read from the
+# checkpoint (``vae_compression``, ``token_count``), as the pipeline reads them from its VAE
+# (pipeline_hunyuan_video1_5.py:218-219); a dry run without config files reads these.
+SHIPPED = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"
 # The pipeline hard-codes its text lengths in __init__, not in any config.
 QWEN_TOKENS = 1000
 BYT5_TOKENS = 256
-# SigLIP so400m-patch14-384: 27 x 27 patches (the image-to-video checkpoints' image tokens).
+# SigLIP so400m-patch14-384: 27 x 27 patches (the image-to-video checkpoints' image tokens),
+# for a checkpoint without an image_encoder config (configs/ ships none); ``image_tokens``.
 SIGLIP_TOKENS = 729
 I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 # The step-distilled (MeanFlow) checkpoint's steps: the official default for it
@@ -113,7 +118,8 @@ def checkpoint_defaults(model_id: str) -> dict:
     out = {}
     target = (read_component_config(model_id, "transformer") or {}).get("target_size")
     if target:
-        out["height"], out["width"] = default_size(target)
+        out["height"], out["width"] = default_size(target, vae_compression(
+            vae_config(model_id))[1])
     guider = read_component_config(model_id, "guider", filename="guider_config.json") or {}
     unsupported = {k: guider[k] for k, default in (
         ("guidance_rescale", 0.0), ("use_original_formulation", False), ("start", 0.0),
@@ -165,17 +171,57 @@ def scheduler_sigmas(num_inference_steps: int) -> list:
     return list(np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1])
 
 
+def vae_config(model_id: str | None) -> dict:
+    """``model_id``'s VAE config (a local folder or a shipped Hub id), else the shipped one."""
+    return checkpoint_config(model_id, "vae", SHIPPED)
+
+
+def vae_compression(vae_cfg: dict) -> tuple[int, int]:
+    """(temporal, spatial) compression of an ``AutoencoderKLHunyuanVideo15`` config: its
+    ``temporal_compression_ratio`` / ``spatial_compression_ratio`` (config fields,
+    autoencoder_kl_hunyuanvideo15.py:653-654, 681-682; the class defaults where absent)."""
+    from diffusers import AutoencoderKLHunyuanVideo15 as Vae
+
+    return (int(init_value(Vae, vae_cfg, "temporal_compression_ratio")),
+            int(init_value(Vae, vae_cfg, "spatial_compression_ratio")))
+
+
+def latent_grid(vae_cfg: dict, height: int, width: int, frames: int) -> tuple[int, int, int]:
+    """(latent frames, h, w) of a video, as the pipeline's ``prepare_latents`` sizes them
+    (pipeline_hunyuan_video1_5.py:492-498)."""
+    temporal, spatial = vae_compression(vae_cfg)
+    return (frames - 1) // temporal + 1, height // spatial, width // spatial
+
+
+def frame_step(model_id: str) -> int:
+    """Frames are ``frame_step * n + 1``: the VAE's temporal compression."""
+    return vae_compression(vae_config(model_id))[0]
+
+
+def pixel_multiple(model_id: str) -> int:
+    """Height and width are multiples of the VAE's spatial compression x the patch."""
+    from diffusers import HunyuanVideo15Transformer3DModel as Model
+
+    cfg = checkpoint_config(model_id, "transformer", SHIPPED)
+    return vae_compression(vae_config(model_id))[1] * init_value(Model, cfg, "patch_size")
+
+
 def latent_shape(vae_cfg: dict, height: int, width: int, frames: int,
                  model_id: str | None = None) -> tuple:
     """(1, C, F', h, w) from the VAE config alone (``model_id`` unused)."""
-    return (1, vae_cfg.get("latent_channels", 32), (frames - 1) // VAE_TEMPORAL_SCALE + 1,
-            height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE)
+    from diffusers import AutoencoderKLHunyuanVideo15 as Vae
+
+    return (1, init_value(Vae, vae_cfg, "latent_channels"),
+            *latent_grid(vae_cfg, height, width, frames))
 
 
-def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
-    p, pt = cfg.get("patch_size", 1), cfg.get("patch_size_t", 1)
-    f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
-    return (f // pt) * (height // VAE_SPATIAL_SCALE // p) * (width // VAE_SPATIAL_SCALE // p)
+def token_count(cfg: dict, height: int, width: int, frames: int, model_id: str) -> int:
+    """Video tokens per sample: the latent grid of ``model_id``'s VAE over the patch."""
+    from diffusers import HunyuanVideo15Transformer3DModel as Model
+
+    p, pt = init_value(Model, cfg, "patch_size"), init_value(Model, cfg, "patch_size_t")
+    f, h, w = latent_grid(vae_config(model_id), height, width, frames)
+    return (f // pt) * (h // p) * (w // p)
 
 
 def num_heads(cfg: dict) -> int:
@@ -187,8 +233,17 @@ def text_tokens(model_id: str | None = None) -> int:
     checkpoint the SigLIP image tokens before them (in text-to-video they are all padding
     and left out). Told apart by the pipeline class, not the transformer's ``task_type``:
     the public 480p T2V transformer says "i2v" (a slip of the conversion script)."""
-    image = SIGLIP_TOKENS if model_id is not None and is_image_to_video(model_id) else 0
+    image = image_tokens(model_id) if model_id is not None and is_image_to_video(
+        model_id) else 0
     return image + BYT5_TOKENS + QWEN_TOKENS
+
+
+def image_tokens(model_id: str) -> int:
+    """SigLIP's ``last_hidden_state`` tokens, (image_size / patch_size)^2 from the
+    checkpoint's image_encoder config; ``SIGLIP_TOKENS`` where it has none (the shipped
+    configs)."""
+    cfg = read_component_config(model_id, "image_encoder")
+    return (cfg["image_size"] // cfg["patch_size"]) ** 2 if cfg else SIGLIP_TOKENS
 
 
 def transformer_flops(cfg: dict, config) -> float:
@@ -200,7 +255,8 @@ def transformer_flops(cfg: dict, config) -> float:
     The 2-block token refiner on 1000 text tokens and the embedders are < 0.1% at 720p and
     are left out.
     """
-    s = token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    s = token_count(cfg, config.video.height, config.video.width, config.video.frames,
+                    config.model.model_id)
     seq = s + text_tokens(config.model.model_id)
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     per_block = 8 * seq * d * d + 4 * seq * seq * d + 4 * cfg["mlp_ratio"] * seq * d * d
@@ -210,8 +266,8 @@ def transformer_flops(cfg: dict, config) -> float:
 def self_attention_flops(cfg: dict, config) -> float:
     """The 4*L^2*D joint-attention term of ``transformer_flops``, all blocks and passes."""
     video = config.video
-    seq = token_count(cfg, video.height, video.width, video.frames) + text_tokens(
-        config.model.model_id)
+    seq = token_count(cfg, video.height, video.width, video.frames,
+                      config.model.model_id) + text_tokens(config.model.model_id)
     return float(4 * seq * seq * cfg["attention_head_dim"] * cfg["num_attention_heads"]
                  * cfg["num_layers"] * config.video.batch)
 
@@ -413,15 +469,16 @@ def image_mode(model_id: str) -> str:
     return "required" if is_image_to_video(model_id) else "none"
 
 
-def default_size(target_size: int) -> tuple[int, int]:
+def default_size(target_size: int, spatial: int) -> tuple[int, int]:
     """(height, width) of ``HunyuanVideo15Pipeline`` with neither given: the 16:9 bucket at
     the transformer's ``target_size`` (its ``default_aspect_ratio`` and
-    ``HunyuanVideo15ImageProcessor.calculate_default_height_width``)."""
+    ``HunyuanVideo15ImageProcessor.calculate_default_height_width``, whose bucket step is the
+    VAE's ``spatial`` compression)."""
     from diffusers.pipelines.hunyuan_video1_5.image_processor import (
         HunyuanVideo15ImageProcessor,
     )
 
-    return tuple(HunyuanVideo15ImageProcessor(vae_scale_factor=VAE_SPATIAL_SCALE)
+    return tuple(HunyuanVideo15ImageProcessor(vae_scale_factor=spatial)
                  .calculate_default_height_width(9, 16, target_size))
 
 
@@ -435,7 +492,8 @@ def image_size(model_id: str, info) -> tuple[int, int]:
 
     target = read_component_config(model_id, "transformer")["target_size"]
     width, height = read_image(info).size  # after the EXIF orientation, as the pipeline
-    return HunyuanVideo15ImageProcessor(vae_scale_factor=VAE_SPATIAL_SCALE) \
+    spatial = vae_compression(vae_config(model_id))[1]
+    return HunyuanVideo15ImageProcessor(vae_scale_factor=spatial) \
         .calculate_default_height_width(height=height, width=width, target_size=target)
 
 
@@ -468,8 +526,8 @@ def _image_conditioning(pipe, config, image) -> dict:
     cpu, dtype = torch.device("cpu"), getattr(torch, config.model.dtype)
     image = pipe.video_processor.resize(image, height=config.video.height, width=config.video.width,
                                         resize_mode="crop")
-    s = pipe.vae_scale_factor_spatial
-    shape = (1, pipe.num_channels_latents, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    shape = (1, pipe.num_channels_latents, (config.video.frames - 1) // t + 1,
              config.video.height // s, config.video.width // s)
     with torch.no_grad():
         embeds = pipe.encode_image(image=image, batch_size=1, device=cpu, dtype=dtype)
@@ -480,7 +538,9 @@ def _image_conditioning(pipe, config, image) -> dict:
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
-    b, dtype = config.video.batch, getattr(jnp, config.model.dtype)
+    b, dtype, video = config.video.batch, getattr(jnp, config.model.dtype), config.video
+    grid = latent_grid(vae_config(config.model.model_id), video.height, video.width,
+                       video.frames)
     return {
         "encoder_hidden_states": jax.ShapeDtypeStruct((b, QWEN_TOKENS, cfg["text_embed_dim"]),
                                                       dtype),
@@ -489,11 +549,10 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
             (b, BYT5_TOKENS, cfg["text_embed_2_dim"]), dtype),
         "encoder_attention_mask_2": jax.ShapeDtypeStruct((b, BYT5_TOKENS), jnp.bool_),
     } | ({} if not is_image_to_video(config.model.model_id) else {  # model_inputs' image inputs
-        "image_embeds": jax.ShapeDtypeStruct((b, SIGLIP_TOKENS, cfg["image_embed_dim"]), dtype),
-        "condition": jax.ShapeDtypeStruct(
-            (b, cfg["out_channels"] + 1, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.video.height // VAE_SPATIAL_SCALE,
-             config.video.width // VAE_SPATIAL_SCALE), dtype)}) | ({} if not cfg.get(
+        "image_embeds": jax.ShapeDtypeStruct(
+            (b, image_tokens(config.model.model_id), cfg["image_embed_dim"]), dtype),
+        "condition": jax.ShapeDtypeStruct((b, cfg["out_channels"] + 1, *grid), dtype)}) | (
+            {} if not cfg.get(
                  "use_meanflow") else {MEANFLOW_TABLE: jax.ShapeDtypeStruct(
                      (b, 2, config.video.num_inference_steps), jnp.float32)})
 
@@ -731,8 +790,8 @@ FAMILY = ModelFamily(
                 refused=(("vae_tiling", False, "not available for HunyuanVideo-1.5 (its decode "
                           "is already frame-chunked and width-sharded)"),)),
     sizes=Sizes(
-        frame_step=VAE_TEMPORAL_SCALE,
-        pixel_multiple=VAE_SPATIAL_SCALE,
+        frame_step=frame_step,
+        pixel_multiple=pixel_multiple,
         latent_shape=latent_shape,
         token_count=token_count,
     ),

@@ -49,7 +49,7 @@ from diffusers.pipelines.hunyuan_video1_5.image_processor import generate_crop_s
 from safetensors.torch import load_file
 
 from engine.run.errors import UsageError
-from families.hunyuan import VAE_SPATIAL_SCALE, scheduler_sigmas
+from families.hunyuan import scheduler_sigmas, vae_compression, vae_config
 
 SOURCE = "Tencent-Hunyuan/HunyuanVideo-1.5 @ 60783e7"
 # hunyuan_video_sr_pipeline.py:346: the low-res latents are noised to t = 700 of 1000, and
@@ -263,7 +263,7 @@ def load_upsampler(root: str, version: str) -> torch.nn.Module:
 
 
 def sr_size(lr_height: int, lr_width: int, version: str, lr_base: int | None = None,
-            hr_base: int | None = None) -> tuple[int, int]:
+            hr_base: int | None = None, *, stride: int | None = None) -> tuple[int, int]:
     """(height, width) in pixels of the SR video for a first stage of this size.
 
     The official ``BucketMap`` (hunyuan_video_sr_pipeline.py:46-72, :243-248): the low-res
@@ -273,13 +273,16 @@ def sr_size(lr_height: int, lr_width: int, version: str, lr_base: int | None = N
     ``hr_base``: the bucket base sizes in pixels (default: the official ``SizeMap`` of the
     version's base and target resolutions; the run passes the two transformers'
     ``target_size``, which equal those for the released checkpoints and let a tiny one run).
+    ``stride``: the buckets' pixel step, the first stage VAE's spatial compression (as
+    diffusers' ``HunyuanVideo15ImageProcessor`` steps its buckets); None: the released
+    checkpoints' VAE (the shipped config).
 
     Raises:
         UsageError: the size is not a bucket of the base resolution (the official code
             raises ValueError there too).
     """
     config = SR_CONFIGS[version]
-    stride = VAE_SPATIAL_SCALE
+    stride = vae_compression(vae_config(None))[1] if stride is None else stride
     lr_base = BUCKET_BASE[config.base] if lr_base is None else lr_base
     hr_base = BUCKET_BASE[config.target] if hr_base is None else hr_base
     lr_buckets = generate_crop_size_list(base_size=lr_base, patch_size=stride)

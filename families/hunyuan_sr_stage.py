@@ -58,7 +58,9 @@ class SrSettings:
     """The SR stage of a run: ``version`` (``SR_CONFIGS`` key), ``model_dir`` (see the module
     docstring), ``steps`` and ``flow_shift`` of its schedule, and the SR video's ``height`` and
     ``width`` in pixels; ``bases``: the bucket bases of the first and the SR transformer
-    (their ``target_size``: ``hunyuan_sr.sr_size``), which map a first-stage size to these."""
+    (their ``target_size``: ``hunyuan_sr.sr_size``), which map a first-stage size to these;
+    ``stride``: the buckets' pixel step, the first stage VAE's spatial compression (None: the
+    released checkpoints')."""
 
     version: str
     model_dir: str
@@ -67,6 +69,7 @@ class SrSettings:
     height: int
     width: int
     bases: tuple = (None, None)
+    stride: int | None = None
 
 
 def _read_config(folder: str, flag_value: str, what: str) -> dict:
@@ -131,7 +134,8 @@ def validate(args, values: dict) -> SrSettings:
         raise UsageError(f"--sr_flow_shift={shift}: must be > 0")
     first = read_component_config(args.model_id, "transformer") or {}
     settings = SrSettings(version, args.sr_model_dir, steps, float(shift), 0, 0,
-                          (first.get("target_size"), cfg.get("target_size")))
+                          (first.get("target_size"), cfg.get("target_size")),
+                          hunyuan.vae_compression(hunyuan.vae_config(args.model_id))[1])
     return for_size(settings, values["height"], values["width"])
 
 
@@ -142,7 +146,8 @@ def for_size(settings: SrSettings, height: int, width: int) -> SrSettings:
     Raises:
         UsageError: the size is not a bucket of the SR version's base resolution.
     """
-    h, w = sr.sr_size(height, width, settings.version, *settings.bases)
+    h, w = sr.sr_size(height, width, settings.version, *settings.bases,
+                      stride=settings.stride)
     return dataclasses.replace(settings, height=h, width=w)
 
 
@@ -172,12 +177,13 @@ def sr_step_fn(jm, config):
     return step
 
 
-def _condition_struct(cfg: dict, config):
-    """(1, 2C + 2, F', H', W') in the model dtype: the shape of the hand-off's outputs."""
+def _condition_struct(cfg: dict, config, vae_cfg: dict):
+    """(1, 2C + 2, F', H', W') in the model dtype: the shape of the hand-off's outputs;
+    ``vae_cfg``: the first stage's VAE config (the SR stage decodes with that VAE)."""
     v = config.video
     return jax.ShapeDtypeStruct(
-        (1, 2 * cfg["out_channels"] + 2, (v.frames - 1) // hunyuan.VAE_TEMPORAL_SCALE + 1,
-         v.height // hunyuan.VAE_SPATIAL_SCALE, v.width // hunyuan.VAE_SPATIAL_SCALE),
+        (1, 2 * cfg["out_channels"] + 2,
+         *hunyuan.latent_grid(vae_cfg, v.height, v.width, v.frames)),
         getattr(jnp, config.model.dtype))
 
 
@@ -206,7 +212,8 @@ class SrDryStage:
     def abstract_inputs(self, cfg: dict) -> dict:
         """The SR step's model inputs as ``jax.ShapeDtypeStruct``s (no sharding)."""
         text = hunyuan.abstract_model_inputs(cfg, self.estimate_config)
-        cond = _condition_struct(cfg, self.config)
+        cond = _condition_struct(cfg, self.config,
+                                 hunyuan.vae_config(self.first.model.model_id))
         return {**text, CONDITION: cond, ZEROED: cond}
 
 
@@ -239,7 +246,7 @@ class SrStage:
         H, W), the I2V/T2V condition."""
         dtype = getattr(torch, self.config.model.dtype)
         height, width = self.config.video.height, self.config.video.width
-        grid = (height // hunyuan.VAE_SPATIAL_SCALE, width // hunyuan.VAE_SPATIAL_SCALE)
+        grid = hunyuan.latent_grid(dict(self.pipe.vae.config), height, width, 1)[1:]
         c = self.latent_channels
 
         def hand_off(params, buffers, lr_latents, extras):

@@ -87,14 +87,15 @@ from families.base import (
     TextEncoding,
     Transformer,
     VaePrograms,
+    checkpoint_config,
     empty_model,
+    init_value,
 )
 
-VAE_TEMPORAL_SCALE = 8
-VAE_SPATIAL_SCALE = 32
-# The audio VAE's compression (its temporal_compression_ratio and mel_compression_ratio).
-AUDIO_TEMPORAL_SCALE = 4
-AUDIO_MEL_SCALE = 4
+# The compression ratios and patch sizes are read from the checkpoint (``video_compression``,
+# ``audio_compression``, ``layout``), as the pipeline reads them from its components
+# (P:271-296); the dry run reads the config files (``checkpoint_config``).
+SHIPPED = "Lightricks/LTX-2"
 TEXT_TOKENS = 1024  # the pipeline's max_sequence_length default (P:976)
 # The pipeline's defaults that are not flags here (P:945-953).
 GUIDANCE_RESCALE = 0.7
@@ -220,48 +221,105 @@ def default_flow_shift(height: int, width: int) -> float:
     return 1.0
 
 
+def video_compression(vae_cfg: dict) -> tuple[int, int]:
+    """(temporal, spatial) compression of an ``AutoencoderKLLTX2Video`` config, as the model
+    sets its ``temporal_compression_ratio`` / ``spatial_compression_ratio``: the config's
+    values, else patch x 2^(encoder blocks that scale) (autoencoder_kl_ltx2.py:1151-1160;
+    LTX-2.0's config sets 8 / 32, the formula would give 16 / 64)."""
+    from diffusers import AutoencoderKLLTX2Video as Vae
+
+    scaling = init_value(Vae, vae_cfg, "spatio_temporal_scaling")
+    if isinstance(scaling, bool):  # one flag for every block but the last (:1105-1106)
+        scaling = (scaling,) * (len(init_value(Vae, vae_cfg, "layers_per_block")) - 1)
+    ratios = []
+    for name, patch in (("temporal_compression_ratio", "patch_size_t"),
+                        ("spatial_compression_ratio", "patch_size")):
+        value = init_value(Vae, vae_cfg, name)
+        ratios.append(int(value if value is not None
+                          else init_value(Vae, vae_cfg, patch) * 2 ** sum(scaling)))
+    return ratios[0], ratios[1]
+
+
+def audio_compression() -> tuple[int, int]:
+    """(temporal, mel) compression of ``AutoencoderKLLTX2Audio``: diffusers sets both from its
+    module's ``LATENT_DOWNSAMPLE_FACTOR`` (autoencoder_kl_ltx2_audio.py:28, 751-753), not from
+    the config, and the pipeline reads them from the model (P:278-283)."""
+    from diffusers.models.autoencoders import autoencoder_kl_ltx2_audio as audio
+
+    return audio.LATENT_DOWNSAMPLE_FACTOR, audio.LATENT_DOWNSAMPLE_FACTOR
+
+
 def audio_frames(frames: int, fps: float, audio_vae_cfg: dict) -> int:
-    """Latent audio frames of a video: round(frames / fps x rate / hop / 4) (P:1300-1305)."""
-    per_second = audio_vae_cfg.get("sample_rate", 16000) / audio_vae_cfg.get(
-        "mel_hop_length", 160) / float(AUDIO_TEMPORAL_SCALE)
+    """Latent audio frames of a video: round(frames / fps x rate / hop / temporal
+    compression) (P:1300-1305), the rate and hop from the audio VAE config."""
+    from diffusers import AutoencoderKLLTX2Audio as Audio
+
+    per_second = init_value(Audio, audio_vae_cfg, "sample_rate") / init_value(
+        Audio, audio_vae_cfg, "mel_hop_length") / float(audio_compression()[0])
     return round(frames / fps * per_second)
 
 
 def layout(cfg: dict, vae_cfg: dict, audio_cfg: dict, height: int, width: int,
            frames: int, fps: float = 24.0) -> dict:
-    """The packed latents' geometry: video (frames f, h, w, tokens, width) and audio (frames,
-    mel bins, tokens, width); ``size`` is the one float32 array's length."""
-    f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
-    h, w = height // VAE_SPATIAL_SCALE, width // VAE_SPATIAL_SCALE
-    p, pt = cfg.get("patch_size", 1), cfg.get("patch_size_t", 1)
+    """The packed latents' geometry from the transformer (``cfg``), video VAE and audio VAE
+    configs of one checkpoint: video (latent frames f, h, w, patch sizes p and pt, tokens,
+    width) and audio (frames, mel bins, tokens, width); ``size`` is the one float32 array's
+    length. As the pipeline sizes them (P:795-797, 1272-1274, 1300-1330)."""
+    from diffusers import AutoencoderKLLTX2Audio as Audio
+    from diffusers import AutoencoderKLLTX2Video as Vae
+    from diffusers import LTX2VideoTransformer3DModel as Model
+
+    temporal, spatial = video_compression(vae_cfg)
+    f = (frames - 1) // temporal + 1
+    h, w = height // spatial, width // spatial
+    p, pt = init_value(Model, cfg, "patch_size"), init_value(Model, cfg, "patch_size_t")
     video_tokens = (f // pt) * (h // p) * (w // p)
-    video_width = vae_cfg.get("latent_channels", 128) * p * p * pt
+    video_width = init_value(Vae, vae_cfg, "latent_channels") * p * p * pt
     a = audio_frames(frames, fps, audio_cfg)
-    mel = audio_cfg.get("mel_bins", 64) // AUDIO_MEL_SCALE
-    audio_width = audio_cfg.get("latent_channels", 8) * mel
-    return dict(f=f, h=h, w=w, video_tokens=video_tokens, video_width=video_width,
+    mel = init_value(Audio, audio_cfg, "mel_bins") // audio_compression()[1]
+    audio_width = init_value(Audio, audio_cfg, "latent_channels") * mel
+    return dict(f=f, h=h, w=w, p=p, pt=pt, video_tokens=video_tokens, video_width=video_width,
                 audio_frames=a, mel=mel, audio_tokens=a, audio_width=audio_width,
                 size=video_tokens * video_width + a * audio_width)
 
 
+def configs(model_id: str | None) -> tuple[dict, dict, dict]:
+    """The transformer, video VAE and audio VAE configs of ``model_id`` (a local folder or
+    a shipped Hub id), each else the shipped LTX-2.0 one (``checkpoint_config``)."""
+    return tuple(checkpoint_config(model_id, sub, SHIPPED)
+                 for sub in ("transformer", "vae", "audio_vae"))
+
+
 def run_layout(model_id: str, height: int, width: int, frames: int) -> dict:
     """``layout`` from ``model_id``'s configs (or the shipped ones)."""
-    return layout(read_component_config(model_id, "transformer") or {},
-                  read_component_config(model_id, "vae") or {},
-                  read_component_config(model_id, "audio_vae") or {}, height, width, frames)
+    return layout(*configs(model_id), height, width, frames)
+
+
+def frame_step(model_id: str) -> int:
+    """Frames are ``frame_step * n + 1``: the video VAE's temporal compression."""
+    return video_compression(configs(model_id)[1])[0]
+
+
+def pixel_multiple(model_id: str) -> int:
+    """Height and width are multiples of the VAE's spatial compression x the patch."""
+    from diffusers import LTX2VideoTransformer3DModel as Model
+
+    cfg, vae_cfg, _ = configs(model_id)
+    return video_compression(vae_cfg)[1] * init_value(Model, cfg, "patch_size")
 
 
 def latent_shape(vae_cfg: dict, height: int, width: int, frames: int,
                  model_id: str | None = None) -> tuple:
-    """(1, size) of the packed latents: the audio layout from ``model_id``'s audio VAE
-    config, or without one the real LTX-2 layout (8 channels x 16 mel bins)."""
-    audio = (read_component_config(model_id, "audio_vae") if model_id else None) or {}
-    return (1, layout({}, vae_cfg, audio, height, width, frames)["size"])
+    """(1, size) of the packed latents: ``vae_cfg`` with ``model_id``'s transformer and audio
+    VAE configs (without ``model_id``, the shipped LTX-2.0 ones)."""
+    cfg, _, audio = configs(model_id)
+    return (1, layout(cfg, vae_cfg, audio, height, width, frames)["size"])
 
 
-def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
+def token_count(cfg: dict, height: int, width: int, frames: int, model_id: str) -> int:
     """Video tokens per sample (the self-attention's sequence)."""
-    return layout(cfg, {}, {}, height, width, frames)["video_tokens"]
+    _, vae_cfg, audio = configs(model_id)
+    return layout(cfg, vae_cfg, audio, height, width, frames)["video_tokens"]
 
 
 def make_scheduler(scheduler_config, kind: str, flow_shift: float, mu: float | None = None):
@@ -385,7 +443,7 @@ class AudioVideoDecode(torch.nn.Module):
         n = g["video_tokens"] * g["video_width"]
         video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
         audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
-        video = LTX2Pipeline._unpack_latents(video, g["f"], g["h"], g["w"], 1, 1)
+        video = LTX2Pipeline._unpack_latents(video, g["f"], g["h"], g["w"], g["p"], g["pt"])
         audio = LTX2Pipeline._denormalize_audio_latents(audio, self.audio.latents_mean,
                                                         self.audio.latents_std)
         audio = LTX2Pipeline._unpack_audio_latents(audio, g["audio_frames"],
@@ -723,7 +781,7 @@ def empty_vae(folder: str, config) -> AudioVideoDecode:
                                   (AutoencoderKLLTX2Audio, "audio_vae"),
                                   (LTX2Vocoder, "vocoder"))]
     video = config.video
-    geometry = layout(read_component_config(folder, "transformer") or {},
+    geometry = layout(checkpoint_config(folder, "transformer", SHIPPED),
                       dict(parts[0].config), dict(parts[1].config), video.height, video.width,
                       video.frames, video.fps)
     return AudioVideoDecode(*parts, geometry, getattr(torch, config.model.dtype))
@@ -813,7 +871,7 @@ FAMILY = ModelFamily(
     ),
     flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags,
                 options=OPTIONS, refused=REFUSED),
-    sizes=Sizes(frame_step=VAE_TEMPORAL_SCALE, pixel_multiple=VAE_SPATIAL_SCALE,
+    sizes=Sizes(frame_step=frame_step, pixel_multiple=pixel_multiple,
                 latent_shape=latent_shape, token_count=token_count),
     text=TextEncoding(load_pipeline=load_pipeline, encode_prompts=encode_prompts,
                       embedding_names=EMBEDDING_NAMES, check_embeddings=check_embeddings,

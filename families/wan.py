@@ -42,28 +42,57 @@ from families.base import (
     TextEncoding,
     Transformer,
     VaePrograms,
+    checkpoint_config,
     empty_model,
+    init_value,
 )
 
-# Wan's VAEs compress 4x in time; the transformer patchifies 2x2. The spatial factor is the
-# VAE's: 8 for Wan 2.1's (z_dim 16), 16 for Wan 2.2's (z_dim 48: 8x from its blocks, 2x from
-# its patchify). It is read from the VAE config's ``scale_factor_spatial`` where that is at
-# hand, else from the transformer's ``out_channels`` (the latent channels = the VAE's z_dim).
-VAE_TEMPORAL_SCALE = 4
-PATCH_SIDE = 2
-WAN22_VAE_Z_DIM = 48
+# The VAE's compression (4x in time; 8x in space for Wan 2.1's VAE, 16x for Wan 2.2's) and
+# the transformer's patch (1 x 2 x 2) are read from the checkpoint, as ``WanPipeline`` reads
+# its VAE's ``scale_factor_temporal`` / ``scale_factor_spatial`` (pipeline_wan.py:154-155):
+# ``vae_compression``, ``token_count``; a dry run reads the config files.
+SHIPPED = "Wan-AI/Wan2.1-T2V-14B-Diffusers"
 
 
-def spatial_scale_for(cfg: dict) -> int:
-    """The VAE's spatial compression for transformer config ``cfg``: 16 when its latents have
-    48 channels (only Wan 2.2's VAE has z_dim 48), else 8 (Wan 2.1's VAE)."""
-    return 16 if cfg.get("out_channels") == WAN22_VAE_Z_DIM else 8
+def vae_config(model_id: str | None) -> dict:
+    """``model_id``'s VAE config (a local folder or a shipped Hub id), else the shipped one."""
+    return checkpoint_config(model_id, "vae", SHIPPED)
 
 
-def vae_spatial_scale(vae_cfg: dict) -> int:
-    """``scale_factor_spatial`` of a VAE config (diffusers' default 8 when absent, as
-    ``AutoencoderKLWan.__init__`` has it)."""
-    return int(vae_cfg.get("scale_factor_spatial") or 8)
+def vae_compression(vae_cfg: dict) -> tuple[int, int]:
+    """(temporal, spatial) compression of an ``AutoencoderKLWan`` config: its
+    ``scale_factor_temporal`` / ``scale_factor_spatial`` (the class defaults, 4 and 8, where
+    the config leaves them out, as every Wan 2.1 config does)."""
+    from diffusers import AutoencoderKLWan as Vae
+
+    return (int(init_value(Vae, vae_cfg, "scale_factor_temporal")),
+            int(init_value(Vae, vae_cfg, "scale_factor_spatial")))
+
+
+def latent_grid(vae_cfg: dict, height: int, width: int, frames: int) -> tuple[int, int, int]:
+    """(latent frames, h, w) of a video, as ``WanPipeline.prepare_latents`` sizes them
+    (pipeline_wan.py:341-348)."""
+    temporal, spatial = vae_compression(vae_cfg)
+    return (frames - 1) // temporal + 1, height // spatial, width // spatial
+
+
+def patch(cfg: dict) -> tuple[int, int, int]:
+    """The transformer's (t, h, w) ``patch_size`` (the class default where absent)."""
+    from diffusers import WanTransformer3DModel as Model
+
+    return tuple(init_value(Model, cfg, "patch_size"))
+
+
+def frame_step(model_id: str) -> int:
+    """Frames are ``frame_step * n + 1``: the VAE's temporal compression."""
+    return vae_compression(vae_config(model_id))[0]
+
+
+def pixel_multiple(model_id: str) -> int:
+    """Height and width are multiples of the VAE's spatial compression x the patch side (16
+    for Wan 2.1, 32 for Wan 2.2 TI2V-5B's 16x VAE)."""
+    cfg = checkpoint_config(model_id, "transformer", SHIPPED)
+    return vae_compression(vae_config(model_id))[1] * max(patch(cfg)[1:])
 
 
 DEFAULTS = dict(
@@ -109,7 +138,6 @@ _TI2V_REPO = "Wan2.2 repo wan/configs/wan_ti2v_5B.py"
 WAN22_TI2V_DEFAULTS = dict(
     height=704, width=1280, frames=121, fps=24, num_inference_steps=50, guidance_scale=5.0,
     flow_shift=5.0,
-    pixel_multiple=16 * PATCH_SIDE,
     sources=dict(
         height="Wan2.2 model card (TI2V-5B: 1280x704 or 704x1280)",
         width="Wan2.2 model card (TI2V-5B: 1280x704 or 704x1280)",
@@ -212,12 +240,10 @@ def sparse_policy(model_id: str, values: dict):
     index = read_model_index(model_id)
     kind = ("a14b" if is_two_expert(index) else "ti2v" if index.get("expand_timesteps")
             else "i2v" if index.get("_class_name") == I2V_PIPELINE else "t2v")
-    cfg = read_component_config(model_id, "transformer") or {}
-    pt, ph, pw = cfg.get("patch_size", (1, PATCH_SIDE, PATCH_SIDE))
-    scale = spatial_scale_for(cfg)
-    frames = ((values["frames"] - 1) // VAE_TEMPORAL_SCALE + 1) // pt
-    size = (values["height"] // scale // ph) * (values["width"] // scale // pw)
-    return wan_sparse.policy(kind, frames, size)
+    pt, ph, pw = patch(checkpoint_config(model_id, "transformer", SHIPPED))
+    f, h, w = latent_grid(vae_config(model_id), values["height"], values["width"],
+                          values["frames"])
+    return wan_sparse.policy(kind, f // pt, (h // ph) * (w // pw))
 
 
 def check_flags(values: dict) -> tuple[str, str] | None:
@@ -243,16 +269,16 @@ def default_flow_shift(height: int, width: int) -> float:
 def latent_shape(vae_cfg: dict, height: int, width: int, frames: int,
                  model_id: str | None = None) -> tuple:
     """(1, C, F', h, w) from the VAE config alone (``model_id`` unused)."""
-    scale = vae_spatial_scale(vae_cfg)
-    return (1, vae_cfg["z_dim"], (frames - 1) // VAE_TEMPORAL_SCALE + 1,
-            height // scale, width // scale)
+    from diffusers import AutoencoderKLWan as Vae
+
+    return (1, init_value(Vae, vae_cfg, "z_dim"), *latent_grid(vae_cfg, height, width, frames))
 
 
-def token_count(cfg: dict, height: int, width: int, frames: int) -> int:
-    pt, ph, pw = cfg["patch_size"]
-    f = (frames - 1) // VAE_TEMPORAL_SCALE + 1
-    scale = spatial_scale_for(cfg)
-    return (f // pt) * (height // scale // ph) * (width // scale // pw)
+def token_count(cfg: dict, height: int, width: int, frames: int, model_id: str) -> int:
+    """Video tokens per sample: the latent grid of ``model_id``'s VAE over the patch."""
+    pt, ph, pw = patch(cfg)
+    f, h, w = latent_grid(vae_config(model_id), height, width, frames)
+    return (f // pt) * (h // ph) * (w // pw)
 
 
 def num_heads(cfg: dict) -> int:
@@ -269,7 +295,8 @@ def transformer_flops(cfg: dict, config) -> float:
         FFN: 4*S*D*Fd
     Embeddings and the output projection are < 0.1% at Wan sizes and are left out.
     """
-    s = token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    s = token_count(cfg, config.video.height, config.video.width, config.video.frames,
+                    config.model.model_id)
     t = config.video.max_sequence_length
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     per_block = (8 * s * d * d + 4 * s * s * d + 4 * s * d * d + 4 * t * d * d
@@ -279,7 +306,8 @@ def transformer_flops(cfg: dict, config) -> float:
 
 def self_attention_flops(cfg: dict, config) -> float:
     """The 4*S^2*D scores-and-P.V term of ``transformer_flops``, all blocks and passes."""
-    s = token_count(cfg, config.video.height, config.video.width, config.video.frames)
+    s = token_count(cfg, config.video.height, config.video.width, config.video.frames,
+                    config.model.model_id)
     return float(4 * s * s * cfg["attention_head_dim"] * cfg["num_attention_heads"]
                  * cfg["num_layers"] * config.video.batch)
 
@@ -427,20 +455,21 @@ def prepare_latents(pipe, config):
     """Initial noise exactly as ``WanPipeline.prepare_latents`` and
     ``WanImageToVideoPipeline.prepare_latents`` draw it: ``randn_tensor`` of the latent shape
     with a CPU ``torch.Generator`` seeded with ``config.video.seed``, before anything else. Returns
-    a float32 CPU tensor (1, z_dim, (frames-1)/4+1, height/s, width/s), s = 8 (16 for the
-    Wan 2.2 VAE).
+    a float32 CPU tensor (1, z_dim, (frames-1)/t+1, height/s, width/s), t and s the VAE's
+    temporal and spatial compression (4 and 8; 16 for the Wan 2.2 VAE).
 
-    The shape comes from the transformer's config: z_dim is its ``out_channels`` (its
-    ``in_channels``, 36 for Wan I2V, also count the mask and condition), and the pipelines'
-    own ``vae_scale_factor_spatial`` is 8 whenever no VAE is loaded, as in a staged denoise.
+    z_dim is the transformer's ``out_channels`` (its ``in_channels``, 36 for Wan I2V, also
+    count the mask and condition), as the pipelines read it; t and s come from the
+    checkpoint's VAE config (``vae_compression``), also in a staged denoise, which loads no
+    VAE (the pipelines fall back to 4 and 8 there, wrong for Wan 2.2's VAE).
     """
     from diffusers.utils.torch_utils import randn_tensor
 
     generator = torch.Generator("cpu").manual_seed(config.video.seed)
     cfg = dict(pipe.transformer.config)
-    s = spatial_scale_for(cfg)
-    shape = (1, cfg["out_channels"], (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.video.height // s, config.video.width // s)
+    v = config.video
+    shape = (1, cfg["out_channels"],
+             *latent_grid(vae_config(config.model.model_id), v.height, v.width, v.frames))
     return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
                         dtype=torch.float32)
 
@@ -530,20 +559,16 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
         (config.video.batch, config.video.max_sequence_length, cfg["text_dim"]), dtype),
         "guidance_scale": jax.ShapeDtypeStruct((config.video.batch,), jnp.float32)}
     extra = cfg["in_channels"] - cfg["out_channels"]
+    v = config.video
+    f, h, w = latent_grid(vae_config(config.model.model_id), v.height, v.width, v.frames)
     if extra:  # image-to-video: mask + condition channels (model_inputs)
-        s = spatial_scale_for(cfg)
-        out["condition"] = jax.ShapeDtypeStruct(
-            (config.video.batch, extra, (config.video.frames - 1) // VAE_TEMPORAL_SCALE + 1,
-             config.video.height // s, config.video.width // s), dtype)
+        out["condition"] = jax.ShapeDtypeStruct((config.video.batch, extra, f, h, w), dtype)
     if cfg.get("image_dim"):
         out["encoder_hidden_states_image"] = jax.ShapeDtypeStruct(
             (config.video.batch, CLIP_TOKENS, cfg["image_dim"]), dtype)
     if not extra and config.video.image is not None:  # TI2V-5B with --image
-        s = spatial_scale_for(cfg)
         out[wan_ti2v.NAME] = jax.ShapeDtypeStruct(
-            (config.video.batch, cfg["out_channels"], 1, config.video.height // s,
-             config.video.width // s),
-            jnp.float32)
+            (config.video.batch, cfg["out_channels"], 1, h, w), jnp.float32)
     return out
 
 
@@ -669,9 +694,8 @@ FAMILY = ModelFamily(
     ),
     flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags),
     sizes=Sizes(
-        frame_step=VAE_TEMPORAL_SCALE,
-        # Wan 2.1's VAE x patch; a Wan 2.2 VAE (16x) makes it 32 (``checkpoint_defaults``).
-        pixel_multiple=8 * PATCH_SIDE,
+        frame_step=frame_step,
+        pixel_multiple=pixel_multiple,
         latent_shape=latent_shape,
         token_count=token_count,
     ),

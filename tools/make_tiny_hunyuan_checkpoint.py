@@ -13,7 +13,9 @@ HunyuanVideo-1.5 port run on this checkpoint. Every component is the real class 
 - ``vae``: ``AutoencoderKLHunyuanVideo15`` with the real 16x spatial / 4x temporal compression
   and 32 latent channels, but block channels (16, 32, 64, 64, 64) instead of
   (128, 256, 512, 1024, 1024) and 1 resnet per block. (The last block width must be a
-  multiple of 2 x latent_channels, and each width a multiple of 8.)
+  multiple of 2 x latent_channels, and each width a multiple of 8.) ``--vae_spatial`` /
+  ``--vae_temporal`` set other compressions (the class places its down- and up-samplers
+  from the two config ratios), e.g. 2x in time.
 - ``text_encoder`` + ``tokenizer``: a 3-layer ``Qwen2_5_VLTextModel`` (hidden 32, 2 heads x 16,
   mrope_section (2, 3, 3)) and a ``Qwen2Tokenizer`` whose byte-level BPE is trained offline with
   the ``tokenizers`` library on the pipeline's own system message plus a small English corpus,
@@ -108,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vae_channels", type=_int_list, default=[16, 32, 64, 64, 64],
                    help="VAE encoder block widths (5 entries give 16x spatial compression)")
     p.add_argument("--vae_layers", type=int, default=1, help="VAE resnets per block")
+    p.add_argument("--vae_spatial", type=int, default=16, choices=(4, 8, 16),
+                   help="VAE spatial compression (real: 16; at most 2^(VAE blocks - 1))")
+    p.add_argument("--vae_temporal", type=int, default=4, choices=(1, 2, 4),
+                   help="VAE temporal compression (real: 4; at most the spatial one)")
     p.add_argument("--text_dim", type=int, default=32, help="Qwen2.5-VL text hidden size")
     p.add_argument("--text_layers", type=int, default=3, help="Qwen2.5-VL text layers (>= 3)")
     p.add_argument("--byt5_dim", type=int, default=32, help="ByT5 encoder d_model")
@@ -275,8 +281,8 @@ def build_pipeline(args: argparse.Namespace):
         latent_channels=args.latent_channels,
         block_out_channels=tuple(args.vae_channels),
         layers_per_block=args.vae_layers,
-        spatial_compression_ratio=16,
-        temporal_compression_ratio=4,
+        spatial_compression_ratio=args.vae_spatial,
+        temporal_compression_ratio=args.vae_temporal,
     ).eval()
     components = dict(
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,

@@ -11,7 +11,9 @@ and everything else (flags, RoPE type, compression ratios, sample rates) kept; f
   LTX-2.0), video/audio input channels = the VAEs' latent layouts (8, and 2 x 16 mel = 32).
 - ``vae``: ``AutoencoderKLLTX2Video`` with the real 32x spatial / 8x temporal compression
   (patch 4 and the same four down-sample types) but block widths (8, 16, 32, 32), one resnet
-  per block and 8 latent channels (real: 128).
+  per block and 8 latent channels (real: 128). ``--vae_spatial`` / ``--vae_temporal`` give
+  another compression (e.g. 16 / 4: ``vae_scaling`` turns blocks' scaling off), and the
+  transformer's ``vae_scale_factors`` follow.
 - ``audio_vae``: ``AutoencoderKLLTX2Audio`` with the real audio layout (16 kHz, hop 160, 64
   mel bins, 4x time and mel compression, stereo) but 2 latent channels (real: 8) and base
   width 32 (real: 128; it must equal the packed token width, see ``tiny_overrides``) and
@@ -78,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--latent_channels", type=int, default=8, help="video VAE latent channels")
     p.add_argument("--text_dim", type=int, default=32, help="Gemma text hidden size")
     p.add_argument("--text_layers", type=int, default=2, help="Gemma text layers")
+    p.add_argument("--vae_spatial", type=int, default=32, choices=(8, 16, 32, 64),
+                   help="video VAE spatial compression (real: 32; patch 4 x 2^k)")
+    p.add_argument("--vae_temporal", type=int, default=8, choices=(1, 2, 4, 8),
+                   help="video VAE temporal compression (real: 8)")
     p.add_argument("--distilled", action="store_true",
                    help="the distilled checkpoint's scheduler (no dynamic shifting)")
     p.add_argument("--seed", type=int, default=0, help="torch seed for the random init")
@@ -127,6 +133,38 @@ def build_text_encoder(args: argparse.Namespace, tokenizer):
     return Gemma3ForConditionalGeneration(config).eval()
 
 
+def vae_scaling(spatial: int, temporal: int) -> dict:
+    """The video VAE config keys that give ``spatial`` x ``temporal`` compression.
+
+    ``AutoencoderKLLTX2Video`` compresses by its patch (4 x 4 pixels, 1 frame), then 2x per
+    encoder block whose ``spatio_temporal_scaling`` is on, in that block's ``downsample_type``
+    axes (LTX-2.0: spatial, temporal, spatiotemporal, spatiotemporal: 32 x 8); its decoder
+    undoes it per up block (``decoder_spatio_temporal_scaling`` and ``upsample_type``, listed
+    from the full-resolution end and reversed by the decoder; a block that does not upsample
+    takes ``upsample_factor`` 1 so its channels pass through). The ratios are also written as
+    ``spatial_compression_ratio`` / ``temporal_compression_ratio``, as the real config does
+    (diffusers' fallback formula, patch x 2^(blocks on), counts a one-axis block on both).
+    """
+    from itertools import product
+
+    s, t = (spatial // 4).bit_length() - 1, temporal.bit_length() - 1
+    kinds = ("spatial", "temporal", "spatiotemporal", "spatiotemporal")
+    on = next((c for c in product((True, False), repeat=4)
+               if sum(k != "temporal" for k, o in zip(kinds, c, strict=True) if o) == s
+               and sum(k != "spatial" for k, o in zip(kinds, c, strict=True) if o) == t), None)
+    ups = ["spatiotemporal"] * min(s, t) + ["spatial" if s > t else "temporal"] * abs(s - t)
+    if on is None or len(ups) > 3:
+        raise SystemExit(f"--vae_spatial {spatial} --vae_temporal {temporal}: no LTX-2.0 "
+                         "block layout gives it (4 encoder blocks, 3 decoder blocks)")
+    # The decoder reverses these two lists but not upsample_type; the idle blocks go at the
+    # full-resolution end, where an unchanged width needs no channel change.
+    up_on = [False] * (3 - len(ups)) + [True] * len(ups)
+    ups += ["spatiotemporal"] * (3 - len(ups))
+    return dict(spatio_temporal_scaling=list(on), decoder_spatio_temporal_scaling=up_on,
+                upsample_type=ups, upsample_factor=[2 if o else 1 for o in up_on],
+                spatial_compression_ratio=spatial, temporal_compression_ratio=temporal)
+
+
 def tiny_overrides(args: argparse.Namespace) -> dict:
     """Per component, the config keys the tiny checkpoint changes (sizes only); every other
     key keeps the real LTX-2.0 value from ``configs/Lightricks/LTX-2``."""
@@ -145,13 +183,16 @@ def tiny_overrides(args: argparse.Namespace) -> dict:
             cross_attention_dim=video_inner, audio_in_channels=audio_tokens,
             audio_out_channels=audio_tokens, audio_num_attention_heads=args.heads,
             audio_attention_head_dim=args.audio_head_dim, audio_cross_attention_dim=audio_inner,
-            num_layers=args.layers, caption_channels=args.text_dim),
+            num_layers=args.layers, caption_channels=args.text_dim,
+            # The RoPE's latent-to-pixel scale: the video VAE's (temporal, spatial, spatial).
+            vae_scale_factors=[args.vae_temporal, args.vae_spatial, args.vae_spatial]),
         "connectors": dict(
             caption_channels=args.text_dim, text_proj_in_factor=args.text_layers + 1,
             **{f"{m}_connector_{k}": v for m in ("video", "audio") for k, v in connector.items()}),
         "vae": dict(latent_channels=args.latent_channels, block_out_channels=[8, 16, 32, 32],
                     decoder_block_out_channels=[8, 16, 32], layers_per_block=[1, 1, 1, 1, 1],
-                    decoder_layers_per_block=[1, 1, 1, 1]),
+                    decoder_layers_per_block=[1, 1, 1, 1],
+                    **vae_scaling(args.vae_spatial, args.vae_temporal)),
         "audio_vae": dict(base_channels=audio_tokens, latent_channels=audio_latent,
                           num_res_blocks=1),
         "vocoder": dict(hidden_channels=64),

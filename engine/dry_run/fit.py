@@ -511,7 +511,7 @@ def dry_run(config, family) -> tuple[int, dict]:
     if config.dry.dry_run_layers:
         cfg["num_layers"] = min(config.dry.dry_run_layers, cfg["num_layers"])
     tokens = family.sizes.token_count(cfg, config.video.height, config.video.width,
-                                      config.video.frames)
+                                      config.video.frames, config.model.model_id)
     mesh = make_mesh(shape, devices)
     attention = "splash" if config.kernel.attention == "auto" else config.kernel.attention
     lowering.install(torchax.default_env())

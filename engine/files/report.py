@@ -417,7 +417,7 @@ def run_report(config, family, cfg, devices, mesh_shape, placed, fallbacks, *, s
     if placed is not None:
         out.update(
             tokens=family.sizes.token_count(cfg, config.video.height, config.video.width,
-                                      config.video.frames),
+                                            config.video.frames, config.model.model_id),
             layout=dict(replicate_row_parallel=config.layout.replicate_row_parallel,
                         fsdp=config.layout.fsdp, megatron_sp=config.layout.megatron_sp,
                         sequence_parallel=mesh_shape.sp > 1),

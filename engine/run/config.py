@@ -417,14 +417,15 @@ def check_numbers(args) -> None:
              "tpu7x:2x2x1")
 
 
-def check_size(family, values: dict, multiple: int) -> None:
-    """--frames against ``family.sizes.frame_step`` and --height/--width against ``multiple``
-    pixels (VAE compression times patch size), with the family's name in the rule.
+def check_size(family, values: dict, model_id: str) -> None:
+    """--frames against the checkpoint's ``family.sizes.frame_step`` and --height/--width
+    against its ``pixel_multiple`` (VAE compression times patch size), with the family's name
+    in the rule.
 
     Raises:
         UsageError: one line naming the flag, the value and the rule.
     """
-    step = family.sizes.frame_step
+    step, multiple = family.sizes.frame_step(model_id), family.sizes.pixel_multiple(model_id)
     if values["frames"] < 1 or (values["frames"] - 1) % step:
         fail("--frames", values["frames"], f"must be of the form {step}n+1 (1, {step + 1}, "
              f"{2 * step + 1}, ...) for {family.name}")

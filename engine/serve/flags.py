@@ -113,8 +113,7 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     """The serving flags against each other and the family's shape rules; None without
     --serve. ``values`` (the resolved family flags) get the first bucket's width, height and
     frames, so the run's configuration (and its default flow shift) is the first bucket's.
-    ``defaults``: the family's and checkpoint's defaults (``pixel_multiple``,
-    ``flow_shift``).
+    ``defaults``: the family's and checkpoint's defaults (``flow_shift``).
 
     Raises:
         UsageError: one line naming the flag, the value and the rule.
@@ -144,9 +143,10 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
              "no key)")
     jobs_db, lease_s = _jobs_db(args)
     webhook_secret = _webhook_secret(args)
-    multiple = defaults.get("pixel_multiple", family.sizes.pixel_multiple)
+    multiple = family.sizes.pixel_multiple(args.model_id)  # the checkpoint's VAE x patch
     sizes = _parse_sizes(args.serve_sizes, values, multiple, family.name)
-    frames = _parse_frames(args.serve_frames, values, family.sizes.frame_step, family.name)
+    frames = _parse_frames(args.serve_frames, values, family.sizes.frame_step(args.model_id),
+                           family.name)
     if args.flow_shift is None and "flow_shift" not in defaults:
         shifts = {family.scheduler.default_flow_shift(h, w) for w, h in sizes}
         if len(shifts) > 1:  # one scheduler serves every bucket

@@ -335,7 +335,8 @@ def _served(config, family, model: WarmModel) -> Served:
     steps_rule = _steps_in_inputs(config, family, dict(model.pipe.transformer.config))
     return Served(
         model=model_name(config.model.model_id), model_id=config.model.model_id,
-        sizes=config.serve.sizes, frames=config.serve.frames, frame_step=family.sizes.frame_step,
+        sizes=config.serve.sizes, frames=config.serve.frames,
+        frame_step=family.sizes.frame_step(config.model.model_id),
         fps=v.fps, num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
         guidance_scale_2=v.guidance_scale_2, negative_prompt=v.negative_prompt,
         variable_guidance="guidance_scale" in programs.embeds and not two_experts,

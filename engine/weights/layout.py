@@ -125,7 +125,7 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
     return resolve_mesh_shape(
         layout.dp, layout.tp, layout.sp, n_devices, batch=batch,
         num_heads=family.transformer.num_heads(cfg) if cfg else None,
-        tokens=(family.sizes.token_count(cfg, video.height, video.width, video.frames) if cfg
-                else None),
+        tokens=(family.sizes.token_count(cfg, video.height, video.width, video.frames,
+                                         config.model.model_id) if cfg else None),
         prefer_sp=chips.prefers_ulysses(chip, weights),
         default_sp=chip and family.transformer.default_sp.get(chip.name))
