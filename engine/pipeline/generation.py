@@ -137,6 +137,12 @@ class Generation:
             self.timings, self.ahead)
         if self.ahead is not None:
             self.timings.update(self.ahead.timings(self.overlap_began))
+        self.count_programs()
+
+    def count_programs(self) -> None:
+        """The programs compiled and loaded since ``start_compile``, and their seconds, into
+        the timings and the report (again after the warmup: a loaded program that fails its
+        first call is recompiled there, ``executables.Checked``)."""
         done = executables.stats_since(self.stats_before)
         self.timings.update(trace_lower_s=done["lower_s"], xla_compile_s=done["compile_s"],
                             executable_load_s=done["load_s"],
@@ -151,6 +157,7 @@ class Generation:
             self.timings.update(denoise.warmup(
                 self.programs, self.latents0, warmup_steps=self.config.run.warmup_steps,
                 num_inference_steps=self.config.video.num_inference_steps))
+        self.count_programs()
 
     def time_videos(self, on_video: Callable | None = None):
         """The timed generations of every video; returns the last video's frames
