@@ -201,7 +201,8 @@ def _frame_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None, *, widt
     explicit state (the ``ChunkedDecoder`` chunk interface).
 
     (params, buffers, x (1, 1024, 1, h, w), mean, inv_std (unused: the mid program scaled
-    the latents), cache list) -> (frames (1, 3, 1 or 4, 16h, 16w) float32 in [-1, 1],
+    the latents), cache list) -> (frames (1, 3, 1 or t, sh, sw) float32 in [-1, 1] (t, s:
+    the VAE's temporal and spatial compression),
     new cache list: each causal conv's last two input frames).
 
     ``spatial``: the width sharding of the program's inputs and outputs (the latent width
@@ -244,7 +245,8 @@ def _frame_fn(jm, kinds: tuple, first: bool, record: dict, spatial=None, *, widt
 
 
 class HunyuanVaeDecoder:
-    """Latents (1, 32, F', h, w) float32 -> video (1, 3, 4F'-3, 16h, 16w) float32 in [-1, 1],
+    """Latents (1, 32, F', h, w) float32 -> video (1, 3, tF'-t+1, sh, sw) float32 in [-1, 1]
+    (t, s: the VAE's temporal and spatial compression, 4 and 16 for the released VAE),
     on device: the mid program, then ``engine.programs.vae_decode.ChunkedDecoder`` over the latent
     frames of its output. Same interface as ``ChunkedDecoder`` (``compile``, ``memory``,
     call)."""

@@ -83,7 +83,8 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
 
     Returns:
         {NAME: (1, n0, C) float32}: the normalised VAE posterior mode of the image, packed;
-        n0 = (height / 32) x (width / 32) tokens of latent frame 0, C = 128.
+        n0 = (height / s) x (width / s) tokens of latent frame 0, s the video VAE's spatial
+        compression (32 for LTX-2.0), C its latent channels (128).
 
     Raises:
         GenerationError: the re-compression needs PyAV (``av``, requirements.txt) and it is
@@ -128,7 +129,7 @@ def abstract_model_inputs(config, geometry: dict, batch: int) -> dict:
     """``model_inputs``' shapes for the dry run: {} without ``--image``."""
     if config.video.image is None:
         return {}
-    n0 = geometry["video_tokens"] // geometry["f"]
+    n0 = geometry["video_tokens"] // (geometry["f"] // geometry["pt"])
     return {NAME: jax.ShapeDtypeStruct((batch, n0, geometry["video_width"]), jnp.float32)}
 
 
