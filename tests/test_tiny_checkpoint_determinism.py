@@ -9,8 +9,8 @@ order of pieces with equal scores changed between builds. The Qwen and Gemma BPE
 are still trained at build time; their trainers count and break ties deterministically
 (measured: two builds of each equal file for file).
 
-Cost: one extra build per builder (measured on the shared 2-core host under load: Wan 21 s,
-CI tier; HunyuanVideo-1.5 24 s and LTX-2 26 s, slow tier, run by ``make test-all``).
+Cost: one extra build per builder (measured on the shared 2-core host, by load: Wan 15-21 s,
+CI tier; HunyuanVideo-1.5 16-24 s and LTX-2 16-26 s, slow tier, run by ``make test-all``).
 """
 
 import hashlib
