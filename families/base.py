@@ -104,7 +104,13 @@ class TextEncoding:
     """Loading the diffusers pipeline and encoding the prompts (CPU, before any device work).
 
     load_pipeline(config, components) -> diffusers pipeline, transformer with meta weights.
-    encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders.
+    encode_prompts(pipe, config) -> {name: tensor}, masks included; frees the encoders (the
+        prompt and the negative together, as the diffusers pipeline runs them).
+    prompt_sides(config) -> ((name prefix, text), ...): the texts one video's embeddings
+        hold ("" the prompt, "negative_" the negative prompt when the run uses it).
+    encode_text(pipe, config, text) -> {name: tensor} of one text, unprefixed names, equal
+        bitwise to that side of ``encode_prompts`` (the prompt-embedding cache keys each
+        text apart); keeps the encoders.
     embedding_names: the names ``encode_prompts`` returns (staged files hold these).
     check_embeddings(embeds, settings, cfg) -> error text or None.
     prepare_latents(pipe, config) -> float32 initial noise from ``config.video.seed``.
@@ -112,6 +118,8 @@ class TextEncoding:
 
     load_pipeline: Callable
     encode_prompts: Callable
+    prompt_sides: Callable
+    encode_text: Callable
     embedding_names: tuple[str, ...]
     check_embeddings: Callable
     prepare_latents: Callable

@@ -387,6 +387,25 @@ def encode_prompts(pipe, config) -> dict:
     return out
 
 
+def prompt_sides(config) -> tuple:
+    """The texts a video's embeddings hold: (("", prompt), ("negative_", negative or "")),
+    the negative only with CFG or ``--stage encode`` (as ``encode_prompts``)."""
+    v = config.video
+    if v.use_cfg or config.run.stage == "encode":
+        return ("", v.prompt), ("negative_", v.negative_prompt or "")
+    return (("", v.prompt),)
+
+
+def encode_text(pipe, config, text: str) -> dict:
+    """One text's four tensors (``encode_prompts``' names without the "negative_" prefix):
+    the pipeline's ``encode_prompt`` on that text alone (Qwen2.5-VL, then ByT5 on its quoted
+    glyph text), as ``encode_prompts`` runs it per side; keeps the encoders."""
+    with torch.no_grad():
+        tensors = pipe.encode_prompt(prompt=text, device=torch.device("cpu"),
+                                     dtype=getattr(torch, config.model.dtype))
+    return dict(zip(EMBEDDING_NAMES[:4], tensors, strict=True))
+
+
 def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | None:
     want = {"prompt_embeds": (1, QWEN_TOKENS), "prompt_embeds_mask": (1, QWEN_TOKENS),
             "prompt_embeds_2": (1, BYT5_TOKENS), "prompt_embeds_mask_2": (1, BYT5_TOKENS)}
@@ -798,6 +817,8 @@ FAMILY = ModelFamily(
     text=TextEncoding(
         load_pipeline=load_pipeline,
         encode_prompts=encode_prompts,
+        prompt_sides=prompt_sides,
+        encode_text=encode_text,
         embedding_names=EMBEDDING_NAMES,
         check_embeddings=check_embeddings,
         prepare_latents=prepare_latents,

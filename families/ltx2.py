@@ -533,6 +533,29 @@ def encode_prompts(pipe, config) -> dict:
     return out
 
 
+def prompt_sides(config) -> tuple:
+    """The texts a video's embeddings hold: (("", prompt), ("negative_", negative or "")),
+    the negative with CFG (video or audio guidance > 1) or ``--stage encode``."""
+    v = config.video
+    if passes(config)["cfg"] or config.run.stage == "encode":
+        return ("", v.prompt), ("negative_", v.negative_prompt or "")
+    return (("", v.prompt),)
+
+
+def encode_text(pipe, config, text: str) -> dict:
+    """One text's {"prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"}: Gemma,
+    then the connectors on that text alone (batch 1; each row of the pipeline's [negative,
+    positive] batch is computed on its own: tests/test_embedding_cache.py checks bitwise
+    equality with ``encode_prompts``); keeps the encoders."""
+    dtype, cpu = getattr(torch, config.model.dtype), torch.device("cpu")
+    with torch.no_grad():
+        e, m = pipe._get_gemma_prompt_embeds(text, max_sequence_length=TEXT_TOKENS,
+                                             device=cpu, dtype=dtype)
+        video, audio, mask = pipe.connectors(e, m, padding_side="left")
+    return {"prompt_embeds": video.to(dtype), "audio_prompt_embeds": audio.to(dtype),
+            "prompt_attention_mask": mask}
+
+
 def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | None:
     for name, value in embeds.items():
         if tuple(value.shape[:2]) != (1, TEXT_TOKENS):
@@ -874,6 +897,7 @@ FAMILY = ModelFamily(
     sizes=Sizes(frame_step=frame_step, pixel_multiple=pixel_multiple,
                 latent_shape=latent_shape, token_count=token_count),
     text=TextEncoding(load_pipeline=load_pipeline, encode_prompts=encode_prompts,
+                      prompt_sides=prompt_sides, encode_text=encode_text,
                       embedding_names=EMBEDDING_NAMES, check_embeddings=check_embeddings,
                       prepare_latents=prepare_latents),
     transformer=Transformer(

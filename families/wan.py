@@ -436,6 +436,29 @@ def encode_prompts(pipe, config) -> dict:
                                                        "negative_prompt_embeds": neg}
 
 
+def prompt_sides(config) -> tuple:
+    """The texts a video's embeddings hold: (("", prompt), ("negative_", negative or "")),
+    the negative only with CFG or ``--stage encode`` (as ``encode_prompts``; diffusers
+    encodes a missing negative as "")."""
+    v = config.video
+    if v.use_cfg or config.run.stage == "encode":
+        return ("", v.prompt), ("negative_", v.negative_prompt or "")
+    return (("", v.prompt),)
+
+
+def encode_text(pipe, config, text: str) -> dict:
+    """One text's {"prompt_embeds": (1, max_sequence_length, text_dim)}, the transformer
+    dtype, zero-padded as ``encode_prompts``; keeps the encoder. ``WanPipeline.encode_prompt``
+    encodes prompt and negative by separate ``_get_t5_prompt_embeds`` calls (batch 1 each),
+    so one text's embedding never depends on the other text."""
+    with torch.no_grad():
+        pos, _ = pipe.encode_prompt(
+            prompt=text, do_classifier_free_guidance=False,
+            max_sequence_length=config.video.max_sequence_length,
+            device=torch.device("cpu"), dtype=getattr(torch, config.model.dtype))
+    return {"prompt_embeds": pos}
+
+
 def check_embeddings(embeds: dict, settings: dict, cfg: dict | None) -> str | None:
     pos, neg = embeds["prompt_embeds"], embeds["negative_prompt_embeds"]
     seq = settings.get("max_sequence_length")
@@ -702,6 +725,8 @@ FAMILY = ModelFamily(
     text=TextEncoding(
         load_pipeline=load_pipeline,
         encode_prompts=encode_prompts,
+        prompt_sides=prompt_sides,
+        encode_text=encode_text,
         embedding_names=EMBEDDING_NAMES,
         check_embeddings=check_embeddings,
         prepare_latents=prepare_latents,

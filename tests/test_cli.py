@@ -360,7 +360,8 @@ def test_damaged_checkpoint_is_one_line_before_loading(request, tmp_path, capsys
         monkeypatch.setitem(families.FAMILIES, key, dataclasses.replace(
             family, text=dataclasses.replace(
                 family.text, load_pipeline=lambda *a, **k: pytest.fail("weights loaded"),
-                encode_prompts=lambda *a, **k: pytest.fail("text encoder ran"))))
+                encode_prompts=lambda *a, **k: pytest.fail("text encoder ran"),
+                encode_text=lambda *a, **k: pytest.fail("text encoder ran"))))
     out = tmp_path / "out"
     code = gf.cli(["--model_id", str(ck), "--output_dir", str(out), "--work_dir",
                    str(tmp_path / "work"), *flags])

@@ -128,8 +128,8 @@ def test_repeated_prompt_skips_the_text_encoder(cold_warm):
     assert cold["embeddings_cache"]["text_encoder_loaded"] is True
     assert warm["embeddings_cache"]["videos"] == [dict(video=0, hit=True)]
     assert warm["embeddings_cache"]["text_encoder_loaded"] is False
-    (entry,) = os.listdir(cold_warm["cache"] / "embeddings")
-    assert entry.endswith(".safetensors")
+    entries = os.listdir(cold_warm["cache"] / "embeddings")  # the prompt and the negative
+    assert len(entries) == 2 and all(e.endswith(".safetensors") for e in entries)
 
 
 def test_split_in_the_report_adds_up(cold_warm):

@@ -1,12 +1,17 @@
-"""The prompt-embedding cache (``--embeddings_cache``): each video's text-encoder output as
-a safetensors file, keyed by everything that decides it, so a repeated prompt skips the text
-encoder, and a run whose every video hits never reads the encoder from disk.
+"""The prompt-embedding cache (``--embeddings_cache``): each TEXT's text-encoder output (a
+prompt, or a negative prompt) as a safetensors file, keyed by everything that decides it, so
+a repeated prompt, or the negative prompt every video shares, skips the text encoder, and a
+run whose every video hits never reads the encoder from disk. The server keeps the recent
+entries in memory too (``MemoryLRU``, bounded by bytes: ``--embedding_cache_bytes``).
 
-The key is the sha256 of: the family; a digest of the text encoders' files (the folders
-the checkpoint's encode-only components read, and its tokenizer folders: every file's
-relative path, size and modification time, so replaced weights miss); the prompt; the
-negative prompt; whether the negative side exists (CFG); the maximum sequence length; the
-dtype. Files are written atomically (``engine.files.staging.save_tensors``); an unreadable
+The key is the sha256 of: the format; the family; a digest of the text encoders' files (the
+folders the checkpoint's encode-only components read, and its tokenizer folders: every
+file's relative path, size and modification time, so replaced weights miss; with them
+HunyuanVideo-1.5's ByT5 and LTX-2's connectors); the text; the maximum sequence length; the
+dtype. One text's embeddings never depend on the other text of its video: each family's
+``encode_text`` encodes it alone, bitwise equal to that side of the pipeline's pair encode
+(tests/test_embedding_cache.py). Entries of format 1 (keyed by the prompt PAIR) are a clean
+miss. Files are written atomically (``engine.files.staging.save_tensors``); an unreadable
 one is a warning and a miss, never a failed run.
 """
 
@@ -16,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import OrderedDict
 
 from engine.files.checkpoint import looks_local
 from engine.files.staging import save_tensors
@@ -24,7 +30,7 @@ from engine.run.errors import first_line
 
 log = logging.getLogger("generate_flax")
 
-FORMAT = 1
+FORMAT = 2  # 2: one entry per text (1: per prompt pair, never read)
 
 
 def encoder_components(family) -> tuple[str, ...]:
@@ -51,65 +57,134 @@ def encoder_digest(model_id: str, family) -> str:
     return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
 
 
-class EmbeddingsCache:
-    """The cache folder of one run's checkpoint.
+class MemoryLRU:
+    """An in-memory LRU of {name: tensor} entries bounded by their bytes (``numel *
+    element_size`` summed over the tensors; dict and key overheads not counted).
 
-    directory: the cache's folder (created on the first store).
-    family_name: the ``ModelFamily``'s name; encoder: ``encoder_digest`` of the checkpoint.
+    max_bytes: the budget (> 0). An entry larger than the budget is not kept; inserting
+    past the budget evicts the least recently used entries (``get`` and ``put`` both mark
+    an entry used) until the total fits. ``bytes``: the exact total held.
     """
 
-    def __init__(self, directory: str, family_name: str, encoder: str):
-        self.directory, self.family_name, self.encoder = directory, family_name, encoder
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[str, tuple[dict, int]] = OrderedDict()
 
-    def key_parts(self, config) -> dict:
-        """What decides one video's embeddings under ``config`` (its prompt and settings)."""
-        v = config.video
-        return dict(format=FORMAT, family=self.family_name, text_encoder=self.encoder,
-                    prompt=v.prompt, negative_prompt=v.negative_prompt, cfg=v.use_cfg,
-                    max_sequence_length=v.max_sequence_length, dtype=config.model.dtype)
+    @staticmethod
+    def size(tensors: dict) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    def path(self, config) -> str:
-        digest = hashlib.sha256(json.dumps(self.key_parts(config), sort_keys=True)
-                                .encode()).hexdigest()
-        return os.path.join(self.directory, f"{digest}.safetensors")
+    def get(self, key: str) -> dict | None:
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key][0]
 
-    def load(self, config) -> dict | None:
-        """{name: CPU tensor} stored for ``config``, or None on a miss (a damaged file is a
-        warning and a miss)."""
+    def put(self, key: str, tensors: dict) -> None:
+        if key in self.entries:
+            self.bytes -= self.entries.pop(key)[1]
+        n = self.size(tensors)
+        if n > self.max_bytes:
+            return
+        self.entries[key] = (tensors, n)
+        self.bytes += n
+        while self.bytes > self.max_bytes:
+            self.bytes -= self.entries.popitem(last=False)[1][1]
+
+
+class EmbeddingsCache:
+    """The cache of one checkpoint's texts: a folder of safetensors files (None: none on
+    disk) and an optional ``MemoryLRU`` in front of it (the server's).
+
+    directory: the cache's folder (created on the first store) or None. family: the
+    ``ModelFamily`` (its name keys the entries; ``text.prompt_sides`` says which texts a
+    video holds). encoder: ``encoder_digest`` of the checkpoint. memory: a ``MemoryLRU``
+    or None.
+    """
+
+    def __init__(self, directory: str | None, family, encoder: str,
+                 memory: MemoryLRU | None = None):
+        self.directory, self.family, self.encoder = directory, family, encoder
+        self.memory = memory
+
+    def key_parts(self, config, text: str) -> dict:
+        """What decides one text's embeddings under ``config``'s settings."""
+        return dict(format=FORMAT, family=self.family.name, text_encoder=self.encoder,
+                    text=text, max_sequence_length=config.video.max_sequence_length,
+                    dtype=config.model.dtype)
+
+    def digest(self, config, text: str) -> str:
+        return hashlib.sha256(json.dumps(self.key_parts(config, text), sort_keys=True)
+                              .encode()).hexdigest()
+
+    def path(self, config, text: str) -> str:
+        return os.path.join(self.directory, f"{self.digest(config, text)}.safetensors")
+
+    def load(self, config, text: str) -> dict | None:
+        """{name: CPU tensor} of ``text`` (unprefixed names, ``family.text.encode_text``'s),
+        from memory or disk, or None on a miss (a damaged file is a warning and a miss)."""
+        key = self.digest(config, text)
+        got = self.memory.get(key) if self.memory is not None else None
+        if got is None and self.directory is not None:
+            got = self._read(self.path(config, text), self.key_parts(config, text))
+            if got is not None and self.memory is not None:
+                self.memory.put(key, got)
+        return got
+
+    def _read(self, path: str, parts: dict) -> dict | None:
         from safetensors import safe_open
 
-        path = self.path(config)
         if not os.path.isfile(path):
             return None
         try:
             with safe_open(path, framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get("key", "null"))
-                if meta != self.key_parts(config):
+                if meta != parts:
                     raise ValueError("its recorded key differs")
                 return {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors raises several types
-            log.warning("embeddings cache: %s unreadable (%s); encoding the prompt", path,
+            log.warning("embeddings cache: %s unreadable (%s); encoding the text", path,
                         first_line(e))
             return None
 
-    def store(self, config, embeds: dict) -> None:
-        """Write ``embeds`` for ``config`` (process 0 only: every host encodes the same
-        prompts); a failure (full disk...) is a warning."""
-        if not runtime.is_writer():
+    def load_video(self, config) -> dict | None:
+        """One video's embeddings (every side of ``family.text.prompt_sides``, names
+        prefixed) when each of its texts is cached, else None."""
+        out = {}
+        for prefix, text in self.family.text.prompt_sides(config):
+            got = self.load(config, text)
+            if got is None:
+                return None
+            out.update({prefix + k: v for k, v in got.items()})
+        return out
+
+    def store(self, config, text: str, embeds: dict) -> None:
+        """Keep ``text``'s ``embeds`` in memory and write them (process 0 only: every host
+        encodes the same prompts); a failed write (full disk...) is a warning."""
+        if self.memory is not None:
+            self.memory.put(self.digest(config, text), embeds)
+        if self.directory is None or not runtime.is_writer():
             return
+        path = self.path(config, text)
         try:
             os.makedirs(self.directory, exist_ok=True)
-            save_tensors(embeds, self.path(config), {"key": self.key_parts(config)})
+            save_tensors(embeds, path, {"key": self.key_parts(config, text)})
         except Exception as e:  # noqa: BLE001 - a cache write must never fail a run
-            log.warning("embeddings cache: could not store %s (%s)", self.path(config),
-                        first_line(e))
+            log.warning("embeddings cache: could not store %s (%s)", path, first_line(e))
 
 
-def open_cache(config, family) -> EmbeddingsCache | None:
-    """The run's cache, or None when ``--embeddings_cache`` is "none", the stage is not
-    ``all``, or ``--model_id`` is a Hub id (its files are not on disk to digest)."""
+def open_cache(config, family, memory_bytes: int = 0) -> EmbeddingsCache | None:
+    """The run's cache, or None when there is neither a folder nor memory: no folder when
+    ``--embeddings_cache`` is "none", the stage is not ``all``, or ``--model_id`` is a Hub
+    id (its files are not on disk to digest, so nothing is cached then). ``memory_bytes``:
+    the in-memory LRU's budget (the server's ``--embedding_cache_bytes``; 0: none)."""
     directory = config.run.embeddings_cache
-    if directory.lower() == "none" or config.run.stage != "all" or not looks_local(
-            config.model.model_id) or not os.path.isdir(config.model.model_id):
+    model_id = config.model.model_id
+    if config.run.stage != "all" or not looks_local(model_id) or not os.path.isdir(model_id):
         return None
-    return EmbeddingsCache(directory, family.name, encoder_digest(config.model.model_id, family))
+    if directory.lower() == "none":
+        if memory_bytes <= 0:
+            return None
+        directory = None
+    memory = MemoryLRU(memory_bytes) if memory_bytes > 0 else None
+    return EmbeddingsCache(directory, family, encoder_digest(model_id, family), memory)

@@ -73,7 +73,8 @@ class Generation:
         self.cache = embeddings_cache.open_cache(self.config, self.family)
         skip = ()
         if self.cache is not None:
-            self.cached = [self.cache.load(for_video(self.config, v)) for v in self.video_list]
+            self.cached = [self.cache.load_video(for_video(self.config, v))
+                           for v in self.video_list]
             if self.config.video.image is None and all(e is not None for e in self.cached):
                 skip = embeddings_cache.encoder_components(self.family)
         self.pipe, self.timings["read_s"] = self.start.load(skip)

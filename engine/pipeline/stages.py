@@ -37,32 +37,43 @@ def for_video(config: RunConfig, video) -> RunConfig:
 
 
 def encode(pipe, config: RunConfig, family, videos, cached: list | None = None, cache=None):
-    """Prompt embeddings on the CPU, before JAX places anything. Every video's prompts are
-    encoded before the text encoders are freed.
+    """Prompt embeddings on the CPU, before JAX places anything. Every video's texts are
+    encoded before the text encoders are freed, each distinct text once
+    (``family.text.encode_text``): a negative prompt every video shares is encoded once.
 
-    ``cached``: each video's embeddings from the prompt-embedding cache (what
-    ``cache.load`` gave; None for a miss; default: every video a miss); the misses are
-    encoded and, with ``cache``, stored. Returns ([{name: tensor}] per video, seconds,
-    [hit?] per video).
+    ``cached``: each video's embeddings already read from the prompt-embedding cache
+    (``cache.load_video``; None for a miss; default: none read). ``cache``: an
+    ``engine.files.embeddings_cache.EmbeddingsCache`` or None; each text not in it is
+    encoded and stored. Returns ([{name: tensor}] per video, seconds, [hit?] per video:
+    True when that video needed no encoder call).
     """
     t0 = time.perf_counter()
     cached = [None] * len(videos) if cached is None else cached
     encoders = {k: getattr(pipe, k, None) for k in ("text_encoder", "text_encoder_2")}
-    embeds = []
+    texts: dict = {}  # this call's texts: {text: tensors}
+    embeds, hits = [], []
     for video, hit in zip(videos, cached, strict=True):
         if hit is not None:
             embeds.append(hit)
+            hits.append(True)
             continue
-        for name, module in encoders.items():  # the family frees them after each call
-            if module is not None:
-                setattr(pipe, name, module)
-        embeds.append(family.text.encode_prompts(pipe, for_video(config, video)))
-        if cache is not None:
-            cache.store(for_video(config, video), embeds[-1])
-    for name in encoders:  # freed also when every video hit (no call freed them)
+        video_config, out, encoded = for_video(config, video), {}, False
+        for prefix, text in family.text.prompt_sides(video_config):
+            got = texts.get(text)
+            if got is None and cache is not None:
+                got = cache.load(video_config, text)
+            if got is None:
+                got, encoded = family.text.encode_text(pipe, video_config, text), True
+                if cache is not None:
+                    cache.store(video_config, text, got)
+            texts[text] = got
+            out.update({prefix + k: v for k, v in got.items()})
+        embeds.append(out)
+        hits.append(not encoded)
+    for name in encoders:  # nothing needs the encoders after this (UMT5-XXL: ~11 GB bf16)
         if hasattr(pipe, name):
             setattr(pipe, name, None)
-    return embeds, time.perf_counter() - t0, [hit is not None for hit in cached]
+    return embeds, time.perf_counter() - t0, hits
 
 
 def encode_image(pipe, config: RunConfig, family, embeds: list, devices):

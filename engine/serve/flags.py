@@ -16,7 +16,12 @@ API_KEY_ENV = "GENERATE_FLAX_API_KEY"
 JOBS_DB_ENV = "GENERATE_FLAX_JOBS_DB"  # keeps a database password off the command line
 WEBHOOK_SECRET_ENV = "GENERATE_FLAX_WEBHOOK_SECRET"  # the same for the webhooks' secret
 FLAGS = ("serve", "host", "port", "api_key", "serve_sizes", "serve_frames", "retention_hours",
-         "jobs_db", "job_lease_s", "webhook_secret", "webhook_allow_private")
+         "jobs_db", "job_lease_s", "webhook_secret", "webhook_allow_private",
+         "embedding_cache_bytes")
+# --embedding_cache_bytes' default: 1 GiB holds ~256 Wan texts (UMT5: 512 x 4096 bf16 = 4 MiB
+# each) or ~135 HunyuanVideo-1.5 texts (Qwen 1000 x 3584 + ByT5 256 x 1472 bf16 = 7.9 MB), in
+# host RAM that already holds the text encoders (11-28 GB): a prompt library's recent texts.
+EMBEDDING_CACHE_BYTES = 1 << 30
 # --job_lease_s bounds: a heartbeat every third of the lease must fit a busy host's scheduling
 # hiccups (below 3 s, a loaded CPU host lost leases in tests); above an hour, a dead server's
 # job waits longer than anyone would.
@@ -50,6 +55,7 @@ class ServeSettings:
     lease_s: float = DEFAULT_LEASE_S
     webhook_secret: str | None = None
     webhook_allow_private: bool = False
+    embedding_cache_bytes: int = EMBEDDING_CACHE_BYTES
 
     @property
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -66,7 +72,8 @@ class ServeSettings:
                     masked(self.jobs_db),
                     job_lease_s=self.lease_s,
                     webhook_secret_set=self.webhook_secret is not None,
-                    webhook_allow_private=self.webhook_allow_private)
+                    webhook_allow_private=self.webhook_allow_private,
+                    embedding_cache_bytes=self.embedding_cache_bytes)
 
 
 def add_serve_flags(g) -> None:
@@ -107,6 +114,11 @@ def add_serve_flags(g) -> None:
     g.add_argument("--webhook_allow_private", action="store_true",
                    help="with --webhook_secret, callbacks may also go to private, link-local "
                         "and loopback hosts (a trusted network; default: public hosts only)")
+    g.add_argument("--embedding_cache_bytes", default=None, metavar="BYTES",
+                   help=f"with --serve, the prompt embeddings of recent texts kept in memory "
+                        f"(least recently used out first), over the --embeddings_cache folder: "
+                        f"a job whose texts are cached runs no text encoder; 0 keeps none in "
+                        f"memory (default {EMBEDDING_CACHE_BYTES}, 1 GiB)")
 
 
 def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSettings | None:
@@ -121,7 +133,7 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if not args.serve:
         for flag in ("api_key", "serve_sizes", "serve_frames", "retention_hours", "jobs_db",
-                     "job_lease_s", "webhook_secret"):
+                     "job_lease_s", "webhook_secret", "embedding_cache_bytes"):
             if getattr(args, flag) is not None:
                 fail(f"--{flag}", getattr(args, flag) if flag != "webhook_secret" else
                      "<redacted>", "needs --serve")
@@ -142,6 +154,7 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
         fail("--api_key", "''", f"must not be empty (omit it and unset ${API_KEY_ENV} for "
              "no key)")
     jobs_db, lease_s = _jobs_db(args)
+    cache_bytes = _embedding_cache_bytes(args.embedding_cache_bytes)
     webhook_secret = _webhook_secret(args)
     multiple = family.sizes.pixel_multiple(args.model_id)  # the checkpoint's VAE x patch
     sizes = _parse_sizes(args.serve_sizes, values, multiple, family.name)
@@ -157,7 +170,22 @@ def validate_serve_flags(args, family, values: dict, defaults: dict) -> ServeSet
                          frames=frames,
                          retention_s=None if retention is None else retention * 3600,
                          jobs_db=jobs_db, lease_s=lease_s, webhook_secret=webhook_secret,
-                         webhook_allow_private=args.webhook_allow_private)
+                         webhook_allow_private=args.webhook_allow_private,
+                         embedding_cache_bytes=cache_bytes)
+
+
+def _embedding_cache_bytes(text: str | None) -> int:
+    """--embedding_cache_bytes as an int (None: the default).
+
+    Raises:
+        UsageError: not a whole number of bytes >= 0.
+    """
+    if text is None:
+        return EMBEDDING_CACHE_BYTES
+    if not str(text).strip().isdigit():
+        fail("--embedding_cache_bytes", text, "must be a whole number of bytes >= 0 (0 keeps "
+             "no embeddings in memory)")
+    return int(text)
 
 
 def _jobs_db(args) -> tuple[str | None, float]:

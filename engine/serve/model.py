@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from PIL import Image
 
+from engine.files import embeddings_cache
 from engine.files import report as reporting
 from engine.files.image import decode_image
 from engine.pipeline import prologue, stages
@@ -111,20 +112,28 @@ class WarmModel:
         self.config, self.family, self.pipe = config, family, pipe
         self.mesh, self.devices, self.oom_hint = mesh, devices, oom_hint
         self.encoders = {k: getattr(pipe, k, None) for k in ENCODERS}
+        # Each text's embeddings: recent ones in memory (--embedding_cache_bytes), over the
+        # CLI's --embeddings_cache folder; a job whose texts are in it runs no encoder.
+        self.cache = embeddings_cache.open_cache(config, family,
+                                                 config.serve.embedding_cache_bytes)
         self.image_mode = family.image.mode(config.model.model_id)
         # The image encoder and the placed VAE encoder, kept by the family's encode_image
         # for every job (families/base.py ``encode_image``'s ``resident``).
         self.resident: dict = {}
+        self.text_hit = False
         self.buckets: dict[str, Bucket] = {}
         self.timings: dict = {}
         self.served: Served | None = None
 
     def encode(self, config) -> tuple[dict, dict]:
-        """(this config's prompt embeddings, {"text_encode_s": seconds})."""
-        for name, module in self.encoders.items():  # the family freed them after last use
+        """(this config's prompt embeddings, {"text_encode_s": seconds}); ``self.text_hit``:
+        whether every text came from the embedding cache (no encoder ran)."""
+        for name, module in self.encoders.items():  # stages.encode freed them after last use
             if module is not None:
                 setattr(self.pipe, name, module)
-        embeds, seconds, _ = stages.encode(self.pipe, config, self.family, [None])
+        embeds, seconds, hits = stages.encode(self.pipe, config, self.family, [None],
+                                              cache=self.cache)
+        self.text_hit = hits[0]
         return embeds[0], {"text_encode_s": seconds}
 
     def encode_image(self, config, image) -> tuple[dict, dict]:
@@ -142,7 +151,8 @@ class WarmModel:
         programs.
 
         Returns (frames (F, H, W, 3) float32 in [0, 1], the job's config, timings: text
-        and image encode, denoise_s, s_per_step, step_seconds, vae_decode_s, total_s, and
+        and image encode, text_cache_hit (the job's texts came from the embedding cache),
+        denoise_s, s_per_step, step_seconds, vae_decode_s, total_s, and
         the video's sound: ``engine.files.report.Audio`` (waveform (channels, samples)
         float32 on the host, rate in Hz) from a decoder with sound, as the CLI takes it
         (its ``audio``: the last decode's), else None).
@@ -156,6 +166,7 @@ class WarmModel:
         config = job.run_config(bucket.config)
         t0 = time.perf_counter()
         embeds, timings = self.encode(config)
+        timings["text_cache_hit"] = self.text_hit
         steps = config.video.num_inference_steps
         with runtime.hardware_errors("running a job", self.oom_hint):
             if image is not None:
