@@ -572,8 +572,17 @@ def model_inputs(embeds: dict, config) -> dict:
     return out
 
 
-# CLIP ViT-H/14 at 224 px: 16 x 16 patches and the class token (Wan 2.1 I2V's image keys).
+# CLIP ViT-H/14 at 224 px: 16 x 16 patches and the class token (Wan 2.1 I2V's image keys),
+# for a checkpoint without an image_encoder config (configs/ ships none); ``image_tokens``.
 CLIP_TOKENS = 257
+
+
+def image_tokens(model_id: str) -> int:
+    """The image keys the pipeline takes from CLIP (``hidden_states[-2]``): (image_size /
+    patch_size)^2 patches and the class token, from the checkpoint's image_encoder config;
+    ``CLIP_TOKENS`` where it has none."""
+    cfg = read_component_config(model_id, "image_encoder")
+    return (cfg["image_size"] // cfg["patch_size"]) ** 2 + 1 if cfg else CLIP_TOKENS
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
@@ -588,7 +597,7 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
         out["condition"] = jax.ShapeDtypeStruct((config.video.batch, extra, f, h, w), dtype)
     if cfg.get("image_dim"):
         out["encoder_hidden_states_image"] = jax.ShapeDtypeStruct(
-            (config.video.batch, CLIP_TOKENS, cfg["image_dim"]), dtype)
+            (config.video.batch, image_tokens(config.model.model_id), cfg["image_dim"]), dtype)
     if not extra and config.video.image is not None:  # TI2V-5B with --image
         out[wan_ti2v.NAME] = jax.ShapeDtypeStruct(
             (config.video.batch, cfg["out_channels"], 1, h, w), jnp.float32)

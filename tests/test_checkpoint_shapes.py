@@ -260,3 +260,24 @@ def test_hunyuan_i2v_2x_dry_run(hunyuan_i2v_2x, tmp_path):
     report = _dry_run(hunyuan_i2v_2x, tmp_path, "--height", "32", "--width", "48", "--frames",
                       "5")
     assert report["tokens"] == 72 and report["fits"]
+
+
+def test_image_tokens_are_the_image_encoders(hunyuan_i2v_2x, i2v_checkpoint):
+    """The dry run's image-embedding inputs have as many tokens as the checkpoint's image
+    encoder gives the pipeline: the tiny SigLIP's 4 x 4 patches (not the released 729) and
+    the tiny CLIP's 4 x 4 patches and class token (not the released 257)."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, WanImageToVideoPipeline
+    from PIL import Image
+
+    from families import hunyuan, wan
+
+    image = Image.new("RGB", (64, 48), (128, 128, 128))
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(hunyuan_i2v_2x)
+    with torch.no_grad():
+        embeds = pipe.encode_image(image=image, batch_size=1, device="cpu",
+                                   dtype=torch.float32)
+    assert hunyuan.image_tokens(hunyuan_i2v_2x) == embeds.shape[1] == 16
+    pipe = WanImageToVideoPipeline.from_pretrained(i2v_checkpoint)
+    with torch.no_grad():
+        embeds = pipe.encode_image(image, "cpu")
+    assert wan.image_tokens(i2v_checkpoint) == embeds.shape[1] == 17
