@@ -27,8 +27,10 @@ import contextlib
 from unittest import mock
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from engine.programs import denoise
+from engine.run import runtime
 
 
 def _where(a: np.ndarray, b: np.ndarray) -> str:
@@ -121,3 +123,22 @@ def latents_of(run, *args, **kw):
     with our_latents() as seen:
         _, report = run(*args, **kw)
     return seen[-1], report
+
+
+def save_latents_in_this_process(path: str) -> None:
+    """For a child process that then runs ``generate_flax.py`` (the multi-host tests launch
+    it under ``python -c``): every VAE decode's input, gathered from every process
+    (``runtime.to_host``, a collective each process joins as each decodes), is written by
+    process 0 to ``path`` after each decode, as safetensors ``{"0": latents, "1": ...}`` in
+    decode order (warmup decodes included; float32 (batch, channels, frames, height, width),
+    the arrays ``our_latents`` records in-process). The patch lasts for the process."""
+    seen: dict[str, np.ndarray] = {}
+    decode = denoise.decode
+
+    def recording(vae_decode, latents):
+        seen[str(len(seen))] = np.ascontiguousarray(runtime.to_host(latents), np.float32)
+        if runtime.is_writer():
+            save_file(seen, path)
+        return decode(vae_decode, latents)
+
+    denoise.decode = recording
