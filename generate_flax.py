@@ -54,6 +54,7 @@ from engine.run.config import (
     check_size,
     check_writable_dir,
     resolve_cache_dirs,
+    resolve_recipe,
     resolve_scheduler,
     validate_block_size_flags,
 )
@@ -298,12 +299,12 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     check_attention_options(args, family)
     env = quantize.check_flag(args.quantize, family, args.topology if args.dry_run else None)
     defaults = {**family.flags.defaults, **family.flags.checkpoint_defaults(args.model_id)}
-    values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
-              for k in FAMILY_FLAGS}
+    values = resolve_recipe(args, family, defaults, {  # sigmas, their step count, recipe
+        k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in FAMILY_FLAGS})
     values["guidance_scale_2"] = experts.resolve_guidance_scale_2(args.guidance_scale_2,
                                                                   defaults)
     sources = {k: v for k, v in defaults.get("sources", {}).items()
-               if getattr(args, k, None) is None} or None
+               if getattr(args, k, None) is None and values.get(k, 0) is not None} or None
     serve = serving.validate_serve_flags(args, family, values, defaults)  # sizes: 1st bucket
     image_info = check_for_model(args, family, values)  # may size the video from the image
     check_size(family, values, args.model_id)

@@ -57,16 +57,23 @@ def detect_family(model_id: str) -> str:
 
 def add_option_flags(group) -> None:
     """Every family's own flags (``Flags.options``) into ``group``, default None (the
-    family's default, which the help gives)."""
+    family's default, which the help gives), and ``--sigmas`` (a family whose
+    ``Scheduling.named_sigmas`` is set; ``engine.run.config.resolve_sigmas`` checks it)."""
     for family in FAMILIES.values():
         for name, (default, text) in family.flags.options.items():
             group.add_argument(f"--{name}", type=float, default=None,
                                help=f"{text} ({family.name} only; default {default})")
+    group.add_argument("--sigmas", default=None, metavar="S1,S2,...|distilled",
+                       help="LTX-2 only: the sigmas before the scheduler's shift (diffusers' "
+                            "sigmas), decreasing, in (0, 1], or 'distilled' (diffusers' "
+                            "DISTILLED_SIGMA_VALUES); the step count is their count (default: "
+                            "the checkpoint's recipe)")
 
 
 def resolve_options(args, key: str) -> dict | None:
-    """The flags ``args`` gives for family ``key``: its own options (given, else their
-    defaults; None when it has none). Sets ``args.scan_layers`` when not given (the family's
+    """The flags ``args`` gives for family ``key``: its own options (given, else the
+    checkpoint's default, ``Flags.checkpoint_defaults``, else the family's; None when it has
+    none). Sets ``args.scan_layers`` when not given (the family's
     default, else True) and ``args.overlap_compile`` when "auto" (the family's default, else
     "auto").
 
@@ -90,5 +97,6 @@ def resolve_options(args, key: str) -> dict | None:
             fail(f"--{flag}", getattr(args, flag), why)
     if not family.flags.options:
         return None
-    return {name: default if getattr(args, name) is None else getattr(args, name)
-            for name, (default, _) in family.flags.options.items()}
+    checkpoint = family.flags.checkpoint_defaults(args.model_id)
+    return {name: checkpoint.get(name, default) if getattr(args, name) is None
+            else getattr(args, name) for name, (default, _) in family.flags.options.items()}

@@ -255,12 +255,16 @@ class Scheduling:
     make(scheduler_config, --scheduler, flow_shift) -> the diffusers scheduler the run
         samples with (None: not needed; a two-expert family sets it, so the step caches know
         each expert's steps before any model loads).
+    named_sigmas() -> {name: sigmas}: the names ``--sigmas`` takes besides a list (LTX-2:
+        "distilled"); None: the family's pipeline takes no ``sigmas`` and ``--sigmas`` is
+        refused. Given sigmas replace ``sigmas(n)`` (``engine.programs.denoise.run_sigmas``).
     """
 
     default_flow_shift: Callable
     sigmas: Callable
     names: tuple[str, ...] = ("euler",)
     make: Callable | None = None
+    named_sigmas: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,17 @@ How the pipeline maps onto the engine (one latent array, one scheduler, one step
   [video.flatten(), audio.flatten()] (1, S_v*C_v + S_a*C_a) float32, stepped by one scheduler:
   the same float32 operations on the same numbers. The step and the decoder unpack it.
 * **Every guidance pass in one step program.** The step runs the CFG pass (batch 2,
-  [negative, positive]), the STG pass (positive, ``spatio_temporal_guidance_blocks`` [28])
-  and the modality-isolation pass (positive, ``isolate_modalities``) that the scales ask
+  [negative, positive]), the STG pass (positive, ``spatio_temporal_guidance_blocks``: block
+  29 on LTX-2.0, 28 on 2.3, Lightricks' recipe; skipped where the checkpoint's
+  ``perturbed_attn`` is false, which makes it the plain pass: ``stg_perturbs``) and the
+  modality-isolation pass (positive, ``isolate_modalities``) that the scales ask
   for, then diffusers' guidance: x0 = x - v * sigma, the deltas, ``rescale_noise_cfg`` 0.7
   and back to a velocity (P:1440-1600), per modality. The block list and the isolation flag
   are Python values, fixed at trace time: one compiled program, nothing per step.
+* **Recipes.** A checkpoint whose scheduler has neither dynamic nor terminal shift (the
+  distilled one) defaults to Lightricks' distilled recipe: 8 steps of DISTILLED_SIGMA_VALUES,
+  no guidance (``checkpoint_defaults``); ``--sigmas`` gives diffusers' ``sigmas``, shifted
+  as the pipeline shifts them (``sigma_table``). Flags the user gives win.
 * **The scheduler's shift.** The checkpoint's scheduler shifts by ``mu`` from the video token
   count (``use_dynamic_shifting``, exponential, P:1345-1352). The engine sets timesteps from
   sigmas only, so the run's scheduler is the same config with the static shift exp(mu):
@@ -99,7 +105,23 @@ SHIPPED = "Lightricks/LTX-2"
 TEXT_TOKENS = 1024  # the pipeline's max_sequence_length default (P:976)
 # The pipeline's defaults that are not flags here (P:945-953).
 GUIDANCE_RESCALE = 0.7
-STG_BLOCKS = (28,)
+# The STG block per version, Lightricks' recipe (ltx_pipelines constants.py:56, 66 at
+# Lightricks/LTX-2 400fd31: 29 for LTX-2.0, 28 for LTX-2.3); diffusers' docstring recommends
+# the same (P:1063-1066) though its default is [28] (P:953). ``stg_blocks`` reads the version.
+STG_BLOCKS = {"2.0": (29,), "2.3": (28,)}
+# The distilled checkpoint's recipe, Lightricks' ``DistilledPipeline``: diffusers'
+# DISTILLED_SIGMA_VALUES (pipelines/ltx2/utils.py:27, 8 steps) and one sample a step, no
+# guidance (``SimpleDenoiser``, ltx_pipelines distilled.py:266, 295). diffusers' converter
+# writes that checkpoint's scheduler without dynamic shifting or a terminal shift, its one
+# file difference from Lightricks/LTX-2 (configs/rootonchair/LTX-2-19b-distilled/scheduler/).
+DISTILLED_SOURCE = ("distilled: scheduler_config.json has use_dynamic_shifting=false, "
+                    "shift_terminal=null")
+PIPELINE_DEFAULTS = "pipeline defaults"
+STG_RUNS = "runs when a STG scale > 0 (transformer perturbed_attn=true)"
+STG_SKIPPED = ("skipped: transformer perturbed_attn=false makes it the plain positive pass, "
+               "its delta zero")
+GUIDANCE_OFF = dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0,
+                    audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0)
 
 DEFAULTS = dict(
     prompt="A cat walks on the grass, realistic style.",
@@ -117,7 +139,9 @@ DEFAULTS = dict(
 # falls back to the video one, as the pipeline's ``or`` does (P:1157-1159).
 OPTIONS = {
     "stg_scale": (1.0, "LTX-2 spatio-temporal guidance scale (video): > 0 (either "
-                       "modality) adds a pass with attention skipped in blocks [28]"),
+                       "modality) adds a pass with self-attention skipped in block 29 "
+                       "(LTX-2.0; 2.3: 28), run only where the checkpoint's perturbed_attn "
+                       "makes it differ"),
     "modality_scale": (3.0, "LTX-2 modality-isolation guidance scale (video): > 1 (either "
                             "modality) adds a pass without audio-video cross-attention"),
     "audio_guidance_scale": (7.0, "LTX-2 CFG scale of the audio (0: --guidance_scale); "
@@ -178,11 +202,52 @@ def scales(config) -> dict:
     return out
 
 
-def passes(config) -> dict:
-    """Which passes a step runs (P:902-912): cfg (batch 2), stg, modality (batch 1 each)."""
+def stg_perturbs(cfg: dict) -> bool:
+    """Whether the STG pass differs from the plain positive pass for transformer config
+    ``cfg``: its ``perturbed_attn``. diffusers 0.42.1 (models/transformers/
+    transformer_ltx2.py) hands a block the perturbation mask only ``if self.perturbed_attn``
+    (T:644-646 video, T:668-670 audio self-attention); otherwise the block's attention
+    processor is ``LTX2AudioVideoAttnProcessor`` (T:459-462), which takes no mask, and
+    ``spatio_temporal_guidance_blocks`` changes nothing else (T:1603-1614 only build the
+    masks), so the STG pass computes the plain positive pass and its delta
+    stg_scale * (x0_cond - x0_stg) is zero up to float rounding (the cond sample ran in the
+    CFG batch). LTX-2.0's converted config has ``perturbed_attn`` false (configs/Lightricks/
+    LTX-2/transformer/config.json), LTX-2.3's true (diffusers'
+    scripts/convert_ltx2_to_diffusers.py)."""
+    from diffusers import LTX2VideoTransformer3DModel as Model
+
+    return bool(init_value(Model, cfg, "perturbed_attn"))
+
+
+def version(cfg: dict) -> str:
+    """"2.3" for an LTX-2.3-style transformer config (gated attention and cross-attention
+    modulation, the converter's 2.3 overrides: ``gated_attn``, ``cross_attn_mod``), else
+    "2.0"."""
+    from diffusers import LTX2VideoTransformer3DModel as Model
+
+    later = init_value(Model, cfg, "gated_attn") and init_value(Model, cfg, "cross_attn_mod")
+    return "2.3" if later else "2.0"
+
+
+def stg_blocks(cfg: dict) -> tuple:
+    """The STG blocks of ``cfg``'s version (``STG_BLOCKS``, Lightricks' recipe)."""
+    return STG_BLOCKS[version(cfg)]
+
+
+def stg_asked(config) -> bool:
+    """Whether either STG scale is > 0 (diffusers then runs the STG pass, P:906-907)."""
     s = scales(config)
+    return s["stg_scale"] > 0 or s["audio_stg_scale"] > 0
+
+
+def passes(config) -> dict:
+    """Which passes a step runs (P:902-912): cfg (batch 2), stg, modality (batch 1 each).
+    The STG pass is skipped where its delta is zero by construction (``stg_perturbs``):
+    diffusers runs it, with the same frames up to float rounding."""
+    s = scales(config)
+    cfg = configs(config.model.model_id)[0]
     return dict(cfg=s["guidance_scale"] > 1 or s["audio_guidance_scale"] > 1,
-                stg=s["stg_scale"] > 0 or s["audio_stg_scale"] > 0,
+                stg=stg_asked(config) and stg_perturbs(cfg),
                 modality=s["modality_scale"] > 1 or s["audio_modality_scale"] > 1)
 
 
@@ -202,8 +267,36 @@ def layout_batch(config) -> int:
     return 1 if p["stg"] or p["modality"] else (2 if p["cfg"] else 1)
 
 
+def named_sigmas() -> dict:
+    """The ``--sigmas`` names: {"distilled": diffusers' DISTILLED_SIGMA_VALUES (8)}."""
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    return {"distilled": tuple(DISTILLED_SIGMA_VALUES)}
+
+
+def is_distilled(scheduler_cfg: dict) -> bool:
+    """Whether a scheduler config is the distilled checkpoint's: no dynamic shifting and no
+    terminal shift (both the scheduler's defaults when absent)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler as Scheduler
+
+    return not init_value(Scheduler, scheduler_cfg, "use_dynamic_shifting") and \
+        init_value(Scheduler, scheduler_cfg, "shift_terminal") is None
+
+
 def checkpoint_defaults(model_id: str) -> dict:
-    return {}
+    """The recipe the checkpoint's files imply: for the distilled scheduler (``is_distilled``)
+    Lightricks' distilled recipe (8 steps of DISTILLED_SIGMA_VALUES, every guidance term off:
+    one transformer pass a step), with ``sources``; else LTX2Pipeline's defaults. ``recipe``
+    names it: {"name", "source", "stg_pass"} (the report's ``settings.recipe``; "stg_pass"
+    says whether an STG scale > 0 runs its pass, ``stg_perturbs``)."""
+    sched = checkpoint_config(model_id, "scheduler", SHIPPED, filename="scheduler_config.json")
+    stg = STG_RUNS if stg_perturbs(configs(model_id)[0]) else STG_SKIPPED
+    if not is_distilled(sched):
+        return dict(recipe=dict(name=PIPELINE_DEFAULTS, source=PIPELINE_DEFAULTS, stg_pass=stg))
+    sigmas = named_sigmas()["distilled"]
+    recipe = dict(num_inference_steps=len(sigmas), sigmas=sigmas, **GUIDANCE_OFF)
+    return dict(recipe, recipe=dict(name="distilled", source=DISTILLED_SOURCE, stg_pass=stg),
+                sources={k: DISTILLED_SOURCE for k in recipe})
 
 
 def check_flags(values: dict) -> tuple[str, str] | None:
@@ -456,6 +549,19 @@ class AudioVideoDecode(torch.nn.Module):
         return frames.float(), self.vocoder(mel).float()
 
 
+def recipe_line(config) -> str:
+    """The log's line on the run's recipe: its name and source (``checkpoint_defaults``;
+    "flag" for ``--sigmas``), steps, sigmas before the shift and the step's passes."""
+    video, recipe, p = config.video, config.video.recipe or {}, passes(config)
+    sigmas = "linspace(1, 1/n)" if video.sigmas is None else ", ".join(map(str, video.sigmas))
+    run = [name for name in ("cfg", "stg", "modality") if p[name]] or ["one unguided"]
+    return (f"LTX-2 recipe: {recipe.get('name', PIPELINE_DEFAULTS)} (from "
+            f"{recipe.get('source', PIPELINE_DEFAULTS)}): {video.num_inference_steps} steps, "
+            f"sigmas [{sigmas}], {sample_passes(config)} transformer sample(s) per step "
+            f"({' + '.join(run)} pass{'es' if len(run) > 1 else ''})"
+            + ("; STG pass " + STG_SKIPPED if stg_asked(config) and not p["stg"] else ""))
+
+
 def load_pipeline(config, components):
     """Load diffusers' ``LTX2Pipeline`` on CPU from safetensors only. The transformer comes
     with meta weights (``empty_transformer``), streamed later into its device shards; the
@@ -491,6 +597,7 @@ def load_pipeline(config, components):
                       video.fps)
     pipe.scheduler = make_scheduler(pipe.scheduler.config, "euler", video.flow_shift,
                                     shift_mu(pipe.scheduler.config, geometry["video_tokens"]))
+    print(recipe_line(config), flush=True)
     decode = AudioVideoDecode(pipe.vae, pipe.audio_vae, pipe.vocoder, geometry, dtype)
     pipe.__dict__["vae"] = decode  # past DiffusionPipeline.__setattr__'s config bookkeeping
     pipe.geometry = geometry
@@ -589,13 +696,16 @@ TEXT_INPUTS = ("prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
 
 def sigma_table(config) -> torch.Tensor:
     """(1, 2, steps) float32: the run's timesteps and sigmas, as the run's scheduler
-    (``make_scheduler``, ``scheduler_sigmas``) sets them."""
+    (``make_scheduler``) sets them from ``--sigmas`` (``config.video.sigmas``) or
+    ``scheduler_sigmas``: shifted as the pipeline's ``retrieve_timesteps(sigmas, mu)``
+    shifts them (P:1345-1370)."""
     video = config.video
     cfg = read_component_config(config.model.model_id, "scheduler",
                                  filename="scheduler_config.json")
     g = run_layout(config.model.model_id, video.height, video.width, video.frames)
     scheduler = make_scheduler(cfg, "euler", 1.0, shift_mu(cfg, g["video_tokens"]))
-    scheduler.set_timesteps(sigmas=scheduler_sigmas(video.num_inference_steps))
+    scheduler.set_timesteps(sigmas=list(video.sigmas) if video.sigmas is not None
+                            else scheduler_sigmas(video.num_inference_steps))
     return torch.stack([scheduler.timesteps.float(), scheduler.sigmas[:-1].float()])[None]
 
 
@@ -712,7 +822,8 @@ def step_fn(jm, config):
         positive = {k: v[-1:] for k, v in inputs.items()}
         outs = {"cfg" if want["cfg"] else "plain": call(inputs)}
         if want["stg"]:
-            outs["stg"] = call(positive, spatio_temporal_guidance_blocks=list(STG_BLOCKS))
+            outs["stg"] = call(positive, spatio_temporal_guidance_blocks=list(
+                stg_blocks(dict(jm._model.config))))
         if want["modality"]:
             outs["modality"] = call(positive, isolate_modalities=True)
         v = guided(video, {k: o[0] for k, o in outs.items()}, sigma, s, "")
@@ -910,5 +1021,6 @@ FAMILY = ModelFamily(
                     decoder=vae_decoder),
     image=ImageConditioning(mode=ltx2_i2v.image_mode, encode=ltx2_i2v.encode_image,
                             names=(ltx2_i2v.NAME,), finish_latents=ltx2_i2v.finish),
-    scheduler=Scheduling(default_flow_shift=default_flow_shift, sigmas=scheduler_sigmas),
+    scheduler=Scheduling(default_flow_shift=default_flow_shift, sigmas=scheduler_sigmas,
+                         named_sigmas=named_sigmas),
 )

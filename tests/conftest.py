@@ -155,6 +155,8 @@ SLOW = {
     # Moved 2026-11-27 to keep CI under 25 min (fresh-clone make wall 1,274 s with them).
     "test_ltx2_dry_run.py::test_dry_run_estimate_counts_every_guidance_pass":
         "58 s: an LTX-2 deviceless compile | test_default_layout_serves_the_batch_1_passes",
+    "test_ltx2_recipes.py::test_dry_run_estimate_takes_the_recipe":
+        "48 s: an LTX-2 deviceless compile | test_recipe_defaults_and_flags (8 steps, 1 pass)",
     "test_dry_run.py::test_dry_run_reports_compiler_oom_and_exits_3":
         "44 s | the per-chip table test's verdict (exit 0 side)",
     "test_parking.py::test_parked_decode_frames_equal_the_unparked_run":

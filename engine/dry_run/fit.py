@@ -39,6 +39,7 @@ from engine.files.checkpoint import (
 from engine.files.plots import dry_run_hbm
 from engine.files.report import versions
 from engine.programs import experts, parking, sparse, step_cache, step_plan
+from engine.programs.denoise import run_sigmas
 from engine.programs.step import compile_step
 from engine.programs.step_cache import estimate_schedule
 from engine.run import chips, lowering, runtime
@@ -163,7 +164,7 @@ def run_plan(config, family) -> step_plan.StepPlan:
     split = experts.expert_steps(
         read_model_index(model_id), read_component_config(
             model_id, "scheduler", filename="scheduler_config.json"), family.scheduler.make,
-        config.video.scheduler, config.video.flow_shift, n, family.scheduler.sigmas)
+        config.video.scheduler, config.video.flow_shift, n, run_sigmas(config, family))
     expert_of_step = [0] * n if split is None else [0] * split[0] + [1] * split[1]
     return step_plan.StepPlan.build(expert_of_step, config.sparse, config.step_cache)
 

@@ -21,7 +21,7 @@ from custom_splash_attention import install_sdpa_override
 from engine.files.image import read_image
 from engine.pipeline import upscale
 from engine.programs import executables, experts, parking, transformer_step
-from engine.programs.denoise import Programs, set_timesteps, timestep_array
+from engine.programs.denoise import Programs, run_sigmas, set_timesteps, timestep_array
 from engine.run import chips, lowering, runtime
 from engine.run.config import KernelSettings, RunConfig, RunSettings
 from engine.weights import placement, sharding
@@ -152,7 +152,7 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
             step, cache = compile_transformer(config, family, pipe, placed, mesh, latents0,
                                               inputs, timings, second, ahead)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
-                     sigmas=family.scheduler.sigmas, cache=cache,
+                     sigmas=run_sigmas(config, family), cache=cache,
                      finish=family.image.finish_latents)
         if config.upscale is not None:  # --sr: its programs, then the decode for its latents
             parts["upscale"], sr_placed, latents_out = _prepare_upscale(
@@ -222,7 +222,8 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     (joined): its step is used when compiled for these arguments' signature. Through the
     executable cache when called within ``executables.caching`` (``prepare_programs``,
     the server's other buckets)."""
-    set_timesteps(pipe.scheduler, config.video.num_inference_steps, family.scheduler.sigmas)
+    set_timesteps(pipe.scheduler, config.video.num_inference_steps,
+                  run_sigmas(config, family))
     t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
     fn = family.transformer.step_fn(placed["module"], config)
     precompiled = ahead.step_for((placed["params"], placed["buffers"], latents0, t, inputs)) \

@@ -103,6 +103,14 @@ def set_timesteps(scheduler, num_inference_steps: int, sigmas=None) -> None:
         scheduler.set_timesteps(sigmas=values)
 
 
+def run_sigmas(config, family):
+    """The run's ``sigmas`` callable for ``set_timesteps``: ``--sigmas``' values
+    (``config.video.sigmas``, as many as the steps) when given, else the family's
+    ``scheduler.sigmas``."""
+    given = config.video.sigmas
+    return family.scheduler.sigmas if given is None else (lambda n: list(given))
+
+
 def new_scheduler(scheduler_config, num_inference_steps: int, timesteps_sharding,
                   sigmas=None):
     """A fresh scheduler of the config's class with its timesteps set (see

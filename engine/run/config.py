@@ -49,7 +49,11 @@ class VideoSettings:
     ``guidance_scale_2`` is a two-expert model's low-noise CFG scale, else None;
     ``default_sources`` is {flag: where its default came from} for the flags left unset,
     when the family records sources (Wan 2.2). ``options`` holds the family's own flags
-    ({name: value}, ``families.base.Flags.options``), else None."""
+    ({name: value}, ``families.base.Flags.options``), else None. ``sigmas``: the schedule
+    before the scheduler's shift, diffusers' ``sigmas`` (``--sigmas`` or the checkpoint's
+    recipe; as many as ``num_inference_steps``), else None (the family's spacing).
+    ``recipe``: {"name", "source"} of the defaults a family's checkpoint implies (LTX-2:
+    "distilled" or "pipeline defaults"; "flag" when ``--sigmas`` is given), else None."""
 
     prompt: str
     negative_prompt: str
@@ -68,6 +72,8 @@ class VideoSettings:
     image: Any = None
     default_sources: Any = None
     options: Any = None
+    sigmas: tuple[float, ...] | None = None
+    recipe: Any = None
 
     @property
     def use_cfg(self) -> bool:
@@ -378,6 +384,60 @@ def validate_block_size_flags(args) -> None:
             BlockSizes(block_q=128, block_kv=args.bkv, block_kv_compute=args.bkv_compute)
         except BlockSizesError as e:
             fail("--bkv", args.bkv, f"expected {e.expected}")
+
+
+def resolve_sigmas(args, family, defaults: dict) -> tuple[float, ...] | None:
+    """The run's sigmas (diffusers' ``sigmas``): ``--sigmas`` (comma-separated floats, or a
+    name the family's ``scheduler.named_sigmas`` gives), else the checkpoint's default
+    (``defaults["sigmas"]``) unless ``--num_inference_steps`` asks for another count, else
+    None. Given sigmas set the step count, as the pipeline's ``retrieve_timesteps`` does.
+
+    Raises:
+        UsageError: one line naming ``--sigmas`` (not floats, empty, outside (0, 1], not
+            decreasing, or a family without ``sigmas``) or a conflicting
+            ``--num_inference_steps``.
+    """
+    text, steps = args.sigmas, args.num_inference_steps
+    if text is None:
+        default = defaults.get("sigmas")
+        return tuple(default) if default and steps in (None, len(default)) else None
+    if family.scheduler.named_sigmas is None:
+        fail("--sigmas", text, f"{family.name}'s pipeline takes no sigmas")
+    names = family.scheduler.named_sigmas()
+    if text.strip() in names:
+        values = tuple(names[text.strip()])
+    else:
+        try:
+            values = tuple(float(v) for v in text.split(","))
+        except ValueError:
+            fail("--sigmas", text, "must be comma-separated floats (e.g. 0.9,0.5,0.2) or "
+                 f"one of: {', '.join(names)}")
+    if not all(0 < v <= 1 for v in values):
+        fail("--sigmas", text, "every sigma must be in (0, 1] (the scheduler appends the "
+             "final 0)")
+    if any(b >= a for a, b in zip(values, values[1:], strict=False)):
+        fail("--sigmas", text, "must be strictly decreasing (the noise level falls each step)")
+    if steps is not None and steps != len(values):
+        fail("--num_inference_steps", steps, f"conflicts with --sigmas' {len(values)} values "
+             "(the step count comes from the list; leave it out)")
+    return values
+
+
+def resolve_recipe(args, family, defaults: dict, values: dict) -> dict:
+    """``values`` (the family flags, resolved) with "sigmas" (``resolve_sigmas``), the step
+    count they set, and "recipe": the checkpoint's (``defaults["recipe"]``, a family's
+    ``Flags.checkpoint_defaults``) or, with ``--sigmas``, the same named "sigmas" from
+    "flag".
+
+    Raises:
+        UsageError: as ``resolve_sigmas``.
+    """
+    sigmas = resolve_sigmas(args, family, defaults)
+    recipe = defaults.get("recipe")
+    if args.sigmas is not None:  # the schedule is the user's; the rest of the recipe stays
+        recipe = dict(recipe or {}, name="sigmas", source="flag")
+    steps = values["num_inference_steps"] if sigmas is None else len(sigmas)
+    return dict(values, sigmas=sigmas, num_inference_steps=steps, recipe=recipe)
 
 
 def check_numbers(args) -> None:
