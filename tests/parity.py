@@ -24,6 +24,7 @@ fails.
 from __future__ import annotations
 
 import contextlib
+import os
 from unittest import mock
 
 import numpy as np
@@ -142,3 +143,13 @@ def save_latents_in_this_process(path: str) -> None:
         return decode(vae_decode, latents)
 
     denoise.decode = recording
+
+
+def recording_program(script: str, path: str) -> list[str]:
+    """The arguments after ``python`` that run ``script`` (generate_flax.py, its own
+    arguments following) in a child that first calls ``save_latents_in_this_process(path)``:
+    ``["-c", code]`` in place of ``[script]``."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return ["-c", f"import runpy, sys; sys.path.insert(0, {tests!r}); import parity; "
+                  f"parity.save_latents_in_this_process({str(path)!r}); "
+                  f"sys.argv[0] = {script!r}; runpy.run_path({script!r}, run_name='__main__')"]

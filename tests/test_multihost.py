@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from parity import assert_frames_close_but_a_patch, our_latents
+from parity import assert_frames_close_but_a_patch, our_latents, recording_program
 from safetensors.numpy import load_file
 from serve_util import cpu_xla_flags
 
@@ -35,10 +35,6 @@ from families import FAMILIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "generate_flax.py")
-# A child that records its final latents into {path}, then runs generate_flax.py as a script.
-RECORDING = ("import runpy, sys; sys.path.insert(0, {tests!r}); import parity; "
-             "parity.save_latents_in_this_process({path!r}); sys.argv[0] = {script!r}; "
-             "runpy.run_path({script!r}, run_name='__main__')")
 # Final latents (1, 16, 2, 4, 8), float32, up to 4.6: two processes and one agree to 0..3.1e-6
 # (measured; the frames to 1.2e-7 so far); the bound is 32 times the largest. FAR, 100 times
 # it: another prompt and seed moved them by 5.4.
@@ -56,12 +52,12 @@ def _free_port() -> int:
 
 def _launch(argv, num_processes=2, devices_per_process=4, logs=None, latents=None):
     """Start the processes; their stdout/stderr are pipes, or files ``logs/<i>.out|err``.
-    With ``latents`` (a path), process 0 writes every decode's input there (``RECORDING``)."""
+    With ``latents`` (a path), process 0 writes every decode's input there
+    (``parity.recording_program``)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=cpu_xla_flags(devices_per_process))
     address = f"127.0.0.1:{_free_port()}"
-    program = [SCRIPT] if latents is None else ["-c", RECORDING.format(
-        tests=os.path.join(ROOT, "tests"), path=str(latents), script=SCRIPT)]
+    program = [SCRIPT] if latents is None else recording_program(SCRIPT, latents)
 
     procs = []
     for i in range(num_processes):

@@ -14,10 +14,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from parity import assert_frames_close_but_a_patch, our_latents, recording_program
+from safetensors.numpy import load_file
 from serve_util import (
     KEY,
     PROMPT,
     ROOT,
+    SCRIPT,
     SETTINGS,
     Server,
     cli_frames,
@@ -90,13 +93,20 @@ MESH = ["--dp", "2", "--tp", "4", "--sp", "1"]
 MH_FLAGS = ["--height", "32", "--width", "64", "--frames", "5", "--num_inference_steps", "2",
             "--warmup_steps", "0", "--dtype", "float32", "--attention", "xla",
             "--compilation_cache_dir", "none", *MESH]
+# Final latents (1, 16, 2, 4, 8), float32, up to 4.1: the served two-process jobs and the
+# one-process run agree to 3.0e-6 (measured); the bound is 33 times that; FAR, 100 times it:
+# the two seeds' latents differ by 5.4.
+# Latents, not frames: gloo's cross-process all-reduces are another reduction order and the
+# tiny Wan 2.1 VAE's one-channel RMS norm is a sign step it can flip (tests/parity.py).
+ATOL, FAR = 1e-4, 1e-2
 
 
 def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
     """2 processes x 4 CPU devices: process 0 serves, both run each job; a running job's
     cancel stops both processes at the same step (the jobs after it run in lockstep); the
-    frames equal a one-process 8-device CLI run; Ctrl-C on process 0 ends both cleanly."""
-    out, port = tmp_path / "out", None
+    final latents equal a one-process 8-device CLI run's; Ctrl-C on process 0 ends both
+    cleanly."""
+    out, port, recorded = tmp_path / "out", None, tmp_path / "latents.safetensors"
     address = f"127.0.0.1:{free_port()}"
     servers = []
     for pid in range(2):
@@ -104,7 +114,9 @@ def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
                     "--coordinator_address", address, "--num_processes", "2",
                     "--process_id", str(pid)], out, port=port,
                    environ=env(4, GENERATE_FLAX_TEST_STEP_DELAY_S="0.3"),
-                   log=tmp_path / f"p{pid}.log").start()
+                   log=tmp_path / f"p{pid}.log")
+        s.argv[1:2] = recording_program(SCRIPT, recorded)  # process 0 saves each decode's input
+        s.start()
         port = s.port
         servers.append(s)
     try:
@@ -126,11 +138,28 @@ def test_two_processes_serve_as_one(tiny_checkpoint_8h, tmp_path):
     assert codes == [0, 0], (servers[0].tail(), servers[1].tail())
     args = gf.validate_args(gf.parse_args(["--model_id", tiny_checkpoint_8h, *MH_FLAGS,
                                            "--prompt", PROMPT, "--seeds", "1,2"]))
-    want = {}
-    generate(args, FAMILIES[args.model.family], devices=jax.devices()[:8],
-             on_video=lambda video, frames: want.__setitem__(video.seed, frames) or [])
-    for video_id, seed in ids.items():
-        np.testing.assert_allclose(server_frames(out, video_id), want[seed], atol=1e-5, rtol=0)
+    want, frames = {}, {}  # seed -> final latents, frames
+
+    def on_video(video, video_frames):
+        want[video.seed], frames[video.seed] = seen[-1], video_frames
+        return []
+
+    with our_latents() as seen:
+        generate(args, FAMILIES[args.model.family], devices=jax.devices()[:8],
+                 on_video=on_video)
+    # The served jobs' decodes are the last two recorded, in the order they were posted (the
+    # cancelled job ended before its decode); the earlier ones are the warmup's.
+    saved = load_file(recorded)
+    served = [saved[str(i)] for i in range(len(saved) - len(ids), len(saved))]
+    for latents, (video_id, seed) in zip(served, ids.items(), strict=True):
+        print(f"seed {seed}: latents max |served - one process| "
+              f"{np.abs(latents - want[seed]).max():.3g} of {np.abs(want[seed]).max():.3g}")
+        np.testing.assert_allclose(latents, want[seed], atol=ATOL, rtol=0)
+        # The frames: equal but for the patch the VAE's sign step can move.
+        assert_frames_close_but_a_patch(server_frames(out, video_id), frames[seed], atol=1e-3,
+                                        patch_atol=0.15, patch_fraction=0.01)
+    print("seed 1 vs 2: latents max |d|", np.abs(want[1] - want[2]).max())
+    assert np.abs(want[1] - want[2]).max() > FAR
     # The store and the two jobs' files, nothing partial; a clean stop closes the store, so
     # SQLite folds its write-ahead log back into the file.
     assert sorted(os.listdir(out)) == sorted(
