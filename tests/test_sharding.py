@@ -57,7 +57,8 @@ def unsharded(tiny_checkpoint_8h):
 
 @pytest.mark.parametrize("mesh", [(2, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)],
                          ids=lambda m: "dp{}-tp{}-sp{}".format(*m))
-def test_sharded_latents_equal_unsharded(tiny_checkpoint_8h, unsharded, mesh):
+def test_sharded_frames_equal_unsharded(tiny_checkpoint_8h, unsharded, mesh):
+    # (The name, kept for tests/conftest.py's slow-tier list, predates the latents.)
     latents = _latents(tiny_checkpoint_8h, mesh)
     # float32 end to end; only the order of partial sums across devices changes.
     _assert_close(latents, unsharded)
