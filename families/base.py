@@ -159,6 +159,10 @@ class Transformer:
         diffusers/PEFT keys (``transformer.<module>.lora_A.weight``, ...): diffusers' own
         (a ``*LoraLoaderMixin.lora_state_dict``) where diffusers has one, else the family's
         table; None: ``--lora`` / ``--lora_2`` are not supported.
+    lora_host_components(model_id, dtype) -> {component: {name: shape}}: the pipeline
+        components run on the host whose converted LoRA keys (``<component>.<module>...``)
+        ``--lora`` also accepts (LTX-2's text connectors); the family fuses them at load
+        (``engine.weights.lora.fuse_host``). None: transformer keys only.
     quantized_linears: regex (``re.search``) over the transformer's module names (before
         ``--scan_layers`` stacks the blocks) of the ``torch.nn.Linear`` layers ``--quantize``
         runs in 8 bits (``engine.weights.quantize``); None: ``--quantize`` is refused.
@@ -182,6 +186,7 @@ class Transformer:
     layout_batch: Callable | None = None
     masks: tuple[type, ...] = ()
     lora_state_dict: Callable | None = None
+    lora_host_components: Callable | None = None
     quantized_linears: str | None = None
     sparse_policy: Callable | None = None
 

@@ -57,8 +57,13 @@ the run's video size, ``latent_shape`` reads the checkpoint's audio VAE config, 
 estimate compiles the first block once per distinct pass of the step (the CFG pair, the STG
 pass, the modality pass) and counts each (docs/dry_run.md, "Dry-run figures: LTX-2").
 
+LoRA (``--lora``): diffusers' ``LTX2LoraLoaderMixin.lora_state_dict`` converts the keys
+(diffusers/PEFT ``transformer.`` / ``connectors.``, or Lightricks/ComfyUI ``diffusion_model.``
+and ``text_embedding_projection.``); the transformer's deltas are fused at placement as for
+every family, the connectors' at load on the CPU (``lora_host_components``, ``load_pipeline``).
+
 Not done here (refused in one line): the step caches, --serve_sizes, staged runs,
---scan_layers (diffusers' block loop passes per-block STG arguments by keyword), LoRA and
+--scan_layers (diffusers' block loop passes per-block STG arguments by keyword),
 --quantize, the two-stage upscale.
 """
 
@@ -81,6 +86,7 @@ from engine.files.report import Audio
 from engine.programs import executables
 from engine.run.errors import GenerationError, first_line
 from engine.run.runtime import to_host
+from engine.weights import lora
 from engine.weights.scan_layers import BlockStack
 from families import ltx2_i2v
 from families.base import (
@@ -502,6 +508,29 @@ def route_short_attentions(transformer) -> None:
             module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
+def lora_state_dict(tensors: dict) -> dict:
+    """diffusers' LTX-2 LoRA key conversion (``LTX2LoraLoaderMixin.lora_state_dict``,
+    loaders/lora_pipeline.py:2930-2989 and lora_conversion_utils.py:2170-2216 in 0.42.1):
+    diffusers/PEFT keys pass as they are; Lightricks/ComfyUI ``diffusion_model.`` keys become
+    ``transformer.`` keys with its renames, ``text_embedding_projection.aggregate_embed`` becomes
+    ``connectors.text_proj_in``. What it drops (other prefixes in a Lightricks file, DoRA
+    scales), we drop too."""
+    from diffusers.loaders.lora_pipeline import LTX2LoraLoaderMixin
+
+    return LTX2LoraLoaderMixin.lora_state_dict(tensors)
+
+
+def lora_host_components(model_id: str, dtype) -> dict:
+    """{"connectors": {name: shape}}: the text connectors (run on the CPU at encode) take
+    ``connectors.`` LoRA keys, as diffusers' ``load_lora_weights`` loads them; shapes from a
+    meta ``LTX2TextConnectors`` of the checkpoint's config (no weights load)."""
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    cfg = read_component_config(model_id, "connectors", download=True)
+    model = empty_model(LTX2TextConnectors, cfg, dtype)
+    return {"connectors": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+
+
 def empty_transformer(cfg: dict, dtype):
     """``LTX2VideoTransformer3DModel`` of config ``cfg`` with meta parameters in ``dtype``
     (``families.base.empty_model``), its RoPEs under x64 (``install_x64_ropes``), its short
@@ -601,6 +630,11 @@ def load_pipeline(config, components):
     decode = AudioVideoDecode(pipe.vae, pipe.audio_vae, pipe.vocoder, geometry, dtype)
     pipe.__dict__["vae"] = decode  # past DiffusionPipeline.__setattr__'s config bookkeeping
     pipe.geometry = geometry
+    # The LoRA's connector deltas, fused into the CPU weights before any prompt is encoded
+    # (the transformer's are fused at placement; no connectors: every text was cached, under
+    # a key that names the LoRA, engine.files.embeddings_cache).
+    if getattr(pipe, "connectors", None) is not None:
+        lora.fuse_host(pipe.connectors, config.model.lora, "connectors")
     return pipe
 
 
@@ -1016,7 +1050,8 @@ FAMILY = ModelFamily(
         self_attention_flops=self_attention_flops, model_inputs=model_inputs,
         abstract_model_inputs=abstract_model_inputs, step_fn=step_fn,
         timestep_dtype="float32", sharding_rules=sharding_rules, block_stack=BLOCKS,
-        layout_batch=layout_batch),
+        layout_batch=layout_batch, lora_state_dict=lora_state_dict,
+        lora_host_components=lora_host_components),
     vae=VaePrograms(empty=empty_vae, is_decode_weight=is_vae_decode_weight,
                     decoder=vae_decoder),
     image=ImageConditioning(mode=ltx2_i2v.image_mode, encode=ltx2_i2v.encode_image,

@@ -108,10 +108,16 @@ class EmbeddingsCache:
         self.memory = memory
 
     def key_parts(self, config, text: str) -> dict:
-        """What decides one text's embeddings under ``config``'s settings."""
-        return dict(format=FORMAT, family=self.family.name, text_encoder=self.encoder,
-                    text=text, max_sequence_length=config.video.max_sequence_length,
-                    dtype=config.model.dtype)
+        """What decides one text's embeddings under ``config``'s settings; with a ``--lora``
+        that touches a host component (``engine.weights.lora.Lora.host``: a text connector),
+        its files' sha256 and scales too (absent otherwise, so earlier keys stay valid)."""
+        parts = dict(format=FORMAT, family=self.family.name, text_encoder=self.encoder,
+                     text=text, max_sequence_length=config.video.max_sequence_length,
+                     dtype=config.model.dtype)
+        host = [[x.sha256, x.scale] for x in config.model.lora or () if x.host]
+        if host:
+            parts["host_loras"] = host
+        return parts
 
     def digest(self, config, text: str) -> str:
         return hashlib.sha256(json.dumps(self.key_parts(config, text), sort_keys=True)

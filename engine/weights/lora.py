@@ -43,8 +43,9 @@ from engine.run.errors import fail
 
 # Pickle-based checkpoint suffixes: refused outright (no pickle, ever).
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle")
-_KEY = re.compile(r"^transformer\.(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|"
-                  r"lora_B\.bias)$")
+# ``<component>.<module>.<part>``: "transformer", or a host component the family names.
+_KEY = re.compile(r"^(?P<component>[^.]+)\.(?P<module>.+)\.(?P<part>lora_A\.weight|"
+                  r"lora_B\.weight|lora_B\.bias)$")
 
 
 def parse_flag(value: str, flag: str = "--lora") -> tuple[str, float]:
@@ -91,10 +92,11 @@ def read_file(path: str, flag: str = "--lora") -> tuple[dict, dict]:
     return tensors, metadata
 
 
-def _peft_scaling(metadata: dict, module: str, rank: int) -> float:
-    """``lora_alpha / r`` for ``module`` from diffusers' ``lora_adapter_metadata`` (a PEFT
-    ``LoraConfig``), as PEFT computes ``scaling``; 1.0 without metadata (diffusers then sets
-    alpha = rank)."""
+def _peft_scaling(metadata: dict, module: str, rank: int,
+                  component: str = "transformer") -> float:
+    """``lora_alpha / r`` for ``module`` of ``component`` from diffusers'
+    ``lora_adapter_metadata`` (a PEFT ``LoraConfig``), as PEFT computes ``scaling``; 1.0
+    without metadata (diffusers then sets alpha = rank)."""
     raw = metadata.get("lora_adapter_metadata")
     if not raw:
         return 1.0
@@ -102,8 +104,8 @@ def _peft_scaling(metadata: dict, module: str, rank: int) -> float:
     if "r" not in cfg:
         # diffusers' pipeline-level save_lora_weights packs each component's LoraConfig under
         # its prefix ("transformer.r", ...); the model-level save_lora_adapter does not.
-        cfg = {k.removeprefix("transformer."): v for k, v in cfg.items()
-               if k.startswith("transformer.")}
+        cfg = {k.removeprefix(f"{component}."): v for k, v in cfg.items()
+               if k.startswith(f"{component}.")}
 
     def pattern(table, default):
         for key, value in (table or {}).items():
@@ -123,6 +125,8 @@ class Lora:
     weights: {weight name (``blocks.N.attn1.to_q.weight``): (A (r, in), B (out, r), factor)},
         A and B as the family's converter gave them (file dtype), factor = scale * alpha / r.
     biases: {bias name: (lora_B.bias (out,), factor)}.
+    host: {host component (e.g. a text connector the family runs on the CPU): (its weights,
+        its biases)} as ``weights`` / ``biases``; fused at load by ``fuse_host``.
     """
 
     path: str
@@ -132,12 +136,15 @@ class Lora:
     converted_keys: int
     weights: dict
     biases: dict
+    host: dict = dataclasses.field(default_factory=dict)
 
     def report(self) -> dict:
-        """The JSON report's entry: path, sha256, scale, key counts and matched weights."""
+        """The JSON report's entry: path, sha256, scale, key counts and matched weights (the
+        host components' included)."""
+        host = sum(len(w) + len(b) for w, b in self.host.values())
         return dict(path=self.path, sha256=self.sha256, scale=self.scale, keys=self.keys,
                     converted_keys=self.converted_keys,
-                    matched_weights=len(self.weights) + len(self.biases))
+                    matched_weights=len(self.weights) + len(self.biases) + host)
 
 
 def _sha256(path: str) -> str:
@@ -148,7 +155,8 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -> Lora:
+def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora",
+         host_shapes: dict | None = None) -> Lora:
     """Read, convert (the family's ``lora_state_dict``) and match one LoRA.
 
     Args:
@@ -157,11 +165,14 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
         shapes: {name: shape} of the transformer's unscanned state dict (``blocks.N.*``).
         convert: the family's key converter (``ModelFamily.transformer.lora_state_dict``).
         flag: the flag errors name (``--lora``, or ``--lora_2`` for the second expert).
+        host_shapes: {component: {name: shape}} of the host components whose keys
+            (``<component>.<module>...``) the file may also carry
+            (``Transformer.lora_host_components``); None: transformer keys only.
 
     Raises:
         UsageError (one line, naming ``flag`` and the file): unreadable or pickle file, keys
-        the converter rejects, keys that match no transformer weight (the first three
-        named), shapes that do not fit their weight.
+        the converter rejects, keys that match no weight (the first three named), shapes that
+        do not fit their weight.
     """
     tensors, metadata = read_file(path, flag)
     keys = len(tensors)
@@ -170,19 +181,31 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
     except (ValueError, KeyError, IndexError, RuntimeError) as e:
         fail(flag, path, "the LoRA key conversion rejects its keys "
              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+    tables = {"transformer": shapes, **(host_shapes or {})}
     parts: dict = {}
     unmatched = []
     for key, value in converted.items():
         m = _KEY.match(key)
-        if m is None or f"{m['module']}.weight" not in shapes:
+        table = tables.get(m["component"]) if m else None
+        if table is None or f"{m['module']}.weight" not in table:
             unmatched.append(key)
             continue
-        parts.setdefault(m["module"], {})[m["part"]] = value
+        parts.setdefault(m["component"], {}).setdefault(m["module"], {})[m["part"]] = value
     if unmatched:
-        fail(flag, path, f"{len(unmatched)} key(s) match no transformer weight "
+        fail(flag, path, f"{len(unmatched)} key(s) match no {' or '.join(tables)} weight "
              f"({', '.join(sorted(unmatched)[:3])}{', ...' if len(unmatched) > 3 else ''})")
-    if not parts:
+    if "transformer" not in parts:
         fail(flag, path, "holds no LoRA weights for the transformer")
+    matched = {component: _deltas(path, scale, flag, metadata, tables[component], p, component)
+               for component, p in parts.items()}
+    weights, biases = matched.pop("transformer")
+    return Lora(path=path, scale=scale, sha256=_sha256(path), keys=keys,
+                converted_keys=len(converted), weights=weights, biases=biases, host=matched)
+
+
+def _deltas(path, scale, flag, metadata, shapes, parts, component) -> tuple[dict, dict]:
+    """({weight name: (A, B, factor)}, {bias name: (lora_B.bias, factor)}) of one component's
+    matched ``parts`` ({module: {part: tensor}}), shapes checked against ``shapes``."""
     weights, biases = {}, {}
     for module, p in sorted(parts.items()):
         w_shape = tuple(shapes[f"{module}.weight"])
@@ -194,7 +217,7 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
                     or (b.shape[0], a.shape[1]) != w_shape:
                 fail(flag, path, f"{module}: lora_B {tuple(b.shape)} @ lora_A "
                      f"{tuple(a.shape)} does not fit its weight {w_shape}")
-            factor = scale * _peft_scaling(metadata, module, a.shape[0])
+            factor = scale * _peft_scaling(metadata, module, a.shape[0], component)
             weights[f"{module}.weight"] = (a, b, factor)
         bias = p.get("lora_B.bias")
         if bias is not None:
@@ -203,9 +226,9 @@ def load(path: str, scale: float, shapes: dict, convert, flag: str = "--lora") -
                 fail(flag, path, f"{module}: lora_B.bias {tuple(bias.shape)} does not fit "
                      f"its bias {b_shape}")
             rank = a.shape[0] if a is not None else 1
-            biases[f"{module}.bias"] = (bias, scale * _peft_scaling(metadata, module, rank))
-    return Lora(path=path, scale=scale, sha256=_sha256(path), keys=keys,
-                converted_keys=len(converted), weights=weights, biases=biases)
+            biases[f"{module}.bias"] = (
+                bias, scale * _peft_scaling(metadata, module, rank, component))
+    return weights, biases
 
 
 def transformer_shapes(transformer) -> dict:
@@ -256,7 +279,9 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
     and shapes are checked against ``transformer_2``'s config. The transformer's names and
     shapes come from a meta model of its config (``family.transformer.empty``: no weights
     load); the keys are converted by the family's converter
-    (``family.transformer.lora_state_dict``).
+    (``family.transformer.lora_state_dict``). ``--lora`` also takes the keys of the host
+    components the family names (``family.transformer.lora_host_components``: their meta
+    models' shapes), which the family fuses at load (``fuse_host``).
 
     Returns:
         the ``LoraSet`` the run's configuration carries (empty without the flag).
@@ -277,7 +302,40 @@ def validate(values, family, model_id: str, dtype: str, flag: str = "--lora") ->
              "boundary_ratio in model_index.json); use --lora for the one transformer")
     cfg = read_component_config(model_id, component, download=True)
     shapes = transformer_shapes(family.transformer.empty(cfg, getattr(torch, dtype)))
-    return LoraSet(flag, tuple(load(path, scale, shapes, convert, flag) for path, scale in specs))
+    host = family.transformer.lora_host_components
+    host_shapes = host(model_id, getattr(torch, dtype)) if host and flag == "--lora" else None
+    return LoraSet(flag, tuple(load(path, scale, shapes, convert, flag, host_shapes)
+                               for path, scale in specs))
+
+
+def fuse_host(module, loras, component: str) -> int:
+    """Fuse the LoRAs' deltas for host ``component`` into ``module`` (a torch module on the
+    CPU, e.g. a pipeline's text connectors) in place: each touched parameter becomes
+    ``W + sum scale * (alpha / r) * B @ A`` (a bias ``+ scale * (alpha / r) * lora_B.bias``),
+    computed in float32 and cast back to the parameter's dtype, as PEFT's ``merge``.
+
+    Args:
+        module: the component's module; names as ``named_parameters`` gives them.
+        loras: the run's ``LoraSet`` (or an iterable of ``Lora``; None: nothing).
+
+    Returns:
+        the number of parameters changed.
+    """
+    deltas: dict = {}
+    for x in loras or ():
+        weights, biases = x.host.get(component, ({}, {}))
+        for name, (a, b, factor) in weights.items():
+            deltas[name] = deltas.get(name, 0) + (b.float() @ a.float()) * factor
+        for name, (vec, factor) in biases.items():
+            deltas[name] = deltas.get(name, 0) + vec.float() * factor
+    if not deltas:
+        return 0
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            p = params[name]
+            p.copy_((p.float() + delta).to(p.dtype))
+    return len(deltas)
 
 
 def fusers(loras) -> dict:
