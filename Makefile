@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TINY := checkpoints/tiny-wan
 TINY_HY := checkpoints/tiny-hunyuan15
+TINY_LTX2 := checkpoints/tiny-ltx2
 # Tests and the demo stay on the CPU; 8 host devices let the mesh tests shard for real.
 CPU_ENV := JAX_PLATFORMS=cpu
 TEST_ENV := $(CPU_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=8
@@ -13,7 +14,7 @@ TEST_ENV := $(CPU_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=8
 LIBTPU_PROFILE := 0.0.51
 PROFILE_STAMP := $(VENV)/libtpu-next/.installed-$(LIBTPU_PROFILE)
 
-.PHONY: demo demo-hunyuan demo-i2v serve-demo browser postgres test test-all lint venv checkpoint clean
+.PHONY: demo demo-hunyuan demo-ltx2 demo-i2v serve-demo browser postgres test test-all lint venv checkpoint clean
 
 venv: $(STAMP) $(PROFILE_STAMP)
 
@@ -45,6 +46,15 @@ demo-hunyuan: $(STAMP) $(TINY_HY)/model_index.json
 	$(CPU_ENV) $(PY) generate_flax.py --model_id $(TINY_HY) --height 48 --width 80 --frames 17 \
 		--prompt 'A neon sign that says "OPEN" above a rainy street' \
 		--num_inference_steps 8 --num_iterations 2 --output_dir outputs
+
+$(TINY_LTX2)/model_index.json: $(STAMP) tools/make_tiny_ltx2_checkpoint.py tools/tiny_checkpoint.py
+	$(CPU_ENV) $(PY) tools/make_tiny_ltx2_checkpoint.py --output $(TINY_LTX2) --force
+
+# LTX-2: video with its sound (an AAC track in the mp4), the pipeline's default guidance.
+demo-ltx2: $(STAMP) $(TINY_LTX2)/model_index.json
+	$(CPU_ENV) $(PY) generate_flax.py --model_id $(TINY_LTX2) --height 64 --width 96 --frames 17 \
+		--prompt "Rain falls on a neon street at night; a car horn sounds" \
+		--num_inference_steps 8 --num_iterations 1 --output_dir outputs
 
 TINY_I2V := checkpoints/tiny-wan-i2v
 
@@ -89,4 +99,4 @@ test-all: lint $(PROFILE_STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
-	rm -rf $(VENV) $(TINY) $(TINY_HY) $(TINY_I2V) outputs
+	rm -rf $(VENV) $(TINY) $(TINY_HY) $(TINY_LTX2) $(TINY_I2V) outputs
