@@ -43,6 +43,7 @@ from engine.files import integrity, videos
 from engine.files import report as reporting
 from engine.files.checkpoint import looks_local, model_config_dir
 from engine.files.image import check_for_model
+from engine.files.writer import VideoWriter
 from engine.pipeline import Generation, upscale
 from engine.programs import experts, parking, sparse, step_cache_flags
 from engine.run import clock, runtime
@@ -398,37 +399,36 @@ def main(argv=None) -> int:
 
 
 def generate(config: RunConfig, family, checked: dict) -> int:
-    """One run, stage by stage (``engine.pipeline.Generation``); process 0 writes each
-    video as soon as it is done, then the JSON report and the summary. Returns the exit
-    code (130: interrupted between videos, the finished ones kept)."""
+    """One run, stage by stage (``engine.pipeline.Generation``); process 0 hands each
+    video to the writer thread as soon as it is done (``engine.files.writer``: uint8, mp4
+    encode and audio mux beside the next video's work), waits for every file, then writes
+    the JSON report and the summary. Returns the exit code (130: interrupted between videos,
+    the finished ones kept); a video that could not be written raises its one line."""
     stem = reporting.output_stem(config.run.output_dir) if runtime.is_writer() else None
-    written: list[str] = []  # one stamp (stem) for every file of the run
-    first = reporting.FirstVideo()  # times the first write: the end of time to first video
+    with VideoWriter() as writer:
+        files = videos.RunFiles(config, stem, writer)
 
-    @first.timed
-    def save(video, frames):  # a decoder with sound (LTX-2) holds its last waveform: "audio"
-        audio = getattr(run.programs.vae_decode, "audio", None)
-        paths = runtime.is_writer() and videos.save_video(config, frames, stem, video, audio) or []
-        written.extend(paths)
-        return [os.path.basename(p) for p in paths]
+        def save(video, frames):  # a decoder with sound (LTX-2) holds its last waveform
+            return files.save(video, frames, getattr(run.programs.vae_decode, "audio", None))
 
-    run = Generation(config, family)  # runtime, devices, chip, blocks, mesh, kernel self-check
-    run.load()  # the diffusers pipeline; the transformer's weights stay on the meta device
-    run.encode()  # text (and image) encoders on the CPU, freed before anything is placed
-    if config.run.stage == "encode":
-        return write_stage_report(config, dict(run.save_encoded(), checkpoint_check=checked))
-    run.compile()  # place the weights, route torch SDPA to the kernel, compile ahead of time
-    run.warm_up()  # every compiled program once: what follows is steady state
-    frames = run.time_videos(on_video=save)  # the timed runs; each video written when done
-    report = dict(run.finish(), checkpoint_check=checked)
-    if not runtime.is_writer():  # process 0 writes and summarises for every host
-        return 0
-    if config.run.stage == "denoise":
-        return write_stage_report(config, report)
-    if not config.run.videos:
-        report = dict(video=os.path.basename(save(None, frames)[0]), **report)
+        run = Generation(config, family)  # runtime, devices, chip, blocks, mesh, self-check
+        run.load()  # the diffusers pipeline; the transformer's weights stay on the meta device
+        run.encode()  # text (and image) encoders on the CPU, freed before anything is placed
+        if config.run.stage == "encode":
+            return write_stage_report(config, dict(run.save_encoded(), checkpoint_check=checked))
+        run.compile()  # place the weights, route torch SDPA to the kernel, compile ahead of time
+        run.warm_up()  # every compiled program once: what follows is steady state
+        frames = run.time_videos(on_video=save)  # the timed runs; each video written when done
+        report = dict(run.finish(), checkpoint_check=checked)
+        if not runtime.is_writer():  # process 0 writes and summarises for every host
+            return 0
+        if config.run.stage == "denoise":
+            return write_stage_report(config, report)
+        if not config.run.videos:
+            report = dict(video=save(None, frames)[0], **report)
+        writer.wait()  # every file in place (or the first failure's line) before the report
     report.update(reporting.audio_fields(getattr(run.programs.vae_decode, "audio", None)))
-    report["timings"]["time_to_first_video"] = first.split(report)
+    written = files.record(report, run)  # each video's stages, the time to first video
     written += reporting.save_run(report, config.run.output_dir, stem,
                                   plots=not config.run.no_plots)
     devices = report["devices"]

@@ -123,8 +123,19 @@ def write_wav(waveform: np.ndarray, sample_rate: int, path: str) -> None:
         f.writeframes(np.ascontiguousarray(pcm.T).tobytes())  # interleaved: (samples, ch)
 
 
+def to_uint8(frames) -> np.ndarray:
+    """(F, H, W, 3) float frames in [0, 1] -> uint8, as diffusers' ``export_to_video``
+    converts them (0.42.1 ``utils/export_utils.py``: ``(frame * 255).astype(np.uint8)``,
+    which truncates); uint8 frames are returned as they are."""
+    frames = np.asarray(frames)
+    return frames if frames.dtype == np.uint8 else (frames * 255).astype(np.uint8)
+
+
 def save_video(frames, path: str, fps: int, audio: Audio | None = None) -> None:
-    """Write (F, H, W, 3) [0, 1] frames as H.264 mp4 with imageio-ffmpeg, atomically.
+    """Write (F, H, W, 3) frames, float in [0, 1] or uint8 (``to_uint8``), as H.264 mp4 with
+    imageio-ffmpeg, atomically, with the writer and settings of diffusers'
+    ``export_to_video`` (0.42.1 ``utils/export_utils.py``: quality 5, macro block 16), so the
+    bytes are the ones it writes.
 
     With ``audio`` (``Audio``: checked by ``check_audio`` before anything is written), its
     waveform goes through a temporary 16-bit WAV (``write_wav``: clipped to [-1, 1]) into an
@@ -138,26 +149,23 @@ def save_video(frames, path: str, fps: int, audio: Audio | None = None) -> None:
     """
     # Deferred, as diffusers' own export is: imageio alone costs 0.25 s of import time.
     import imageio
-    from diffusers.utils import export_to_video
 
-    if audio is None:
-        atomic_write(path, lambda tmp: export_to_video(list(frames), tmp, fps=fps))
-        return
-    waveform = check_audio(audio)
+    waveform = None if audio is None else check_audio(audio)
+    pixels = to_uint8(frames)
 
     def write(tmp):
         with tempfile.TemporaryDirectory() as folder:
-            wav = os.path.join(folder, "audio.wav")
-            write_wav(waveform, audio.sample_rate, wav)
-            # export_to_video's writer and settings (diffusers 0.42.1 utils/export_utils.py),
-            # so the video stream is the one an mp4 without audio carries.
-            # Log level "error": the stdlib's WAV header names no channel layout, and ffmpeg
-            # warns on every run that it guessed it (unambiguous for the 1 or 2 allowed).
+            sound = {}
+            if waveform is not None:
+                wav = os.path.join(folder, "audio.wav")
+                write_wav(waveform, audio.sample_rate, wav)
+                # Log level "error": the stdlib's WAV header names no channel layout, and
+                # ffmpeg warns on every run that it guessed it (unambiguous for 1 or 2).
+                sound = dict(audio_path=wav, audio_codec="aac", ffmpeg_log_level="error")
             with imageio.get_writer(tmp, fps=fps, quality=5.0, bitrate=None,
-                                    macro_block_size=16, audio_path=wav, audio_codec="aac",
-                                    ffmpeg_log_level="error") as writer:
-                for frame in frames:
-                    writer.append_data((frame * 255).astype(np.uint8))
+                                    macro_block_size=16, **sound) as writer:
+                for frame in pixels:
+                    writer.append_data(frame)
 
     atomic_write(path, write)
 
@@ -352,23 +360,17 @@ def time_to_first_video(timings: dict, runs: list, *, imports_s: float | None = 
 
 
 class FirstVideo:
-    """The CLI's clock for the first video: ``timed(save)`` wraps the function that writes
-    a video (returning the names written) and times its first call that writes something;
-    ``split(report)`` is then ``time_to_first_video`` of the run's report, measured from the
-    process start when the entry point marked its imports (``clock.mark_imports_done``)."""
+    """The CLI's clock for the first video: ``wrote(seconds, at)`` records the first
+    video's write (uint8, encode and mux seconds, and the ``time.time()`` its file was in
+    place, from the writer thread: ``engine.files.videos.write_video``); ``split(report)``
+    is then ``time_to_first_video`` of the run's report, measured from the process start
+    when the entry point marked its imports (``clock.mark_imports_done``)."""
 
     def __init__(self):
         self.write_s = self.done_at = None
 
-    def timed(self, save):
-        def wrapper(*args):
-            t0 = time.time()
-            names = save(*args)
-            if self.done_at is None and names:
-                self.done_at = time.time()
-                self.write_s = self.done_at - t0
-            return names
-        return wrapper
+    def wrote(self, seconds: float, at: float) -> None:
+        self.write_s, self.done_at = seconds, at
 
     def split(self, report: dict) -> dict:
         videos = report.get("videos")

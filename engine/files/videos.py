@@ -15,11 +15,13 @@ import json
 import os
 import re
 import shutil
+import time
 
 import imageio_ffmpeg
 
 from engine.files import report as reporting
-from engine.run.errors import UsageError, fail
+from engine.run import runtime
+from engine.run.errors import GenerationError, UsageError, fail, first_line
 
 FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "name": str}
 
@@ -167,20 +169,111 @@ def video_files(output_dir: str, stem: str, video: Video | None, save_frames: bo
 def save_video(config, frames, stem: str, video: Video | None = None,
                audio: reporting.Audio | None = None) -> list[str]:
     """Write one video's mp4 (and lossless frames with --save_frames), atomically; returns
-    the paths written.
+    the paths written (``write_video`` without its timings; raises what it raises)."""
+    return write_video(config, frames, stem, video, audio)[0]
 
-    ``audio``: an optional ``reporting.Audio(waveform, sample_rate)``, waveform (channels,
-    samples) float in [-1, 1], 1 or 2 channels, rate in Hz: muxed into the mp4 as an AAC track
+
+def write_video(config, frames, stem: str, video: Video | None = None,
+                audio: reporting.Audio | None = None) -> tuple[list[str], dict]:
+    """Write one video's mp4 (and lossless frames with --save_frames), each file under a
+    temporary name renamed into place; safe on ``engine.files.writer``'s thread.
+
+    ``frames``: (F, H, W, 3) float32 in [0, 1]. ``audio``: an optional
+    ``reporting.Audio(waveform, sample_rate)``, waveform (channels, samples) float in
+    [-1, 1], 1 or 2 channels, rate in Hz: muxed into the mp4 as an AAC track
     (``reporting.save_video``) and saved as the frames file's "audio" key. The family puts
     ``reporting.audio_fields(audio)`` (``audio_sample_rate``...) in the video's report entry.
 
+    Returns:
+        (the paths written, {"uint8_s": seconds converting to uint8, "write_s": seconds
+        encoding the mp4, muxing its audio and writing the frames file, "written_at": the
+        ``time.time()`` when the last file was in place}).
+
     Raises:
-        GenerationError: a bad ``audio`` (``reporting.check_audio``), before any file.
+        GenerationError: one line: a bad ``audio`` (``reporting.check_audio``), before any
+            file; or a file that could not be written, naming it and the cause (no partial
+            file is left).
     """
     if audio is not None:
         reporting.check_audio(audio)
     files = video_files(config.run.output_dir, stem, video, config.run.save_frames)
-    reporting.save_video(frames, files["video"], config.video.fps, audio)
-    if files["frames"]:
-        reporting.save_frames(frames, files["frames"], audio)
-    return [p for p in files.values() if p]
+    t0 = time.perf_counter()
+    pixels = reporting.to_uint8(frames)
+    t1 = time.perf_counter()
+    path = files["video"]
+    try:
+        reporting.save_video(pixels, path, config.video.fps, audio)
+        if files["frames"]:
+            path = files["frames"]
+            reporting.save_frames(frames, path, audio)
+    except GenerationError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line naming the file, on any thread
+        raise GenerationError(f"could not write {path}: {type(e).__name__}: "
+                              f"{first_line(e)}") from e
+    return [p for p in files.values() if p], dict(
+        uint8_s=t1 - t0, write_s=time.perf_counter() - t1, written_at=time.time())
+
+
+# The report's stages of one video, in the order it goes through them (docs/features.md).
+STAGES = ("text_encode_s", "denoise_s", "decode_s", "postprocess_s", "write_s", "video_wall_s")
+
+
+def video_stages(runs: list, text_encode_s: float, to_frames_s: float, written: dict,
+                 began: float) -> dict:
+    """One video's seconds per stage (``STAGES``): ``text_encode_s`` (given), ``denoise_s``
+    (its timed runs' denoise and upscale), ``decode_s`` (their VAE decodes),
+    ``postprocess_s`` (``to_frames_s``, device -> host and [0, 1] frames, plus the uint8
+    conversion), ``write_s`` (mp4 encode and mux, ``write_video``) and ``video_wall_s``:
+    from ``began`` (``time.time()`` when its prompt's encode began) to its last file in
+    place (``written["written_at"]``). The stages run one after another for one video, so
+    their sum is at most ``video_wall_s``; the rest is waiting (compile, warmup, the
+    videos before it in a prompts file) and Python between them."""
+    return dict(
+        text_encode_s=float(text_encode_s),
+        denoise_s=sum(r.get("denoise_s", 0.0) + r.get("upscale_s", 0.0) for r in runs),
+        decode_s=sum(r.get("vae_decode_s", 0.0) for r in runs),
+        postprocess_s=to_frames_s + written["uint8_s"], write_s=written["write_s"],
+        video_wall_s=written["written_at"] - began)
+
+
+class RunFiles:
+    """The files of one CLI run: ``save`` hands each video to ``writer`` (an
+    ``engine.files.writer.VideoWriter``) and returns its file names at once; once the
+    writer has waited, ``record`` puts every video's stages and the time to first video in
+    the report and returns the paths written. Only the writing process (``runtime.is_writer``)
+    writes; the others' ``save`` returns []."""
+
+    def __init__(self, config, stem: str | None, writer):
+        self.config, self.stem, self.writer = config, stem, writer
+        self.writes: list = []  # each submitted video's future of ``write_video``
+
+    def save(self, video: Video | None, frames, audio: reporting.Audio | None = None
+             ) -> list[str]:
+        if not runtime.is_writer():
+            return []
+        self.writes.append(self.writer.submit(write_video, self.config, frames, self.stem,
+                                              video, audio))
+        files = video_files(self.config.run.output_dir, self.stem, video,
+                            self.config.run.save_frames)
+        return [os.path.basename(p) for p in files.values() if p]
+
+    def record(self, report: dict, run) -> list[str]:
+        """``run``: the ``engine.pipeline.Generation`` (its ``video_parts``, ``timings``,
+        ``began``). Sets each prompts-file entry's "stages" (or the single video's
+        ``timings.stages``) and ``timings.time_to_first_video``; returns the paths."""
+        writes = [w.result() for w in self.writes]
+        stages = [video_stages(part["runs"], run.timings.get("text_encode_s", 0.0),
+                               part["to_frames_s"], timing, run.began)
+                  # an interrupt may land between a video's decode and its write
+                  for part, (_, timing) in zip(run.video_parts, writes, strict=False)]
+        for entry, video_stage in zip(report.get("videos", []), stages, strict=False):
+            entry["stages"] = video_stage
+        if not self.config.run.videos and stages:
+            report["timings"]["stages"] = stages[0]
+        first = reporting.FirstVideo()  # the first video's file ends the time to first video
+        if writes:
+            timing = writes[0][1]
+            first.wrote(timing["uint8_s"] + timing["write_s"], timing["written_at"])
+        report["timings"]["time_to_first_video"] = first.split(report)
+        return [p for paths, _ in writes for p in paths]

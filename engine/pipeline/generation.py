@@ -55,6 +55,10 @@ class Generation:
         self.mesh = self.fallbacks = self.ahead = self.stats_before = self.overlap_began = None
         self.embeds: list = []
         self.runs: list = []
+        # Per video done: its timed runs and the seconds of its frames to the host
+        # (``run_videos``); with ``began`` (its prompt's encode) the report's stages.
+        self.video_parts: list = []
+        self.began = time.time()
         self.timings: dict = {"prologue_s": time.perf_counter() - t0}
         self.cache = self.cached = None
         s = self.start
@@ -86,6 +90,7 @@ class Generation:
         """Every video's prompt embeddings (and the image conditioning) on the CPU, the
         encoders freed after; a staged denoise takes its staged embeddings instead."""
         stage = self.config.run.stage
+        self.began = time.time()  # every video's prompt enters the run here
         self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
         if stage not in ("all", "encode"):
             return
@@ -166,7 +171,8 @@ class Generation:
         frames)`` writes each video as it is done and returns its file names."""
         self.frames, self.runs, self.programs, self.latents0 = run_videos(
             self.config, self.family, self.pipe, self.mesh, self.programs, self.latents0,
-            (self.video_list, self.embeds, self.staged), self.oom_hint, on_video, self.report)
+            (self.video_list, self.embeds, self.staged), self.oom_hint, on_video, self.report,
+            self.video_parts)
         return self.frames
 
     def finish(self) -> dict:
@@ -209,11 +215,12 @@ def generate(config: RunConfig, family, devices=None, on_video=None) -> tuple[An
 
 
 def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hint: str,
-               on_video, report: dict):
+               on_video, report: dict, parts: list | None = None):
     """The timed generations of every video (one without --prompts_file / --seeds), on the
     programs placed and compiled once; returns (the last video's frames or None, every
     timed run, the last video's programs and initial latents). ``per_video``: (videos,
-    their embeddings, their staged intermediates).
+    their embeddings, their staged intermediates). ``parts`` gets one {"runs", "to_frames_s"
+    (seconds: device -> host and [0, 1] frames)} per video done, for its report stages.
 
     An interrupt between videos keeps the finished ones: ``report["interrupted"]`` is set
     and ``report["videos"]`` lists what is done, each with the files ``on_video`` wrote.
@@ -232,8 +239,12 @@ def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hi
             runs += video_runs
             if config.run.stage == "denoise":  # each video's latents as soon as they are done
                 staging.save_run_latents(for_video(config, video), latents, video)
+            host_began = time.perf_counter()
             if decoded is not None:
                 frames = reporting.to_frames(pipe, decoded)
+            if parts is not None:
+                parts.append(dict(runs=video_runs,
+                                  to_frames_s=time.perf_counter() - host_began))
             if video is not None:
                 done.append(dict(dataclasses.asdict(video), runs=video_runs,
                                  files=on_video(video, frames) if on_video and decoded is
