@@ -127,12 +127,12 @@ def test_failed_write_is_one_line_at_the_next_submit_and_leaves_no_file(tmp_path
 
 
 def _inject_write_failure(monkeypatch, label: str):
-    """``reporting.save_video`` fails for the file ending ``_<label>.mp4`` after writing
+    """``reporting.save_video`` fails for the file ending ``<label>.mp4`` after writing
     half a file under its temporary name (a disk that filled up mid-encode)."""
     real = reporting.save_video
 
     def failing(frames, path, fps, audio=None):
-        if not path.endswith(f"_{label}.mp4"):
+        if not path.endswith(f"{label}.mp4"):
             return real(frames, path, fps, audio)
 
         def write(tmp):
@@ -150,7 +150,7 @@ def test_cli_write_failure_is_one_line_exit_1_no_partial_file(tiny_checkpoint, t
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a fox", "name": "fox"}\n{"prompt": "a cat", "name": "cat"}'
                        '\n{"prompt": "a owl", "name": "owl"}\n')
-    _inject_write_failure(monkeypatch, "cat")
+    _inject_write_failure(monkeypatch, "_cat")
     out = tmp_path / "out"
     code = generate_flax.cli(["--model_id", tiny_checkpoint, *SMALL, "--prompts_file",
                               str(prompts), "--output_dir", str(out)])
@@ -160,8 +160,9 @@ def test_cli_write_failure_is_one_line_exit_1_no_partial_file(tiny_checkpoint, t
     assert err[-1].startswith("generate_flax.py: error: could not write ") and \
         err[-1].endswith("_cat.mp4: OSError: [Errno 28] No space left on device"), err[-1]
     files = os.listdir(out)
-    assert [f for f in files if f.endswith("_fox.mp4")] and not [
-        f for f in files if "cat" in f or "partial" in f or f.endswith(".json")], files
+    assert [f for f in files if f.endswith("_fox.mp4")] and not [  # owl: never queued
+        f for f in files if "cat" in f or "owl" in f or "partial" in f or f.endswith(".json")
+    ], files
 
 
 def test_cli_prompts_file_files_and_stage_timings(tiny_checkpoint, tmp_path):
@@ -203,3 +204,88 @@ def test_cli_prompts_file_files_and_stage_timings(tiny_checkpoint, tmp_path):
         assert s["text_encode_s"] == report["timings"]["text_encode_s"]
         assert s["decode_s"] == entry["runs"][0]["vae_decode_s"]
     assert entries[0]["stages"]["video_wall_s"] < entries[1]["stages"]["video_wall_s"]
+
+
+class FakeModel:
+    """A warm model's ``run`` without a model: each job's frames are a level picked by its
+    seed, its timings the stages a real run reports (seconds slept, so they are real)."""
+
+    def __init__(self, folder):
+        self.folder, self.started = folder, []
+
+    def run(self, job_id, settings, image, on_step):
+        self.started.append((job_id, time.time()))
+        timings = {}
+        for key, seconds in (("text_encode_s", 0.02), ("denoise_s", 0.03),
+                             ("vae_decode_s", 0.02), ("to_frames_s", 0.01)):
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            timings[key] = time.perf_counter() - t0
+        frames = np.full((5, 64, 96, 3), settings.seed / 10, np.float32)
+        return frames, config(self.folder), timings, None
+
+
+def test_server_writes_on_the_writer_thread_in_order_and_fails_one_job(tmp_path,
+                                                                       monkeypatch):
+    """Three jobs through the worker (a real SQLite job store and shared folder, a model
+    stand-in): job 1's write is slow (1 s) and job 2's fails after 4 KiB. Job 2's run starts
+    before job 1's file exists; job 1 and 3 complete with each its own frames (diffusers'
+    export of the same frames, byte for byte) and their stages; job 2 fails with one line
+    naming its file and leaves none."""
+    from engine.serve.fleet import Fleet
+    from engine.serve.jobs import JobStore
+    from engine.serve.model import Served
+    from engine.serve.requests import check, parse
+    from engine.serve.storage import SharedFolder
+    from engine.serve.worker import Worker
+
+    served = Served(model="tiny-wan", model_id="x", sizes=((96, 64),), frames=(5,),
+                    frame_step=4, fps=FPS, num_inference_steps=2, guidance_scale=5.0,
+                    guidance_scale_2=None, negative_prompt="", variable_guidance=True,
+                    fixed_steps=False, image_mode="none")
+    store = JobStore(str(tmp_path))
+    ids = [store.add(check(parse(dict(prompt="p", seed=s, size="96x64", seconds="0.3125")),
+                           served)).id for s in (1, 5, 9)]
+    _inject_write_failure(monkeypatch, ids[1])  # job 2: ENOSPC after 4 KiB
+    failing = reporting.save_video
+
+    def slow_first(frames, path, fps, audio=None):
+        if path.endswith(f"{ids[0]}.mp4"):
+            time.sleep(1.0)
+        return failing(frames, path, fps, audio)
+
+    monkeypatch.setattr(reporting, "save_video", slow_first)
+    fleet = Fleet(store, "localhost:0")
+    fleet.buckets = (store.get(ids[0]).bucket,)
+    model, fatal = FakeModel(tmp_path), []
+    worker = Worker(store, model, fatal.append, None, fleet=fleet,
+                    storage=SharedFolder(str(tmp_path)))
+    thread = threading.Thread(target=worker.loop)
+    thread.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(store.get(i).status in ("queued", "in_progress")
+                                         for i in ids):
+        time.sleep(0.05)
+    worker.stop()
+    thread.join(30)
+    assert not fatal and not thread.is_alive()
+    jobs = [store.get(i) for i in ids]
+    assert [j.status for j in jobs] == ["completed", "failed", "completed"], jobs
+    # Job 2 ran while job 1 was still being written.
+    assert model.started[1][1] < jobs[0].result["timings"]["stages"]["video_wall_s"] + \
+        model.started[0][1]
+    line = jobs[1].error
+    assert "\n" not in line and line == (f"could not write {tmp_path / ids[1]}.mp4: OSError: "
+                                         "[Errno 28] No space left on device"), line
+    for job, seed in ((jobs[0], 1), (jobs[2], 9)):
+        assert job.result["files"] == [f"{job.id}.mp4"]
+        want = export_to_video(list(np.full((5, 64, 96, 3), seed / 10, np.float32)),
+                               str(tmp_path / f"want{seed}.mp4"), fps=FPS)
+        assert (tmp_path / f"{job.id}.mp4").read_bytes() == open(want, "rb").read()
+        s = job.result["timings"]["stages"]
+        assert list(s) == list(videos.STAGES) and all(v >= 0 for v in s.values()), s
+        assert sum(s[k] for k in videos.STAGES[:-1]) <= s["video_wall_s"] + 0.01, s
+        assert s["write_s"] > 0 and s["postprocess_s"] >= 0.01, s
+    assert jobs[0].result["timings"]["stages"]["write_s"] >= 1.0  # the slow write, timed
+    assert not [f for f in os.listdir(tmp_path) if ids[1] in f or "partial" in f]
+    store.close()

@@ -152,7 +152,8 @@ class WarmModel:
 
         Returns (frames (F, H, W, 3) float32 in [0, 1], the job's config, timings: text
         and image encode, text_cache_hit (the job's texts came from the embedding cache),
-        denoise_s, s_per_step, step_seconds, vae_decode_s, total_s, and
+        denoise_s, s_per_step, step_seconds, vae_decode_s, total_s, to_frames_s (device ->
+        host and [0, 1] frames), and
         the video's sound: ``engine.files.report.Audio`` (waveform (channels, samples)
         float32 on the host, rate in Hz) from a decoder with sound, as the CLI takes it
         (its ``audio``: the last decode's), else None).
@@ -183,9 +184,11 @@ class WarmModel:
             _, decoded, runs = denoise.run_benchmark(
                 programs, latents0, num_iterations=1, num_inference_steps=steps,
                 desc=f"{job_id}: ", on_step=lambda i: on_step(i, steps))
+            t1 = time.perf_counter()
             frames = reporting.to_frames(self.pipe, decoded)
             audio = getattr(programs.vae_decode, "audio", None)
-        timings.update(runs[0], job_s=time.perf_counter() - t0)
+        timings.update(runs[0], to_frames_s=time.perf_counter() - t1,
+                       job_s=time.perf_counter() - t0)
         return frames, config, timings, audio
 
 

@@ -32,6 +32,11 @@ class Storage(Protocol):
         """Write a job's mp4 (and frames with --save_frames) atomically, with its sound
         (``engine.files.report.Audio`` or None) muxed in; the names."""
 
+    def write(self, config, frames, job_id: str, audio=None) -> tuple[list[str], dict]:
+        """``save``, timed: (the names, ``engine.files.videos.write_video``'s timings:
+        uint8_s, write_s, written_at). Raises ``GenerationError``: one line naming the file
+        that could not be written (the worker's writer thread calls it)."""
+
     def path(self, name: str) -> str:
         """A local path to read ``name`` from."""
 
@@ -52,8 +57,11 @@ class SharedFolder:
         """(F, H, W, 3) float32 ``frames`` in [0, 1] to ``<job_id>.mp4`` (and its frames),
         with ``audio`` (``engine.files.report.Audio``: an AAC track, and the frames file's
         "audio"), as the CLI writes them; returns the file names."""
-        return [os.path.basename(p) for p in videos.save_video(config, frames, job_id,
-                                                                 None, audio)]
+        return self.write(config, frames, job_id, audio)[0]
+
+    def write(self, config, frames, job_id: str, audio=None) -> tuple[list[str], dict]:
+        paths, timings = videos.write_video(config, frames, job_id, None, audio)
+        return [os.path.basename(p) for p in paths], timings
 
     def path(self, name: str) -> str:
         return os.path.join(self.folder, name)

@@ -29,6 +29,7 @@ import sqlalchemy as sa
 
 from engine.files import report as reporting
 from engine.files import videos
+from engine.files.writer import VideoWriter
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
 from engine.serve import hosts, uploads
@@ -71,6 +72,9 @@ class Worker:
         self.wake, self.stopping, self.fatal = threading.Event(), False, None
         self.halt = threading.Event()  # set by stop: ends a wait for the store at once
         self.done = 0
+        # A finished job's files are written, and its end recorded, on this one thread while
+        # the next job runs (first in first out; engine/files/writer.py).
+        self.writer = VideoWriter()
 
     def stop(self) -> None:
         self.stopping = True
@@ -92,6 +96,23 @@ class Worker:
         return [job.id for job in expired]
 
     def loop(self) -> None:
+        """Claim and run jobs until ``stop``; then wait for the writer thread's last files
+        and ends (a failure there is fatal, as one in a job's run is)."""
+        try:
+            self._jobs()
+        finally:
+            try:
+                self.writer.wait()
+            except Exception as e:
+                if self.fatal is None:
+                    self.fatal = first_line(e)
+                    self.on_fatal(self.fatal)
+            finally:
+                self.writer.close()
+        if self.handoff is not None and self.fatal is None:
+            self.handoff.send({"stop": True})
+
+    def _jobs(self) -> None:
         away = 0  # claims in a row the store failed
         while not self.stopping:
             try:
@@ -116,8 +137,6 @@ class Worker:
                 self.fatal = f"job {job.id}: {first_line(e)}"
                 self.on_fatal(self.fatal)
                 return
-        if self.handoff is not None and self.fatal is None:
-            self.handoff.send({"stop": True})
 
     def run_one(self, job: Job) -> None:
         """Run ``job`` to completed, failed or cancelled. Raises only what must end the
@@ -133,11 +152,10 @@ class Worker:
             return
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
-        error, files, timings, audio = None, [], {}, None
+        error, timings, audio = None, {}, None
         try:
             frames, config, timings, audio = self.model.run(job_id, job.settings, image,
                                                             self._on_step(job_id, seq))
-            files = self.storage.save(config, frames, job_id, audio)
         except (GenerationError, UsageError, hosts.JobCancelled) as e:
             error = e
         except Exception as e:
@@ -149,6 +167,32 @@ class Worker:
             if any(_kind(o) != _kind(ours) for o in theirs.values()):
                 raise GenerationError(f"the processes disagree on the job's outcome "
                                       f"(process 0: {ours}; others: {theirs})")
+        if error is None:  # the files and the end on the writer thread; the next job starts
+            self.writer.submit(self._write, job, config, frames, timings, t0, audio)
+        else:
+            self._end(job, error, [], timings, t0, audio)
+
+    def _write(self, job: Job, config, frames, timings: dict, t0: float, audio) -> None:
+        """The writer thread: the job's files (uint8, mp4 encode, audio mux), its stages
+        (``timings["stages"]``, ``engine.files.videos.video_stages``: ``video_wall_s`` from
+        the job's start here to its file in place), then its end recorded. A file that
+        could not be written fails the job with that one line."""
+        files, error = [], None
+        try:
+            files, written = self.storage.write(config, frames, job.id, audio)
+            timings["stages"] = videos.video_stages(
+                [timings], timings.get("text_encode_s", 0.0), timings.get("to_frames_s", 0.0),
+                written, t0)
+        except GenerationError as e:
+            error = e
+        try:
+            self._end(job, error, files, timings, t0, audio)
+        except sa.exc.SQLAlchemyError as e:  # stopping with its end unrecorded
+            _store_away(self.store, f"recording how {job.id} ended (it runs again once its "
+                        "lease passes)", e, always=True)
+
+    def _end(self, job: Job, error, files: list, timings: dict, t0: float, audio) -> None:
+        """Record how ``job`` ended, then its metrics and webhook."""
         if not self._record(job, error, files, timings, time.time() - t0, audio):
             return  # another server holds the job now: its run announces the end
         if self.metrics is not None:
