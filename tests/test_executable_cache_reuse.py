@@ -111,6 +111,9 @@ def jax_cache(tmp_path):
     try:
         assert runtime.enable_compilation_cache(str(tmp_path / "jax"))
         x, y = _inputs()
+        # Cleared first too: a compile an earlier test left in this process's caches would
+        # be served from memory and never reach JAX's cache (pytest-randomly found that).
+        jax.clear_caches()
         jax.jit(_program).lower(x, y).compile()
         jax.clear_caches()
         yield tmp_path / "executables"

@@ -3,6 +3,8 @@ idle expert sharded over every device and swaps at the boundary step. Checked ag
 unparked run's frames and against per-device bytes computed from the arrays' shard shapes.
 """
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -102,7 +104,11 @@ def _device_bytes(host: bool = False) -> dict:
     """{device: bytes} of every live ``jax.Array``'s buffers in the devices' own memory
     (``host``: in their host memory instead), each buffer counted once: on the CPU backend a
     reshard leaves single-device views of the source's shards in ``jax.live_arrays()`` that
-    alias its buffers (they would count the source twice)."""
+    alias its buffers (they would count the source twice). Garbage is collected first: an
+    earlier test's arrays that only a reference cycle keeps would otherwise be freed by a
+    collection mid-test and change the baseline (pytest-randomly found that: 17,532 bytes
+    per device gone between two samples)."""
+    gc.collect()
     buffers = {}
     for arr in jax.live_arrays():
         if arr.is_deleted() or placement.on_host(arr) != host:

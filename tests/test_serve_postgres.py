@@ -34,7 +34,7 @@ LONG_SEED, LONG_STEPS = 31, 12
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_checkpoint, postgres_url_module, tmp_path_factory):
+def started_fleet(tiny_checkpoint, postgres_url_module, tmp_path_factory):
     """(server A: 64x64, server B: 64x64 and 96x64, their shared folder, {seed: CLI
     frames}, CLI frames of the long job); the CLI runs while the servers start."""
     root = tmp_path_factory.mktemp("fleet")
@@ -58,6 +58,17 @@ def fleet(tiny_checkpoint, postgres_url_module, tmp_path_factory):
             server.stop()
 
 
+@pytest.fixture
+def fleet(started_fleet):
+    """``started_fleet`` with both servers alive: a server the kill -9 test killed is started
+    again (same port, log and store), so the tests hold in any order (pytest-randomly found
+    the others failing with "Connection refused" when that test ran first)."""
+    for server in started_fleet[:2]:
+        if server.proc.poll() is not None:
+            server.start().wait_ready()
+    return started_fleet
+
+
 def _completed_lines(*servers) -> dict:
     """{job id: how many "completed" lines the servers' logs hold for it}."""
     count = {}
@@ -72,6 +83,7 @@ def test_two_servers_one_queue_eight_jobs(fleet):
     clients = [OpenAI(base_url=s.url + "/v1", api_key=KEY) for s in (a, b)]
     models = clients[0].models.list().data[0].model_extra
     assert models["buckets"] == {"64x64x5": 2, "96x64x5": 1}  # the union of live servers
+    before = (_metrics(a)[0], _metrics(a)[1] + _metrics(b)[1])
     ids = {}
     for i, seed in enumerate(SEEDS):
         video = clients[i % 2].videos.create(prompt=PROMPT, model="tiny-wan", size="64x64",
@@ -92,16 +104,23 @@ def test_two_servers_one_queue_eight_jobs(fleet):
     with a.client() as ca:
         bad = ca.post("/v1/videos", json=dict(prompt="p", size="96x64", num_frames=9))
     assert bad.status_code == 400 and "num_frames=9" in bad.json()["error"]["message"]
-    finished = 0
     for server in (a, b):
-        with server.client() as c:
-            text = c.get("/metrics").text
-        families = {f.name: f for f in text_string_to_metric_families(text)}
-        finished += sum(s.value for s in families["video_jobs_finished"].samples
-                        if s.labels.get("status") == "completed" and s.name.endswith("_total"))
-        jobs = {s.labels["status"]: s.value for s in families["video_jobs"].samples}
-        assert jobs["completed"] == len(ids) + 1 and jobs["queued"] == 0  # the shared store
-    assert finished == len(ids) + 1  # each server counts what it ran
+        stored, finished, queued = _metrics(server)
+        assert stored == before[0] + len(ids) + 1 and queued == 0  # the shared store
+    # each server counts what it ran (other tests of this module may have run jobs before)
+    assert sum(_metrics(s)[1] for s in (a, b)) == before[1] + len(ids) + 1
+
+
+def _metrics(server) -> tuple[float, float, float]:
+    """(completed jobs in the shared store, jobs this server completed, queued jobs), from
+    its /metrics."""
+    with server.client() as c:
+        text = c.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    finished = sum(s.value for s in families["video_jobs_finished"].samples
+                   if s.labels.get("status") == "completed" and s.name.endswith("_total"))
+    jobs = {s.labels["status"]: s.value for s in families["video_jobs"].samples}
+    return jobs.get("completed", 0.0), finished, jobs.get("queued", 0.0)
 
 
 def _runner(video_id, *servers) -> Server:

@@ -47,6 +47,7 @@ class Outage:
         self.since: float | None = None
         self.back_at = -math.inf
         self.outages = 0
+        self.reached = False  # until the store first answers, a failure is the start's own
         self._lock = threading.Lock()
 
     def watch(self, engine: sa.Engine) -> None:
@@ -63,13 +64,16 @@ class Outage:
             self.failed(ctx.original_exception or ctx.sqlalchemy_exception)
 
     def _answered(self, *_) -> None:
+        self.reached = True
         if self.since is not None:
             self.answered()
 
     def failed(self, error: BaseException) -> None:
-        """A call could not reach the store: the outage's first line, once."""
+        """A call could not reach the store: the outage's first line, once. Before the store
+        has ever answered there is no outage to announce: the server's start refuses the
+        store in its own one line (``--jobs_db``)."""
         with self._lock:
-            if self.since is not None:
+            if self.since is not None or not self.reached:
                 return
             self.since, self.outages = time.monotonic(), self.outages + 1
         print(f"job store unreachable ({self.url}: {first_line(error)}): running jobs go "
