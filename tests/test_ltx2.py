@@ -50,6 +50,22 @@ def _argv(checkpoint, scales: dict, *extra):
             "--compilation_cache_dir", "none", "--executable_cache_dir", "none", *flags, *extra]
 
 
+
+def diffusers_run(pipe, scales: dict):
+    """(frames, waveform, video latents, audio latents) of diffusers' eager ``pipe`` on this
+    file's prompt, shape, steps and seed with the guidance ``scales``: two calls, one per
+    ``output_type`` (``np`` and ``latent``), from the same generator seed."""
+    runs = []
+    for output_type in ("np", "latent"):
+        with torch.no_grad():
+            runs.append(pipe(
+                prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=SHAPE["frames"],
+                height=SHAPE["height"], width=SHAPE["width"], frame_rate=24.0,
+                num_inference_steps=STEPS, output_type=output_type, return_dict=False,
+                generator=torch.Generator("cpu").manual_seed(SEED), **scales))
+    (video, audio), (video_latents, audio_latents) = runs
+    return video[0], audio[0].float().numpy(), video_latents.numpy(), audio_latents.numpy()
+
 class _Reference(dict):
     """diffusers' LTX2Pipeline.__call__, eager PyTorch float32, run when a case is first
     asked for: {case: (frames, waveform, final video latents (1, C, F', h, w), final audio
@@ -67,17 +83,7 @@ class _Reference(dict):
             assert not vae.latents_mean.any() and (vae.latents_std == 1).all()
 
     def __missing__(self, case):
-        pipe, scales, runs = self.pipe, CASES[case], []
-        for output_type in ("np", "latent"):
-            with torch.no_grad():
-                runs.append(pipe(
-                    prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=SHAPE["frames"],
-                    height=SHAPE["height"], width=SHAPE["width"], frame_rate=24.0,
-                    num_inference_steps=STEPS, output_type=output_type, return_dict=False,
-                    generator=torch.Generator("cpu").manual_seed(SEED), **scales))
-        (video, audio), (video_latents, audio_latents) = runs
-        self[case] = (video[0], audio[0].float().numpy(), video_latents.numpy(),
-                      audio_latents.numpy())
+        self[case] = diffusers_run(self.pipe, CASES[case])
         return self[case]
 
 

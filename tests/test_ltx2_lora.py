@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_ltx2 import _argv, _unpacked, run_recorded
+from test_ltx2 import _argv, _unpacked, diffusers_run, run_recorded
 
 import generate_flax
 from engine.files import embeddings_cache
@@ -33,7 +33,6 @@ from engine.weights import lora
 from families import FAMILIES, ltx2
 
 SCALE, RANK = 0.6, 4
-STEPS = 2
 # tests/test_ltx2.py's CFG case: one batch-2 pass, so the negative prompt's connector output
 # (and its LoRA delta) enters the result too.
 CFG = dict(guidance_scale=3.0, stg_scale=0.0, modality_scale=1.0, audio_guidance_scale=7.0,
@@ -126,18 +125,7 @@ def files(ltx2_checkpoint, tmp_path_factory):
 
 def _run_diffusers(pipe):
     """(frames, waveform, video latents, audio latents) of the CFG case."""
-    from test_ltx2 import NEGATIVE, PROMPT, SEED, SHAPE
-
-    runs = []
-    for output_type in ("np", "latent"):
-        with torch.no_grad():
-            runs.append(pipe(
-                prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=SHAPE["frames"],
-                height=SHAPE["height"], width=SHAPE["width"], frame_rate=24.0,
-                num_inference_steps=STEPS, output_type=output_type, return_dict=False,
-                generator=torch.Generator("cpu").manual_seed(SEED), **CFG))
-    (video, audio), (video_latents, audio_latents) = runs
-    return (video[0], audio[0].float().numpy(), video_latents.numpy(), audio_latents.numpy())
+    return diffusers_run(pipe, CFG)
 
 
 @pytest.fixture(scope="module")
