@@ -359,29 +359,21 @@ def time_to_first_video(timings: dict, runs: list, *, imports_s: float | None = 
     return dict(out, other_s=max(total_s - sum(out.values()), 0.0), total_s=float(total_s))
 
 
-class FirstVideo:
-    """The CLI's clock for the first video: ``wrote(seconds, at)`` records the first
-    video's write (uint8, encode and mux seconds, and the ``time.time()`` its file was in
-    place, from the writer thread: ``engine.files.videos.write_video``); ``split(report)``
-    is then ``time_to_first_video`` of the run's report, measured from the process start
-    when the entry point marked its imports (``clock.mark_imports_done``)."""
-
-    def __init__(self):
-        self.write_s = self.done_at = None
-
-    def wrote(self, seconds: float, at: float) -> None:
-        self.write_s, self.done_at = seconds, at
-
-    def split(self, report: dict) -> dict:
-        videos = report.get("videos")
-        runs = videos[0]["runs"] if videos else report["timings"].get("runs", [])
-        imported = clock.imports_done_at()
-        start = clock.process_start_time() if imported is not None else None
-        total = None if start is None or self.done_at is None else self.done_at - start
-        return time_to_first_video(
-            report["timings"], runs, imports_s=None if start is None else imported - start,
-            checkpoint_check_s=(report.get("checkpoint_check") or {}).get("seconds"),
-            write_s=self.write_s, total_s=total)
+def first_video(report: dict, write_s: float | None = None,
+                done_at: float | None = None) -> dict:
+    """``time_to_first_video`` of the run's ``report``, measured from the process start when
+    the entry point marked its imports (``clock.mark_imports_done``). ``write_s``: the first
+    video's uint8, encode and mux seconds; ``done_at``: the ``time.time()`` its file was in
+    place (both from the writer thread: ``engine.files.videos.write_video``), or None."""
+    videos = report.get("videos")
+    runs = videos[0]["runs"] if videos else report["timings"].get("runs", [])
+    imported = clock.imports_done_at()
+    start = clock.process_start_time() if imported is not None else None
+    total = None if start is None or done_at is None else done_at - start
+    return time_to_first_video(
+        report["timings"], runs, imports_s=None if start is None else imported - start,
+        checkpoint_check_s=(report.get("checkpoint_check") or {}).get("seconds"),
+        write_s=write_s, total_s=total)
 
 
 def print_first_video(split: dict) -> None:

@@ -271,9 +271,10 @@ class RunFiles:
             entry["stages"] = video_stage
         if not self.config.run.videos and stages:
             report["timings"]["stages"] = stages[0]
-        first = reporting.FirstVideo()  # the first video's file ends the time to first video
+        first = {}  # the first video's file ends the time to first video
         if writes:
             timing = writes[0][1]
-            first.wrote(timing["uint8_s"] + timing["write_s"], timing["written_at"])
-        report["timings"]["time_to_first_video"] = first.split(report)
+            first = dict(write_s=timing["uint8_s"] + timing["write_s"],
+                         done_at=timing["written_at"])
+        report["timings"]["time_to_first_video"] = reporting.first_video(report, **first)
         return [p for paths, _ in writes for p in paths]
