@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 
+import families
 from engine.dry_run import flags as dry_flags
 from engine.dry_run.fit import run_dry
 from engine.files import integrity, videos
@@ -125,12 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     dry_flags.add_dry_run_flags(p.add_argument_group("dry run (no TPU needed)"))
     serving.add_serve_flags(p.add_argument_group("serving (docs/serving.md)"))
     upscale.add_flags(p)
-    m = p.add_argument_group("multi-host (one process per host; Cloud TPU finds these itself)")
-    m.add_argument("--coordinator_address", default=None,
-                   help="HOST:PORT of process 0's coordinator, for jax.distributed.initialize "
-                        "(default: found by JAX on Cloud TPU, else one process)")
-    m.add_argument("--num_processes", type=int, help="hosts in all (default: found by JAX)")
-    m.add_argument("--process_id", type=int, help="this process, 0-based (default: found by JAX)")
+    runtime.add_host_flags(p.add_argument_group("multi-host (one process per host; Cloud TPU "
+                                                "finds these itself)"))
     return p
 
 
@@ -308,6 +305,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
                if getattr(args, k, None) is None and values.get(k, 0) is not None} or None
     serve = serving.validate_serve_flags(args, family, values, defaults)  # sizes: 1st bucket
     image_info = check_for_model(args, family, values)  # may size the video from the image
+    inputs, values = families.resolve_inputs(args, family_key, values)  # frames from a video?
     check_size(family, values, args.model_id)
     broken = family.flags.check({**values, "model_id": args.model_id})
     if broken is not None:
@@ -341,7 +339,7 @@ def validate_args(args: argparse.Namespace) -> RunConfig:
     flags = {k: v for k, v in vars(args).items() if k not in step_cache_flags.FLAGS + serving.FLAGS
              + upscale.FLAGS + OPTION_NAMES + sparse.FLAGS + ("cache", "sr")}
     config = RunConfig.from_flags(**{**flags, **values, **extras, "family": family_key,
-                          "options": options, "process_env": env,
+                          "options": options, "inputs": inputs, "process_env": env,
                           "flow_shift": flow_shift, "flow_shift_source": source,
                           "default_sources": sources})
     # A dry run knows its chip now; a real run resolves the blocks once it sees its devices.

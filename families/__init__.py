@@ -18,8 +18,9 @@ from engine.run.errors import UsageError, fail
 from families import hunyuan, hunyuan_sr_stage, ltx2, wan
 from families.base import ModelFamily
 
-__all__ = ["FAMILIES", "OPTION_NAMES", "ModelFamily", "add_option_flags", "detect_family",
-           "family_for_class", "resolve_options"]
+__all__ = ["FAMILIES", "INPUT_NAMES", "OPTION_NAMES", "ModelFamily", "add_input_flags",
+           "add_option_flags", "detect_family", "family_for_class", "resolve_inputs",
+           "resolve_options"]
 
 # Keys name a family, not a version: "wan" runs Wan 2.1 and 2.2, "hunyuanvideo" HunyuanVideo-1.5
 # (they were "wan2.1" and "hunyuanvideo1.5"; staged intermediates never recorded the key).
@@ -28,8 +29,11 @@ FAMILIES: dict[str, ModelFamily] = {
     "wan": wan.FAMILY,
     "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE),
     "ltx2": ltx2.FAMILY}
-# Every family's own flags (``Flags.options``), for generate_flax.py's parser.
-OPTION_NAMES = tuple(name for f in FAMILIES.values() for name in f.flags.options)
+# Every family's other flags (``Flags.inputs``: conditioning inputs, list-valued settings).
+INPUT_NAMES = tuple(dict.fromkeys(name for f in FAMILIES.values() for name in f.flags.inputs))
+# Every family's own flags (``Flags.options`` and ``Flags.inputs``), for generate_flax.py's
+# parser (they reach the run as ``config.video.options`` and ``config.video.inputs``).
+OPTION_NAMES = tuple(name for f in FAMILIES.values() for name in f.flags.options) + INPUT_NAMES
 
 
 def family_for_class(class_name: str | None, model_id: str) -> str:
@@ -68,6 +72,7 @@ def add_option_flags(group) -> None:
                             "sigmas), decreasing, in (0, 1], or 'distilled' (diffusers' "
                             "DISTILLED_SIGMA_VALUES); the step count is their count (default: "
                             "the checkpoint's recipe)")
+    add_input_flags(group)
 
 
 def resolve_options(args, key: str) -> dict | None:
@@ -83,7 +88,7 @@ def resolve_options(args, key: str) -> dict | None:
     """
     family = FAMILIES[key]
     for other in FAMILIES.values():
-        for name in other.flags.options:
+        for name in other.flags.options:  # inputs: resolve_inputs
             if name not in family.flags.options and getattr(args, name) is not None:
                 fail(f"--{name}", getattr(args, name), f"is a {other.name} flag; --model_id "
                      f"is a {family.name} checkpoint")
@@ -100,3 +105,41 @@ def resolve_options(args, key: str) -> dict | None:
     checkpoint = family.flags.checkpoint_defaults(args.model_id)
     return {name: checkpoint.get(name, default) if getattr(args, name) is None
             else getattr(args, name) for name, (default, _) in family.flags.options.items()}
+
+
+def add_input_flags(group) -> None:
+    """Every family's other flags (``Flags.inputs``) into ``group``, once per name, default
+    None; the help names the families that take each."""
+    for name in INPUT_NAMES:
+        users = [f for f in FAMILIES.values() if name in f.flags.inputs]
+        spec = dict(users[0].flags.inputs[name])
+        takers = ", ".join(f.name for f in users)
+        spec["help"] = f"{spec.get('help', '')} ({takers} only)".strip()
+        group.add_argument(f"--{name}", default=None, **{k: v for k, v in spec.items()
+                                                          if k != "default"})
+
+
+def resolve_inputs(args, key: str, values: dict) -> tuple[dict | None, dict]:
+    """Family ``key``'s other flags from ``args``, checked by its ``Flags.check_inputs``.
+
+    Returns:
+        (inputs, values): {name: resolved value} of the family's inputs (None when it declares
+        none), and the resolved family flags ``values`` as the check left them.
+
+    Raises:
+        UsageError: a flag the family does not take (one line, naming the families that do),
+            or the family's own check's line.
+    """
+    family = FAMILIES[key]
+    for name in INPUT_NAMES:
+        given = getattr(args, name, None)
+        if name not in family.flags.inputs and given not in (None, []):
+            takers = ", ".join(f.name for f in FAMILIES.values() if name in f.flags.inputs)
+            fail(f"--{name}", given, f"is a {takers} flag; --model_id is a {family.name} "
+                 "checkpoint")
+    if not family.flags.inputs:
+        return None, values
+    inputs = {name: getattr(args, name, None) for name in family.flags.inputs}
+    if family.flags.check_inputs is None:
+        return inputs, values
+    return family.flags.check_inputs(inputs, dict(values), args.model_id)

@@ -62,6 +62,16 @@ class Flags:
         other families); resolved values reach the run as ``config.video.options``.
     refused: ((flag dest, the only value allowed, why), ...): engine flags the family does
         not take yet; any other value is refused in one line before any model loads.
+    inputs: the family's other flags (conditioning inputs such as ``--video`` or
+        ``--last_image``, list-valued settings), {name: argparse keyword arguments}; every
+        family's are in the parser (one definition per name: families sharing a name must
+        give it the same ``type``/``action``); a family that does not declare one refuses it.
+    check_inputs(inputs, values, model_id) -> (inputs, values): validates the given inputs
+        ({name: value or None}, the family's names only) before any model loads and returns
+        them resolved (e.g. a probed video's info) with ``values`` (the resolved family flags)
+        possibly changed (e.g. ``frames`` from the video). Raises ``UsageError`` in one line.
+        None: the inputs pass as given. The resolved inputs reach the run as
+        ``config.video.inputs`` (None when the family declares none).
     ``defaults`` may also set "scan_layers" (the --scan_layers default; True when absent) and
     "overlap_compile" (what --overlap_compile auto becomes).
     """
@@ -71,6 +81,8 @@ class Flags:
     check: Callable
     options: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     refused: tuple = ()
+    inputs: Mapping[str, dict] = dataclasses.field(default_factory=dict)
+    check_inputs: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -266,7 +266,10 @@ def test_second_process_hits_the_persistent_compilation_cache(tiny_checkpoint, t
     # Everything the cold process compiled (transformer step, VAE programs, the scheduler's
     # small ops) is now read back instead of compiled.
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
-    assert warm["compile_time_saved_s"] > 0
+    # JAX's saving is each entry's recorded compile time less its read time: on a tiny
+    # program a busy host can read slower than it compiled (seen: -0.18 s), so only its
+    # presence is asserted; the hits above are the proof.
+    assert isinstance(warm["compile_time_saved_s"], float)
 
 
 # A damaged checkpoint: one line naming the component, the file and the rule, exit 2, before

@@ -53,7 +53,9 @@ class VideoSettings:
     before the scheduler's shift, diffusers' ``sigmas`` (``--sigmas`` or the checkpoint's
     recipe; as many as ``num_inference_steps``), else None (the family's spacing).
     ``recipe``: {"name", "source"} of the defaults a family's checkpoint implies (LTX-2:
-    "distilled" or "pipeline defaults"; "flag" when ``--sigmas`` is given), else None."""
+    "distilled" or "pipeline defaults"; "flag" when ``--sigmas`` is given), else None.
+    ``inputs``: the family's other flags as its ``Flags.check_inputs`` resolved them
+    ({name: value}; conditioning videos, masks, last images), else None."""
 
     prompt: str
     negative_prompt: str
@@ -74,6 +76,7 @@ class VideoSettings:
     options: Any = None
     sigmas: tuple[float, ...] | None = None
     recipe: Any = None
+    inputs: Any = None
 
     @property
     def use_cfg(self) -> bool:

@@ -434,6 +434,18 @@ def check_attention_kernel(attention: str, *, interpret: bool) -> dict | None:
     return result
 
 
+def add_host_flags(group) -> None:
+    """The multi-host flags (one process per host), for jax.distributed.initialize."""
+    group.add_argument("--coordinator_address", default=None,
+                       help="HOST:PORT of process 0's coordinator, for "
+                            "jax.distributed.initialize (default: found by JAX on Cloud TPU, "
+                            "else one process)")
+    group.add_argument("--num_processes", type=int,
+                       help="hosts in all (default: found by JAX)")
+    group.add_argument("--process_id", type=int,
+                       help="this process, 0-based (default: found by JAX)")
+
+
 def validate_distributed_flags(args) -> None:
     """--coordinator_address/--num_processes/--process_id: all three or none."""
     given = [args.coordinator_address is not None, args.num_processes is not None,
