@@ -107,6 +107,9 @@ def test_the_file_plays_while_it_grows_and_equals_a_continuous_encode(tmp_path, 
     assert [s["chunks_done"] for s in seen] == [1, 2, 3, 4]
     assert [s["seconds_generated"] for s in seen] == [F * (k + 1) / FPS for k in range(4)]
     assert stats == {**seen[-1], "bytes": len(data)}
+    with av.open(str(path)) as f:  # the codec string a Media Source player is given
+        profile, level = f.streams.video[0].codec_context.profile, f.streams.video[0].level
+    assert stats["codecs"] == f"avc1.{ {'High': 100}[profile]:02x}00{level:02x}", stats
     assert t0 <= stats["first_chunk_at"] <= seen[1]["first_chunk_at"] + 1e-9
     # The encode is the frames, in order, about as close as the CLI's own mp4 writer
     # (diffusers' export_to_video settings) gets: 10.49 against 10.64 levels measured.

@@ -136,16 +136,21 @@ class FragmentedMp4Writer:
 
     ``stats``: {"chunks_done", "frames_done", "seconds_generated" (frames_done / fps),
     "first_chunk_at" (``time.time()`` when the first fragment was in the file, or None),
-    "bytes" (the file's size)}.
+    "bytes" (the file's size), "codecs" (the RFC 6381 codec string a Media Source player
+    needs, e.g. "avc1.64000a", from the moov's avcC; None before the first chunk)}.
+
+    ``partial``: the name the file grows under (default ``partial_path(path)``; a server
+    gives each run its own, so a run that lost its job cannot touch the next run's file).
     """
 
-    def __init__(self, path: str, fps: int, *, on_written=None, depth: int = 2):
+    def __init__(self, path: str, fps: int, *, on_written=None, depth: int = 2,
+                 partial: str | None = None):
         if fps <= 0:
             raise ValueError(f"fps={fps!r}: must be > 0")
         self.path, self.fps, self.on_written = path, int(fps), on_written
-        self.partial = partial_path(path)
+        self.partial = partial or partial_path(path)
         self.stats = dict(chunks_done=0, frames_done=0, seconds_generated=0.0,
-                          first_chunk_at=None, bytes=0)
+                          first_chunk_at=None, bytes=0, codecs=None)
         self._thread = VideoWriter(depth)
         self._file = None
         self._encoder = None
@@ -237,7 +242,7 @@ class FragmentedMp4Writer:
         s["seconds_generated"] = s["frames_done"] / self.fps
         s["bytes"] += len(data)
         if s["first_chunk_at"] is None:
-            s["first_chunk_at"] = time.time()
+            s["first_chunk_at"], s["codecs"] = time.time(), avc_codecs(data)
         if self.on_written is not None:
             self.on_written(dict(s))
 
@@ -259,6 +264,16 @@ class FragmentedMp4Writer:
                                   f"{len(packets)} packets for a chunk of {len(pixels)} "
                                   "frames (it must hold none back)")
         return _mux_alone(packets, index, self.fps, pixels.shape[2], pixels.shape[1])
+
+
+def avc_codecs(data: bytes) -> str | None:
+    """The RFC 6381 codec string of the H.264 track in an init segment ``data``:
+    "avc1." + the avcC's profile, profile compatibility and level bytes, in hex (ISO/IEC
+    14496-15: they follow its version byte); None without an avcC."""
+    at = data.find(b"avcC")
+    if at < 0 or at + 8 > len(data):
+        return None
+    return "avc1." + data[at + 5:at + 8].hex()
 
 
 def _encoder(width: int, height: int, fps: int):

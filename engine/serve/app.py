@@ -20,7 +20,13 @@ import jax
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -39,6 +45,10 @@ from engine.serve.storage import SharedFolder, Storage
 from engine.serve.worker import Worker, video_name
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "index.html")
+# A streamed job's fields in its video object (``Job.stream``).
+STREAM_FIELDS = ("chunks_done", "seconds_generated", "first_chunk_seconds", "codecs")
+# How often ``GET .../content`` of a running streamed job looks for new bytes and the end.
+STREAM_POLL_S = 0.1
 # Seconds a client is asked to wait (``Retry-After``) when the job store does not answer:
 # a database restart or failover takes seconds to tens of seconds.
 STORE_RETRY_AFTER_S = 5
@@ -69,8 +79,12 @@ def video_object(job: Job, queue_position: int | None = None,
     (jobs ahead of a queued one; None otherwise), ``expires_at`` (an ended job's
     ``completed_at`` + ``retention_s``; None without a retention), the timings and the
     files of a finished job, its sound's ``audio_sample_rate`` (Hz), ``audio_channels`` and
-    ``audio_seconds`` (a model with sound; the CLI report's fields), and ``steps_done`` of a
-    cancelled one."""
+    ``audio_seconds`` (a model with sound; the CLI report's fields), ``steps_done`` of a
+    cancelled one, and, for a job whose model streams its video chunk by chunk, from its
+    first chunk on: ``chunks_done``, ``seconds_generated`` (seconds of video written) and
+    ``first_chunk_seconds`` (from the job's start on its server to the first chunk in the
+    file) and ``codecs`` (the RFC 6381 codec string of its mp4, for a Media Source
+    player); ``GET .../content`` serves such a job's mp4 while it runs."""
     expires_at = None if retention_s is None or job.completed_at is None else \
         int(job.completed_at + retention_s)
     s = job.settings
@@ -92,6 +106,8 @@ def video_object(job: Job, queue_position: int | None = None,
         out.update({k: v for k, v in job.result.items() if k.startswith("audio_")})
         if "steps_done" in job.result:
             out["steps_done"] = job.result["steps_done"]
+    if job.stream:
+        out.update({k: job.stream[k] for k in STREAM_FIELDS})
     return out
 
 
@@ -227,10 +243,17 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[key])
     def content(video_id: str, variant: str = "video"):
+        """The mp4 of a completed job (or of a cancelled one that kept its streamed
+        chunks); of a running job that streams, the file as it grows (chunked transfer,
+        ending when the job ends)."""
         job = job_or_404(video_id)
         if variant != "video":
             refuse("variant", variant, "only 'video' (the mp4) is served")
-        if job.status != "completed":
+        if job.status == "in_progress" and job.stream:
+            return StreamingResponse(_follow(state, job), media_type="video/mp4",
+                                     headers={"Cache-Control": "no-store"})
+        kept = job.status == "cancelled" and (job.result or {}).get("files")
+        if job.status != "completed" and not kept:
             raise ApiError(409, f"video_id={video_id!r}: is {job.status}, not completed",
                            "video_id", "not_ready")
         name = video_name(video_id)
@@ -254,6 +277,36 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         for name in [*(job.result or {}).get("files", []), *([image.file] if image else [])]:
             state.storage.remove(name)
         return dict(id=video_id, object="video.deleted", deleted=True)
+
+
+def _follow(state: State, job: Job, block: int = 1 << 16):
+    """The bytes of a running job's streamed mp4 as the worker appends them (whole chunks
+    are whole fragments: ``engine.files.stream_writer``), until the job has ended and every
+    byte is sent. The writer appends before it records the end, and the file stays
+    readable through its rename (or removal, on a failure) on POSIX: once the job has
+    ended, what is left to read is the rest."""
+    try:
+        f = open(state.storage.path(job.stream["file"]), "rb")  # noqa: SIM115 - generator
+    except FileNotFoundError:  # renamed onto its name already: the job has just ended
+        name = video_name(job.id)
+        if not state.storage.exists(name):
+            return
+        f = open(state.storage.path(name), "rb")  # noqa: SIM115
+    with f:
+        while True:
+            data = f.read(block)
+            if data:
+                yield data
+                continue
+            try:
+                now = state.store.get(job.id)
+            except sa.exc.SQLAlchemyError:  # the store is away: the file may still grow
+                now = job
+            if now is None or now.status != "in_progress":
+                while data := f.read(block):
+                    yield data
+                return
+            time.sleep(STREAM_POLL_S)
 
 
 def _errors(app: FastAPI) -> None:

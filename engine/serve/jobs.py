@@ -76,6 +76,8 @@ jobs = sa.Table(
     sa.Column("owner", sa.String(64)),  # the server holding the lease
     sa.Column("lease_until", sa.Float),  # the database's clock, Unix seconds
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    # JSON: a streamed job's chunks so far (``streamed``), while it runs and after it ends.
+    sa.Column("stream", sa.Text),
     sa.Index("jobs_status_seq", "status", "seq"),
     sqlite_autoincrement=True)  # ids of removed rows are never reused (as before SQLAlchemy)
 servers = sa.Table(
@@ -101,7 +103,7 @@ outbox = sa.Table(
     sa.Index("outbox_due", "due_at"))
 # Columns a store written by an older server may lack: added on open.
 _ADDED = {"cancel": "VARCHAR(16)", "bucket": "VARCHAR(255)", "owner": "VARCHAR(64)",
-          "lease_until": "FLOAT", "attempts": "INTEGER NOT NULL DEFAULT 0"}
+          "lease_until": "FLOAT", "attempts": "INTEGER NOT NULL DEFAULT 0", "stream": "TEXT"}
 
 
 class db_now(FunctionElement):
@@ -155,7 +157,10 @@ class Job:
     ``STATUSES``), ``progress`` (percent), times (Unix seconds; ``completed_at`` None until
     it ends), ``error`` (one line, or None), ``settings`` (the checked ``VideoJob``),
     ``result`` ({"files", "timings", "wall_s"} once completed, else None), its pending
-    ``cancel``, the ``owner`` server's id while it runs, and ``attempts`` (runs started)."""
+    ``cancel``, the ``owner`` server's id while it runs, ``attempts`` (runs started), and
+    ``stream``: a job whose model streams its video chunk by chunk, what ``streamed`` last
+    recorded ({"chunks_done", "seconds_generated", "first_chunk_seconds", "file": the
+    growing file's name, "codecs": its RFC 6381 codec string}), else None."""
 
     id: str
     seq: int
@@ -171,6 +176,7 @@ class Job:
     owner: str | None = None
     lease_until: float | None = None
     attempts: int = 0
+    stream: dict | None = None
 
 
 class JobStore:
@@ -330,7 +336,7 @@ class JobStore:
             if row is None:
                 return None
             taken = db.execute(jobs.update().where((jobs.c.id == row.id) & claimable).values(
-                status="in_progress", progress=0, owner=owner, error=None,
+                status="in_progress", progress=0, owner=owner, error=None, stream=None,
                 lease_until=db_now() + self.lease_s, attempts=jobs.c.attempts + 1)).rowcount
         return self.get(row.id) if taken else None
 
@@ -350,6 +356,12 @@ class JobStore:
         no longer ``owner``'s."""
         return self._execute(jobs.update().where(self._held(job_id, owner)).values(
             progress=int(percent), lease_until=db_now() + self.lease_s)) > 0
+
+    def streamed(self, job_id: str, stream: dict, owner: str) -> bool:
+        """Record a running job's streamed chunks (``Job.stream``); False when the job is no
+        longer ``owner``'s."""
+        return self._execute(jobs.update().where(self._held(job_id, owner)).values(
+            stream=json.dumps(stream))) > 0
 
     def check(self, job_id: str, owner: str) -> str | None:
         """After a step: the job's pending cancel (``CANCEL``, ``CANCEL_AND_DELETE``), or
@@ -547,4 +559,5 @@ def _decode(row) -> Job | None:
         return None
     job = dict(row._mapping)
     return Job(**{**job, "settings": VideoJob.from_json(json.loads(job["settings"])),
-                  "result": json.loads(job["result"]) if job["result"] else None})
+                  "result": json.loads(job["result"]) if job["result"] else None,
+                  "stream": json.loads(job["stream"]) if job["stream"] else None})

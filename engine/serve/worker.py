@@ -28,7 +28,7 @@ import time
 import sqlalchemy as sa
 
 from engine.files import report as reporting
-from engine.files import videos
+from engine.files import stream_writer, videos
 from engine.files.writer import VideoWriter
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
@@ -152,10 +152,12 @@ class Worker:
             return
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
+        stream = self._stream(job, t0)
         error, timings, audio = None, {}, None
         try:
-            frames, config, timings, audio = self.model.run(job_id, job.settings, image,
-                                                            self._on_step(job_id, seq))
+            with stream_writer.streaming(stream):  # a chunked model streams its video
+                frames, config, timings, audio = self.model.run(job_id, job.settings, image,
+                                                                self._on_step(job_id, seq))
         except (GenerationError, UsageError, hosts.JobCancelled) as e:
             error = e
         except Exception as e:
@@ -167,19 +169,46 @@ class Worker:
             if any(_kind(o) != _kind(ours) for o in theirs.values()):
                 raise GenerationError(f"the processes disagree on the job's outcome "
                                       f"(process 0: {ours}; others: {theirs})")
-        if error is None:  # the files and the end on the writer thread; the next job starts
-            self.writer.submit(self._write, job, config, frames, timings, t0, audio)
+        if error is None and stream.stats["chunks_done"]:  # its mp4 is written: close it
+            self.writer.submit(self._write, job, lambda: _finish_stream(
+                stream, self.storage, config, frames, job.id), timings, t0, audio)
+        elif error is None:  # the files and the end on the writer thread; the next job starts
+            stream.abort()
+            self.writer.submit(self._write, job, lambda: self.storage.write(
+                config, frames, job.id, audio), timings, t0, audio)
         else:
-            self._end(job, error, [], timings, t0, audio)
+            self._end(job, error, _kept(stream, error, job.id), timings, t0, audio)
 
-    def _write(self, job: Job, config, frames, timings: dict, t0: float, audio) -> None:
-        """The writer thread: the job's files (uint8, mp4 encode, audio mux), its stages
+    def _stream(self, job: Job, t0: float) -> stream_writer.FragmentedMp4Writer:
+        """The job's ``ChunkSink``, used if its model streams chunks (none: no file): the mp4
+        grows under a name of this run's own while each chunk's numbers go to the store
+        (``JobStore.streamed``: ``first_chunk_seconds`` from ``t0``, the job's start here)
+        for the video object and ``GET .../content``."""
+        partial = f".{job.id}.partial-{os.urandom(4).hex()}.mp4"  # recover() removes it
+
+        def written(stats: dict) -> None:
+            info = dict(chunks_done=stats["chunks_done"],
+                        seconds_generated=stats["seconds_generated"],
+                        first_chunk_seconds=stats["first_chunk_at"] - t0,
+                        file=partial, codecs=stats["codecs"])
+            try:
+                self.store.streamed(job.id, info, self.fleet.id)
+            except sa.exc.SQLAlchemyError as e:  # the stream goes on; the end is recorded
+                _store_away(self.store, f"{job.id}'s chunk {stats['chunks_done']}", e)
+
+        return stream_writer.FragmentedMp4Writer(
+            self.storage.path(video_name(job.id)), job.settings.fps, on_written=written,
+            partial=self.storage.path(partial))
+
+    def _write(self, job: Job, write, timings: dict, t0: float, audio) -> None:
+        """The writer thread: the job's files (``write()``: (names, ``write_video``'s
+        timings); the uint8, mp4 encode and audio mux, or a streamed mp4's close), its stages
         (``timings["stages"]``, ``engine.files.videos.video_stages``: ``video_wall_s`` from
         the job's start here to its file in place), then its end recorded. A file that
         could not be written fails the job with that one line."""
         files, error = [], None
         try:
-            files, written = self.storage.write(config, frames, job.id, audio)
+            files, written = write()
             timings["stages"] = videos.video_stages(
                 [timings], timings.get("text_encode_s", 0.0), timings.get("to_frames_s", 0.0),
                 written, t0)
@@ -238,12 +267,14 @@ class Worker:
         owner, lost = self.fleet.id, False
         if isinstance(error, LeaseLost):
             lost = True
-        elif isinstance(error, hosts.JobCancelled):
-            result = dict(files=[], timings={}, steps_done=error.steps, wall_s=wall_s)
+        elif isinstance(error, hosts.JobCancelled):  # files: a streamed job's whole chunks
+            result = dict(files=files, timings={}, steps_done=error.steps, wall_s=wall_s)
             self._ended(job, "cancelled",
                         lambda: self.store.cancelled(job.id, result, owner) or True)
             if self._answered(lambda: self.store.get(job.id)) is None:  # DELETE of a
                 uploads.remove(self.storage.folder, job.settings)  # running job: its image
+                for name in files:
+                    self.storage.remove(name)
             print(f"{job.id}: cancelled after {error.steps} steps", flush=True)
         elif error is not None:
             line = first_line(error) if isinstance(error, (GenerationError, UsageError)) \
@@ -302,6 +333,43 @@ class Worker:
         # A try that failed may have committed and lost only its answer: the row says.
         row = self._answered(lambda: self.store.get(job.id))
         return row is not None and row.owner == self.fleet.id and row.status == status
+
+
+def _finish_stream(stream, storage: Storage, config, frames, job_id: str
+                   ) -> tuple[list[str], dict]:
+    """A streamed job's files once its run returned: the mp4 closed and in place
+    (``FragmentedMp4Writer.finish``), and the frames file with --save_frames (the frames
+    the run returned: the chunks' concatenation). Returns (names, timings as
+    ``write_video``'s: uint8_s 0, the encode having run beside the chunks).
+
+    Raises:
+        GenerationError: a chunk's write, or the frames file (one line naming it).
+    """
+    t0 = time.perf_counter()
+    stream.finish()
+    names = [video_name(job_id)]
+    path = videos.video_files(storage.folder, job_id, None, config.run.save_frames)["frames"]
+    if path:
+        try:
+            reporting.save_frames(frames, path)
+        except OSError as e:
+            raise GenerationError(f"could not write {path}: {first_line(e)}") from e
+        names.append(os.path.basename(path))
+    return names, dict(uint8_s=0.0, write_s=time.perf_counter() - t0, written_at=time.time())
+
+
+def _kept(stream, error: Exception, job_id: str) -> list[str]:
+    """A job that did not complete: a cancelled one keeps its streamed whole chunks (its
+    mp4's name; none streamed: []); any other end removes the stream's file."""
+    if isinstance(error, hosts.JobCancelled) and not isinstance(error, LeaseLost):
+        try:
+            return [video_name(job_id)] if stream.cancel()["chunks_done"] else []
+        except GenerationError as e:  # cancel removed the file: the job keeps none
+            print(f"{job_id}: its streamed chunks were not kept: {first_line(e)}",
+                  file=sys.stderr, flush=True)
+            return []
+    stream.abort()
+    return []
 
 
 def _store_away(store: JobStore, doing: str, error: Exception, always: bool = False) -> None:
