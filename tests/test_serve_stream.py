@@ -231,3 +231,26 @@ def test_the_page_plays_a_running_job_live(server):
             assert not driver.find_element(By.ID, "error").text
     finally:
         driver.quit()
+
+
+def test_a_restart_requeues_a_streaming_job_without_its_chunks(tmp_path):
+    """SQLite's recover (one server): the streamed job runs again from the start, its
+    stream fields are gone and the growing file of the dead run is removed."""
+    from engine.serve import requests as checks
+
+    store = JobStore(str(tmp_path))
+    settings = checks.check(checks.parse(dict(prompt="a fox", **JOB)), SERVED)
+    job = store.add(settings)
+    assert store.claim("srv_a", ["chunky:48x32x36"]).id == job.id
+    partial = f".{job.id}.partial-0a1b2c3d.mp4"
+    (tmp_path / partial).write_bytes(b"\0" * 8)
+    info = dict(chunks_done=1, seconds_generated=F / FPS, first_chunk_seconds=0.5,
+                file=partial, codecs="avc1.64000a")
+    assert store.streamed(job.id, info, "srv_a") and store.get(job.id).stream == info
+    assert not store.streamed(job.id, info, "srv_b")  # only the job's owner records
+    store.close()
+    again = JobStore(str(tmp_path))
+    assert again.recover() == dict(requeued=[job.id], removed=[partial])
+    row = again.get(job.id)
+    assert (row.status, row.stream) == ("queued", None)
+    again.close()

@@ -255,7 +255,7 @@ class JobStore:
                 jobs.c.status.in_(("queued", "in_progress"))).order_by(jobs.c.seq)).scalars()
             ids = list(ids)
             db.execute(jobs.update().where(jobs.c.status == "in_progress").values(
-                status="queued", progress=0, owner=None, lease_until=None))
+                status="queued", progress=0, owner=None, lease_until=None, stream=None))
         removed = []
         for path in glob.glob(os.path.join(self.folder, ".*.partial*")):
             os.remove(path)
