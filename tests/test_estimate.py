@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from engine.dry_run import estimate
+from engine.dry_run import estimate, price_kernel
 from engine.run import chips, runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -510,7 +510,8 @@ def test_a_masked_profile_that_overflows_vmem_is_extrapolated_from_lower_block_q
         return dict(per_step=1000 + 3 * bq, per_q_block=50 + bq, profiles={"2x2": 1.0},
                     note=None)
 
-    monkeypatch.setattr(estimate, "grid_cost", fake_grid_cost)
+    # kernel_cost looks grid_cost up in its own module (engine/dry_run/price_kernel.py)
+    monkeypatch.setattr(price_kernel, "grid_cost", fake_grid_cost)
     cost = estimate.kernel_cost("tpu7x:2x2x1", (3328, 2048, 1024), kv_steps=120,
                                 segment_ids=True)
     assert profiled == [3328, 1280, 2304]

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from torchax import interop
 
 from custom_splash_attention import install_sdpa_override
-from engine.dry_run import estimate, export
+from engine.dry_run import estimate, export, whole_video
 from engine.dry_run.abstract import (
     abstract_arrays,
     abstract_inputs,
@@ -562,18 +562,40 @@ def dry_run(config, family) -> tuple[int, dict]:
         report["aot_export"] = exported
     if config.model.lora or config.model.lora_2:
         report["loras"] = _lora_report(config, family, placed)
+    _add_estimates(report, config, family, (mesh, shape, chip.name, attention), decoder, up,
+                   cache)
+    return (0 if fits else EXIT_DOES_NOT_FIT), report
+
+
+def _add_estimates(report: dict, config, family, where: tuple, decoder, up, cache) -> None:
+    """With ``--estimate``: the step, the decode floor, the SR stage's step (``up``: the
+    SR stage's compile, or False) and the whole video, into ``report``; ``where``: (mesh,
+    mesh shape, chip name, attention)."""
+    mesh, shape, chip, attention = where
     if config.dry.estimate:
-        report["estimate"] = _estimate(config, family, mesh, shape, chip.name, attention)
-        report["decode_estimate"] = _decode_estimate(rows, decoder, chip.name)
+        report["estimate"] = _estimate(config, family, mesh, shape, chip, attention)
+        report["decode_estimate"] = _decode_estimate(report["per_chip"], decoder, chip)
     if up:
         report["upscale"] = _upscale_report(config, family, up, report.get("estimate"),
-                                            chip.name, attention)
+                                            chip, attention)
         if cache is not None:
             report["estimate"]["cache"] = estimate_schedule(
                 report["estimate"]["seconds_per_step"], config.step_cache,
                 config.video.num_inference_steps, read_component_config(
                     config.model.model_id, "transformer")["num_layers"])
-    return (0 if fits else EXIT_DOES_NOT_FIT), report
+    if config.dry.estimate:
+        report["estimate"].update(_whole_video(config, family, report, decoder, mesh, chip))
+
+
+def _whole_video(config, family, report: dict, decoder, mesh, chip: str) -> dict:
+    """``whole_video.price``; a failure is one line (``GenerationError``)."""
+    print("estimating the whole video (text encoders on the mesh and the host, the decode, "
+          "the mp4 on this host)...", flush=True)
+    try:
+        return whole_video.price(config, family, report, decoder, mesh, chip)
+    except (ValueError, RuntimeError, AttributeError, KeyError, TypeError, OSError) as e:
+        raise GenerationError(f"--estimate (whole video): {type(e).__name__}: "
+                              f"{first_line(e)}") from None
 
 
 def _decode_estimate(rows: list, decoder, chip: str) -> dict | None:
@@ -687,6 +709,8 @@ def print_dry_run(report: dict) -> None:
               f"({decode['calls']} program calls; {decode['method']})")
     if "upscale" in report:
         _print_upscale(report["upscale"], decode)
+    if "estimate" in report:
+        whole_video.print_whole_video(report["estimate"])
 
 
 def _print_upscale(up: dict, decode: dict | None) -> None:
