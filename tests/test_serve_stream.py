@@ -169,22 +169,28 @@ def test_a_running_job_streams_its_chunks_and_reports_them(server, reference, tm
     assert not glob.glob(os.path.join(server.folder, ".*partial*"))
 
 
-def test_a_cancel_keeps_the_whole_chunks(server, reference, tmp_path):
+def test_a_cancel_finishes_the_chunk_being_made_and_keeps_the_whole_chunks(
+        server, reference, tmp_path):
+    """Cancelled after its second chunk, the job makes its third (steps 5 and 6 see the
+    cancel and go on) and stops at the first step after it (step 7): 27 frames kept."""
     with httpx2.Client(base_url=server.url, timeout=60) as c:
         job = c.post("/v1/videos", json=dict(prompt="a cat", **JOB)).json()
         server.model.gate(job["id"], 1).set()
         wait_for(c, job["id"], lambda j: j.get("chunks_done") == 2)
         reader = Reader(f"{server.url}/v1/videos/{job['id']}/content")
         assert c.post(f"/v1/videos/{job['id']}/cancel").status_code == 200
-        server.model.gate(job["id"], 2).set()  # its next step sees the cancel
+        server.model.gate(job["id"], 2).set()
+        wait_for(c, job["id"], lambda j: j.get("chunks_done") == 3)
+        assert c.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress"
+        server.model.gate(job["id"], 3).set()  # its next step stops it
         end = wait_for(c, job["id"], lambda j: j["status"] == "cancelled")
         reader.thread.join(timeout=20)
         kept = c.get(f"/v1/videos/{job['id']}/content")
         assert kept.status_code == 200 and bytes(reader.data) == kept.content
-    assert end["steps_done"] == 5 and end["chunks_done"] == 2
+    assert end["steps_done"] == 7 and end["chunks_done"] == 3
     assert end["files"] == [f"{job['id']}.mp4"]
     np.testing.assert_array_equal(decode(os.path.join(server.folder, end["files"][0])),
-                                  reference[:2 * F])
+                                  reference[:3 * F])
     assert not glob.glob(os.path.join(server.folder, ".*partial*"))
 
 

@@ -16,10 +16,11 @@ The contract for a chunked producer (a family's chunk loop):
   equal their concatenation. Every chunk has the first chunk's H and W (even numbers).
   ``on_chunk`` returns at once (the encode runs on a writer thread) and may raise the
   writer's error (``GenerationError``, one line); let it propagate.
-- The producer calls nothing else. The owner calls ``finish()`` once the run returned, or
-  ``cancel()`` when it stopped early (a cancel at a denoising step raises out of the loop:
-  the unfinished chunk is dropped, the whole chunks handed over are kept), or ``abort()``
-  on a failure (no file is left).
+- The producer calls nothing else; a cancel is the run's ``on_step`` raising, as for any
+  run (the server's worker raises it at the first step after the chunk being made is
+  handed over, so that chunk is kept: ``handed`` counts them). The owner calls
+  ``finish()`` once the run returned, or ``cancel()`` when it stopped early (the whole
+  chunks handed over are kept), or ``abort()`` on a failure (no file is left).
 
 The file (``FragmentedMp4Writer``): H.264 (libx264, ``ENCODER_OPTIONS``) in an MP4 with
 ``movflags=frag_keyframe+empty_moov+default_base_moof``: first the init segment (ftyp,
@@ -141,6 +142,7 @@ class FragmentedMp4Writer:
 
     ``partial``: the name the file grows under (default ``partial_path(path)``; a server
     gives each run its own, so a run that lost its job cannot touch the next run's file).
+    ``handed``: the chunks ``on_chunk`` has taken so far (written or still queued).
     """
 
     def __init__(self, path: str, fps: int, *, on_written=None, depth: int = 2,
@@ -149,6 +151,7 @@ class FragmentedMp4Writer:
             raise ValueError(f"fps={fps!r}: must be > 0")
         self.path, self.fps, self.on_written = path, int(fps), on_written
         self.partial = partial or partial_path(path)
+        self.handed = 0
         self.stats = dict(chunks_done=0, frames_done=0, seconds_generated=0.0,
                           first_chunk_at=None, bytes=0, codecs=None)
         self._thread = VideoWriter(depth)
@@ -175,6 +178,7 @@ class FragmentedMp4Writer:
             raise GenerationError(f"a streamed chunk's frames {shape}: every chunk must be "
                                   f"{self._shape[0]}x{self._shape[1]} (H x W) as the first")
         self._thread.submit(self._write_chunk, pixels)
+        self.handed += 1
 
     def flush(self) -> dict:
         """Block until every chunk handed over is in the file; returns ``stats``.

@@ -230,7 +230,9 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
     @app.post("/v1/videos/{video_id}/cancel", dependencies=[key])
     def cancel(video_id: str):
         """A queued job never starts; a running one stops at its next denoising step
-        boundary (on every process), writes no file and becomes ``cancelled``."""
+        boundary (on every process), writes no file and becomes ``cancelled`` (one that
+        streams chunks finishes the chunk it is making and keeps its whole chunks:
+        ``Worker._on_step``)."""
         job_or_404(video_id)
         was = state.store.cancel(video_id)
         if was is None:

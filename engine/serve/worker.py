@@ -34,7 +34,7 @@ from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, first_line
 from engine.serve import hosts, uploads
 from engine.serve.fleet import Fleet
-from engine.serve.jobs import LOST, Job, JobStore
+from engine.serve.jobs import CANCEL, LOST, Job, JobStore
 from engine.serve.outage import retry_delay
 from engine.serve.storage import Storage
 
@@ -153,11 +153,12 @@ class Worker:
         seq = self.handoff.send(hosts.job_message(job), image) if self.handoff else None
         t0 = time.time()
         stream = self._stream(job, t0)
+        on_step = self._on_step(job_id, seq, stream)
         error, timings, audio = None, {}, None
         try:
             with stream_writer.streaming(stream):  # a chunked model streams its video
                 frames, config, timings, audio = self.model.run(job_id, job.settings, image,
-                                                                self._on_step(job_id, seq))
+                                                                on_step)
         except (GenerationError, UsageError, hosts.JobCancelled) as e:
             error = e
         except Exception as e:
@@ -233,10 +234,15 @@ class Worker:
             self.on_ended(job.id)
         self.done += 1
 
-    def _on_step(self, job_id: str, seq: int | None):
+    def _on_step(self, job_id: str, seq: int | None, stream=None):
         """After each denoising step: the job's progress, then its pending cancel (decided
-        here for every process of the run); raises ``hosts.JobCancelled`` to stop."""
-        last = [-1]
+        here for every process of the run); raises ``hosts.JobCancelled`` to stop.
+
+        A job that has streamed a chunk (``stream.handed``: the ``ChunkSink``'s count)
+        finishes the chunk it is making: a plain cancel stops it at the first step after
+        that chunk is handed over, so the chunk is kept (every process stops at that same
+        step); a DELETE or a lost lease stops it at once."""
+        last, mark = [-1], [None]  # mark: chunks handed when the cancel was first seen
         delay = float(os.environ.get(STEP_DELAY_ENV, 0))
 
         def on_step(done: int, steps: int) -> None:
@@ -250,6 +256,10 @@ class Worker:
             except sa.exc.SQLAlchemyError as e:  # go on; the lease says whose the job is
                 _store_away(self.store, f"{job_id}'s step {done}", e)
                 pending = None
+            if pending == CANCEL and stream is not None and stream.handed:
+                mark[0] = stream.handed if mark[0] is None else mark[0]
+                if stream.handed == mark[0]:  # the chunk being made is not handed yet
+                    pending = None
             if seq is not None:
                 self.handoff.decide(seq, done, pending is not None)
             if pending == LOST:
