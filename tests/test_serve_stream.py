@@ -260,3 +260,31 @@ def test_a_restart_requeues_a_streaming_job_without_its_chunks(tmp_path):
     row = again.get(job.id)
     assert (row.status, row.stream) == ("queued", None)
     again.close()
+
+
+def test_content_of_a_stream_whose_file_is_elsewhere_is_one_error(tmp_path):
+    """A running streamed job whose growing file is not in this server's folder (servers
+    sharing a store but not a folder): 500 ``file_missing`` naming the file, not an empty
+    200; the same request once the job has failed is the usual 409."""
+    from fastapi.testclient import TestClient
+
+    from engine.serve import requests as checks
+
+    store = JobStore(str(tmp_path))
+    state = State(store=store, storage=SharedFolder(str(tmp_path)),
+                  fleet=Fleet(store, "127.0.0.1:0"), api_key=None, wake=threading.Event(),
+                  served=SERVED)
+    job = store.add(checks.check(checks.parse(dict(prompt="a fox", **JOB)), SERVED))
+    store.claim("srv_elsewhere", ["chunky:48x32x36"])
+    partial = f".{job.id}.partial-0a1b2c3d.mp4"
+    store.streamed(job.id, dict(chunks_done=1, seconds_generated=F / FPS,
+                                first_chunk_seconds=0.5, file=partial, codecs="avc1.64000a"),
+                   "srv_elsewhere")
+    with TestClient(create_app(state)) as c:
+        r = c.get(f"/v1/videos/{job.id}/content")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "file_missing", r.text
+        assert partial in r.json()["error"]["message"]
+        assert store.fail(job.id, "out of memory", "srv_elsewhere")
+        r = c.get(f"/v1/videos/{job.id}/content")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "not_ready", r.text
+    store.close()

@@ -251,9 +251,12 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         job = job_or_404(video_id)
         if variant != "video":
             refuse("variant", variant, "only 'video' (the mp4) is served")
-        if job.status == "in_progress" and job.stream:
-            return StreamingResponse(_follow(state, job), media_type="video/mp4",
+        growing = _open_stream(state, job)
+        if growing is not None:
+            return StreamingResponse(_follow(state, job, growing), media_type="video/mp4",
                                      headers={"Cache-Control": "no-store"})
+        if job.status == "in_progress" and job.stream:  # it ended meanwhile: how, the row says
+            job = job_or_404(video_id)
         kept = job.status == "cancelled" and (job.result or {}).get("files")
         if job.status != "completed" and not kept:
             raise ApiError(409, f"video_id={video_id!r}: is {job.status}, not completed",
@@ -281,19 +284,36 @@ def _video_routes(app: FastAPI, state: State, key, job_or_404) -> None:
         return dict(id=video_id, object="video.deleted", deleted=True)
 
 
-def _follow(state: State, job: Job, block: int = 1 << 16):
-    """The bytes of a running job's streamed mp4 as the worker appends them (whole chunks
-    are whole fragments: ``engine.files.stream_writer``), until the job has ended and every
-    byte is sent. The writer appends before it records the end, and the file stays
-    readable through its rename (or removal, on a failure) on POSIX: once the job has
-    ended, what is left to read is the rest."""
-    try:
-        f = open(state.storage.path(job.stream["file"]), "rb")  # noqa: SIM115 - generator
-    except FileNotFoundError:  # renamed onto its name already: the job has just ended
-        name = video_name(job.id)
-        if not state.storage.exists(name):
-            return
-        f = open(state.storage.path(name), "rb")  # noqa: SIM115
+def _open_stream(state: State, job: Job):
+    """A running streamed job's mp4, open for reading: the growing file, or the finished
+    one it was just renamed to (the job's end is being recorded); None for any other job,
+    or one whose file went with its end (failed, deleted).
+
+    Raises:
+        ApiError: 500 when the job still runs but neither file is in this server's
+            --output_dir (it runs on a server whose folder is not ours).
+    """
+    if job.status != "in_progress" or not job.stream:
+        return None
+    for name in (job.stream["file"], video_name(job.id)):
+        try:
+            return open(state.storage.path(name), "rb")  # noqa: SIM115 - the response's
+        except FileNotFoundError:
+            pass
+    now = state.store.get(job.id)
+    if now is not None and now.status == "in_progress":
+        raise ApiError(500, f"video_id={job.id!r}: streaming, but {job.stream['file']} is "
+                       "not in this server's --output_dir; servers sharing --jobs_db must "
+                       "share --output_dir", "video_id", "file_missing", "server_error")
+    return None
+
+
+def _follow(state: State, job: Job, f, block: int = 1 << 16):
+    """The bytes of a running job's streamed mp4 (``f``, open) as the worker appends them
+    (whole chunks are whole fragments: ``engine.files.stream_writer``), until the job has
+    ended and every byte is sent; closes ``f``. The writer appends before it records the
+    end, and the open file stays readable through its rename (or removal, on a failure)
+    on POSIX: once the job has ended, what is left to read is the rest."""
     with f:
         while True:
             data = f.read(block)
