@@ -102,9 +102,12 @@ def test_whole_video_is_the_sum_of_its_labelled_parts(request, tmp_path, fixture
         sum(e["flops"] / rates[e["host_rate"]]["flops_per_s"] for e in calls), rel=1e-12)
     mesh = est["text_encode_mesh"]
     assert mesh["kind"] == "compiled estimate" and mesh["seconds"] > 0
+    assert est["text_encoder_device"] == "cpu"  # the default: the host part is in the total
     assert est["whole_video_seconds_mesh_encoders"] == pytest.approx(
         est["whole_video_seconds"] - parts["text_encode"]["seconds"] + mesh["seconds"],
         abs=1e-9)
+    assert est["whole_video_seconds_host_encoders"] == pytest.approx(est["whole_video_seconds"],
+                                                                    abs=1e-9)
     # The mp4 measured at the run's own size and frame count.
     write = parts["postprocess_and_mp4"]
     assert (write["frames"], write["height"], write["width"]) == (frames, height, width)

@@ -26,7 +26,7 @@ Two placements are priced:
   Kind "compiled estimate".
 * **host**: the encoder's FLOPs at the padded length (torch's ``FlopCounterMode`` on the
   meta model: matmuls, convolutions and attention) / this host's bf16 matmul rate measured
-  at the encoder's widest linear shape (``price_host.matmul_rate``). Kind "host
+  at the encoder's main linear shape (``price_host.matmul_rate``). Kind "host
   measurement" (the rate is measured; the FLOPs are counted).
 
 Per video (warm): the prompt is encoded; the negative prompt, where CFG runs, is the same
@@ -167,11 +167,17 @@ def encoder_flops(call: dict, dtype=torch.bfloat16) -> float:
     return float(counter.get_total_flops())
 
 
-def widest_linear(model) -> tuple[int, int]:
-    """(in_features, out_features) of the model's largest ``torch.nn.Linear``."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    m = max(linears, key=lambda m: m.in_features * m.out_features)
-    return m.in_features, m.out_features
+def main_linear(model) -> tuple[int, int]:
+    """(in_features, out_features) of the ``torch.nn.Linear`` shape holding the most weights
+    of the model (all its layers of that shape together): the shape most of the encoder's
+    FLOPs run at (Gemma 3 12B: its FFN's 3,840 x 15,360, not the 262,208-wide output head
+    that runs once)."""
+    weights = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            key = (m.in_features, m.out_features)
+            weights[key] = weights.get(key, 0) + m.in_features * m.out_features
+    return max(weights, key=weights.get)
 
 
 def _outputs(out) -> tuple:
@@ -248,7 +254,7 @@ def price_text(config, family, mesh, chip: str, *, rate_seconds: float = 1.0) ->
     for call in calls:
         same = (call["folder"], call["tokens"])  # the negative's call is the prompt's again
         if same not in priced:
-            k, n = widest_linear(meta_encoder(call, dtype))
+            k, n = main_linear(meta_encoder(call, dtype))
             rows = call["tokens"] or (call["cfg"]["image_size"] // call["cfg"]["patch_size"]) ** 2
             key = f"{rows} x {k} x {n}"
             if key not in rates:

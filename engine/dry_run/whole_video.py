@@ -3,11 +3,13 @@
 ``whole_video_seconds`` = text encode + denoising + decode + post-processing and mp4, each
 part {seconds, kind} with kind one of ``KINDS``:
 
-* text encode: the encoders on the host CPU (the default placement: the design card keeps
-  prompt embeddings on the CPU), FLOPs / this host's measured bf16 matmul rate
-  ("host measurement"); on the mesh, a compiled estimate of the encoder programs, given
-  beside as ``text_encode_mesh`` and ``whole_video_seconds_mesh_encoders``
-  (``price_text``). Warm: the negative prompt is in the per-text embedding cache;
+* text encode (``price_text``), both placements priced, the total taking the run's
+  ``--text_encoder_device`` (default cpu: the design card keeps prompt embeddings on the
+  CPU): on the host, FLOPs / this host's measured bf16 matmul rate ("host measurement",
+  ``text_encode_host``); on the mesh, a compiled estimate of the encoder programs
+  ("compiled estimate", ``text_encode_mesh``); ``whole_video_seconds_host_encoders`` and
+  ``whole_video_seconds_mesh_encoders`` give the total either way. Warm: the negative prompt
+  is in the per-text embedding cache;
 * denoising: the step estimate x the run's schedule: dense and sparse steps (the sparse
   plan's average), full and cached steps (the step cache's schedule), a two-expert model's
   one swap per video at its estimated ICI time, and the SR stage's steps
@@ -68,7 +70,8 @@ def price(config, family, report: dict, decoder, mesh, chip: str, *,
         rate_seconds: how long the host's matmul rate is measured per encoder shape.
 
     Returns:
-        dict(whole_video_seconds, whole_video_seconds_mesh_encoders, whole_video_parts
+        dict(whole_video_seconds, text_encoder_device, whole_video_seconds_mesh_encoders,
+        whole_video_seconds_host_encoders, whole_video_parts
         {text_encode, denoise, decode, postprocess_and_mp4}, text_encode_mesh,
         text_encode_host, text_encoders, whole_video_missing).
     """
@@ -77,7 +80,9 @@ def price(config, family, report: dict, decoder, mesh, chip: str, *,
     if text["missing"]:
         missing.append(f"text_encode: no config.json for {', '.join(text['missing'])} in "
                        f"{config.model.model_id}")
-    parts["text_encode"] = text["host"]
+    # The run's placement where the flag exists (``--text_encoder_device``), else the host.
+    placement = getattr(config.run, "text_encoder_device", "cpu")
+    parts["text_encode"] = text["mesh" if placement == "mesh" else "host"]
     parts["denoise"] = denoise_part(config, report["estimate"], report)
     row = next((r for r in report["per_chip"] if r["program"].startswith("VAE decode")), None)
     if row is None or row.get("error") or not hasattr(decoder, "program_calls"):
@@ -91,9 +96,12 @@ def price(config, family, report: dict, decoder, mesh, chip: str, *,
         config.video.frames, height, width, config.video.fps,
         getattr(decoder, "sample_rate", None))
     whole = None if missing else sum(p["seconds"] for p in parts.values())
-    return dict(whole_video_seconds=whole,
-                whole_video_seconds_mesh_encoders=None if whole is None else
-                whole - text["host"]["seconds"] + text["mesh"]["seconds"],
+    other = {k: None if whole is None else
+             whole - parts["text_encode"]["seconds"] + text[k]["seconds"]
+             for k in ("mesh", "host")}
+    return dict(whole_video_seconds=whole, text_encoder_device=placement,
+                whole_video_seconds_mesh_encoders=other["mesh"],
+                whole_video_seconds_host_encoders=other["host"],
                 whole_video_parts=parts, whole_video_missing=missing,
                 text_encode_mesh=text["mesh"], text_encode_host=text["host"],
                 text_encoders=text["encoders"])
@@ -107,13 +115,13 @@ def print_whole_video(est: dict) -> None:
     print("\n== Whole video, warm (ESTIMATES and measurements on this host, labelled) ==")
     for name, p in parts.items():
         print(f"{name:<26}{p['seconds']:8.3f} s   ({p['kind']})")
-    mesh = est["text_encode_mesh"]
-    print(f"{'text encode on the mesh':<26}{mesh['seconds']:8.3f} s   ({mesh['kind']}; "
-          f"not in the total; the negative prompt, first video only: host "
-          f"{est['text_encode_host']['first_video_extra_s']:.3f} s, mesh "
-          f"{mesh['first_video_extra_s']:.3f} s)")
+    mesh, host = est["text_encode_mesh"], est["text_encode_host"]
+    print(f"{'text encode, mesh / host':<26}{mesh['seconds']:8.3f} / {host['seconds']:.3f} s   "
+          f"(the negative prompt, first video only: {mesh['first_video_extra_s']:.3f} / "
+          f"{host['first_video_extra_s']:.3f} s)")
     if est["whole_video_seconds"] is None:
         print("whole video: not priced: " + "; ".join(est["whole_video_missing"]))
         return
-    print(f"{'whole video':<26}{est['whole_video_seconds']:8.3f} s   (encoders on the host "
-          f"CPU; {est['whole_video_seconds_mesh_encoders']:.3f} s with them on the mesh)")
+    print(f"{'whole video':<26}{est['whole_video_seconds']:8.3f} s   (encoders: "
+          f"{est['text_encoder_device']}; mesh {est['whole_video_seconds_mesh_encoders']:.3f} "
+          f"s, host CPU {est['whole_video_seconds_host_encoders']:.3f} s)")
