@@ -61,11 +61,13 @@ from engine.run.errors import GenerationError, first_line
 
 # x264 with no frame delay: each frame's packet leaves the encoder with the frame, so a
 # chunk's fragment can be written as soon as its last frame is in (x264 --tune zerolatency:
-# no lookahead, no B-frames, sliced threads). The rest are x264's defaults (CRF 23,
-# preset medium); keyframes come from the chunk starts (forced IDR frames) and x264's own
-# GOP (keyint 250) and scene cuts.
+# no lookahead, no B-frames, sliced threads). Preset veryfast, live streaming's usual one:
+# the encode must keep up with a model that makes video faster than it plays (measured at
+# 384x640 on a loaded 2-core host: 23 fps with x264's default medium, 74 with veryfast,
+# for a 15 % larger file). The rest are x264's defaults (CRF 23); keyframes come from the
+# chunk starts (forced IDR frames) and x264's own GOP (keyint 250) and scene cuts.
 ENCODER = "libx264"
-ENCODER_OPTIONS = {"tune": "zerolatency"}
+ENCODER_OPTIONS = {"tune": "zerolatency", "preset": "veryfast"}
 MOVFLAGS = "frag_keyframe+empty_moov+default_base_moof"
 
 _SINK: contextvars.ContextVar = contextvars.ContextVar("chunk_sink", default=None)
