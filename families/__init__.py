@@ -15,7 +15,7 @@ import dataclasses
 
 from engine.files.checkpoint import read_model_index
 from engine.run.errors import UsageError, fail
-from families import hunyuan, hunyuan_sr_stage, ltx2, wan
+from families import hunyuan, hunyuan_sr_stage, ltx2, ltx2_upscale, wan
 from families.base import ModelFamily
 
 __all__ = ["FAMILIES", "INPUT_NAMES", "OPTION_NAMES", "ModelFamily", "add_input_flags",
@@ -24,11 +24,12 @@ __all__ = ["FAMILIES", "INPUT_NAMES", "OPTION_NAMES", "ModelFamily", "add_input_
 
 # Keys name a family, not a version: "wan" runs Wan 2.1 and 2.2, "hunyuanvideo" HunyuanVideo-1.5
 # (they were "wan2.1" and "hunyuanvideo1.5"; staged intermediates never recorded the key).
-# HunyuanVideo-1.5's SR stage is its own module, which builds on families.hunyuan: joined here.
+# HunyuanVideo-1.5's SR stage and LTX-2's two-stage run (--sr 2x) are their own modules, which
+# build on families.hunyuan and families.ltx2: joined here.
 FAMILIES: dict[str, ModelFamily] = {
     "wan": wan.FAMILY,
     "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE),
-    "ltx2": ltx2.FAMILY}
+    "ltx2": dataclasses.replace(ltx2.FAMILY, upscale=ltx2_upscale.UPSCALE)}
 # Every family's other flags (``Flags.inputs``: conditioning inputs, list-valued settings).
 INPUT_NAMES = tuple(dict.fromkeys(name for f in FAMILIES.values() for name in f.flags.inputs))
 # Every family's own flags (``Flags.options`` and ``Flags.inputs``), for generate_flax.py's

@@ -291,13 +291,17 @@ class Upscale:
 
     choices: the ``--sr`` values it takes besides "none".
     validate: ``f(args, values) -> settings`` before any model loads, ``args.sr`` not "none";
-        ``values``: the run's flag values with defaults filled in. The settings value goes
-        in ``RunConfig.upscale``. Raises one-line ``UsageError``s.
+        ``values``: the run's flag values with defaults filled in; a stage whose flags give
+        the final size sets ``values["height"]`` / ``["width"]`` to the first stage's (LTX-2's
+        ``--sr 2x``: half). The settings value goes in ``RunConfig.upscale``. Raises one-line
+        ``UsageError``s.
     stage: ``f(config, pipe) -> stage`` for a run whose ``config.upscale`` is set; the
         engine reads the stage's ``config``, ``first``, ``transformer``, ``upsampler``,
         ``scheduler_config``, ``sigmas``, ``step_fn(jm, config)``, ``hand_off_fn(jm)``,
         ``noise(config, embeds)`` and ``text_inputs(embeds)`` (see
-        ``families.hunyuan_sr_stage.SrStage``).
+        ``families.hunyuan_sr_stage.SrStage``), and ``hand_off_latents`` when present: True
+        when ``hand_off_fn`` returns (initial latents, extra inputs), the latents computed
+        from the first stage's (``families.ltx2_upscale.TwoStage``).
     dry_stage: ``f(config) -> dry stage`` for ``--dry_run`` (no weights); the engine reads its
         ``config``, ``transformer_config``, ``step_fn``, ``abstract_inputs(cfg)``,
         ``estimate_config`` and ``assumed`` (see ``families.hunyuan_sr_stage.SrDryStage``).

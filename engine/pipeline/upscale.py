@@ -46,12 +46,15 @@ def add_flags(parser) -> None:
     """``--sr`` and its stage's flags, in their own help group."""
     g = parser.add_argument_group("super-resolution: a second stage after the first "
                                   "(docs/features.md)")
-    g.add_argument("--sr", default="none", choices=("none", "720p", "1080p"),
+    g.add_argument("--sr", default="none", choices=("none", "720p", "1080p", "2x"),
                    help="upscale the first stage's video with the family's super-resolution "
-                        "stage to this resolution (families that have one: docs/features.md)")
+                        "stage to this resolution, or run a two-stage family's second stage "
+                        "at twice the first's size ('2x': --height/--width give the final "
+                        "size, the first stage runs at half; docs/features.md)")
     g.add_argument("--sr_model_dir", default=None, metavar="DIR",
                    help="the SR stage's weights; the family's layout is in docs/features.md "
-                        "(default: none; needed with --sr)")
+                        "(default: none, or the family's folder in the checkpoint; needed "
+                        "with --sr 720p/1080p)")
     g.add_argument("--sr_steps", type=int, default=None,
                    help="SR denoising steps (default: the SR checkpoint's)")
     g.add_argument("--sr_flow_shift", type=float, default=None,
@@ -74,7 +77,7 @@ def validate_flags(args, family, values: dict, serve=None):
     if args.sr == "none":
         given = [f for f in FLAGS if getattr(args, f) is not None]
         if given:
-            raise UsageError(f"--{given[0]}={getattr(args, given[0])}: needs --sr 720p or 1080p")
+            raise UsageError(f"--{given[0]}={getattr(args, given[0])}: needs --sr")
         return None
     if family.upscale is None or args.sr not in family.upscale.choices:
         raise UsageError(f"--sr={args.sr}: not supported for {family.name} (it has no "
@@ -144,7 +147,9 @@ def compile_upscale(stage, family, pipe, weights: PlacedStage, config, embeds, l
     back. Seconds go into ``timings`` (``compile_upscale_s``, ``compile_hand_off_s``)."""
     sr, mesh = stage.config, weights.mesh
     weights.install(sr.kernel, mesh)
-    video = _with_inputs(stage, HandOff(None, weights.upsampler, mesh), config, embeds)
+    video = _with_inputs(stage, HandOff(None, weights.upsampler, mesh,
+                                        latents_out=getattr(stage, "hand_off_latents", False)),
+                         config, embeds)
     video, timings["compile_hand_off_s"] = compile_hand_off(stage, video, lr_latents)
     latents0, inputs = video(lr_latents)
     set_timesteps(pipe.scheduler, sr.video.num_inference_steps, stage.sigmas)
@@ -193,7 +198,9 @@ class HandOff:
     """The first stage's final latents -> (the second stage's initial latents, its model
     inputs): ``compiled`` runs the family's ``hand_off_fn`` (weights ``placed``) on them and
     this video's placed ``extras``; ``latents0`` and ``text`` (this video's initial latents and
-    text inputs) are passed through (set by ``_with_inputs``)."""
+    text inputs) are passed through (set by ``_with_inputs``). ``latents_out``: the program
+    returns (initial latents, extra inputs) instead, the latents computed from the first
+    stage's (the stage's ``hand_off_latents``: a re-noised refinement, LTX-2's ``--sr 2x``)."""
 
     compiled: object
     placed: dict
@@ -201,12 +208,14 @@ class HandOff:
     latents0: object = None
     text: object = None
     extras: object = None
+    latents_out: bool = False
 
     def __call__(self, lr_latents):
         replicated = NamedSharding(self.mesh, P())
-        extra_inputs = self.compiled(self.placed["params"], self.placed["buffers"],
-                                     jax.device_put(lr_latents, replicated), self.extras)
-        return self.latents0, {**self.text, **extra_inputs}
+        out = self.compiled(self.placed["params"], self.placed["buffers"],
+                            jax.device_put(lr_latents, replicated), self.extras)
+        latents0, extra_inputs = out if self.latents_out else (self.latents0, out)
+        return latents0, {**self.text, **extra_inputs}
 
 
 def compile_hand_off(stage, hand_off: HandOff, lr_latents) -> tuple[HandOff, float]:
@@ -216,9 +225,10 @@ def compile_hand_off(stage, hand_off: HandOff, lr_latents) -> tuple[HandOff, flo
     mesh, placed = hand_off.mesh, hand_off.placed
     replicated = NamedSharding(mesh, P())
     param_sh = {k: NamedSharding(mesh, s) for k, s in placed["specs"].items()}
+    over_dp = NamedSharding(mesh, P("dp"))  # the extra inputs; initial latents replicated
     jitted = jax.jit(interop.jax_view(stage.hand_off_fn(placed["module"])),
                      in_shardings=(param_sh, replicated, replicated, replicated),
-                     out_shardings=NamedSharding(mesh, P("dp")))
+                     out_shardings=(replicated, over_dp) if hand_off.latents_out else over_dp)
     args = (placed["params"], placed["buffers"],
             jax.ShapeDtypeStruct(lr_latents.shape, lr_latents.dtype, sharding=replicated),
             jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
