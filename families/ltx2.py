@@ -50,7 +50,8 @@ other attention (the text cross-attentions with their additive mask, the audio
 self-attention and the audio-video cross-attentions: 126 audio tokens) runs on XLA
 (``route_short_attentions``).
 
-Image-to-video (``--image``, any LTX-2 checkpoint): ``families.ltx2_i2v``.
+Image-to-video (``--image``, any LTX-2 checkpoint): ``families.ltx2_i2v``. Conditions
+(``--condition PATH@FRAME[:STRENGTH]``, ``LTX2ConditionPipeline``): ``families.ltx2_conditions``.
 
 Dry run and ``--estimate``: ``empty_vae`` builds ``AudioVideoDecode`` with meta weights for
 the run's video size, ``latent_shape`` reads the checkpoint's audio VAE config, and the
@@ -88,7 +89,7 @@ from engine.run.errors import GenerationError, first_line
 from engine.run.runtime import to_host
 from engine.weights import lora
 from engine.weights.scan_layers import BlockStack
-from families import ltx2_i2v
+from families import ltx2_conditions, ltx2_i2v
 from families.base import (
     Checkpoint,
     Flags,
@@ -389,6 +390,13 @@ def configs(model_id: str | None) -> tuple[dict, dict, dict]:
                  for sub in ("transformer", "vae", "audio_vae"))
 
 
+def shift_tokens(config, g: dict) -> int:
+    """The token count the scheduler's shift takes: the video tokens, with the keyframe
+    tokens of ``--condition`` (LTX2ConditionPipeline's whole sequence, C:1771-1777)."""
+    r = frame_step(config.model.model_id)
+    return g["video_tokens"] + ltx2_conditions.extra_tokens(config, g, r)
+
+
 def run_layout(model_id: str, height: int, width: int, frames: int) -> dict:
     """``layout`` from ``model_id``'s configs (or the shipped ones)."""
     return layout(*configs(model_id), height, width, frames)
@@ -564,7 +572,8 @@ class AudioVideoDecode(torch.nn.Module):
         g = self.geometry
         n = g["video_tokens"] * g["video_width"]
         video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
-        audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
+        audio = latents[:, n:n + g["audio_tokens"] * g["audio_width"]].reshape(
+            1, g["audio_tokens"], g["audio_width"])  # --condition: keyframe tokens after it
         video = LTX2Pipeline._unpack_latents(video, g["f"], g["h"], g["w"], g["p"], g["pt"])
         audio = LTX2Pipeline._denormalize_audio_latents(audio, self.audio.latents_mean,
                                                         self.audio.latents_std)
@@ -604,6 +613,7 @@ def load_pipeline(config, components):
     """
     from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 
+    ltx2_conditions.check_run(config)
     model_id, dtype = config.model.model_id, getattr(torch, config.model.dtype)
     skip = {}
     if "text_encoder" not in components:
@@ -625,11 +635,12 @@ def load_pipeline(config, components):
                       dict(pipe.audio_vae.config), video.height, video.width, video.frames,
                       video.fps)
     pipe.scheduler = make_scheduler(pipe.scheduler.config, "euler", video.flow_shift,
-                                    shift_mu(pipe.scheduler.config, geometry["video_tokens"]))
+                                    shift_mu(pipe.scheduler.config, shift_tokens(config, geometry)))
     print(recipe_line(config), flush=True)
     decode = AudioVideoDecode(pipe.vae, pipe.audio_vae, pipe.vocoder, geometry, dtype)
     pipe.__dict__["vae"] = decode  # past DiffusionPipeline.__setattr__'s config bookkeeping
     pipe.geometry = geometry
+    ltx2_conditions.encode(pipe, config)  # --condition: prepared and encoded on the host
     # The LoRA's connector deltas, fused into the CPU weights before any prompt is encoded
     # (the transformer's are fused at placement; no connectors: every text was cached, under
     # a key that names the LoRA, engine.files.embeddings_cache).
@@ -711,6 +722,9 @@ def prepare_latents(pipe, config):
     g, video = pipe.geometry, config.video
     generator = torch.Generator("cpu").manual_seed(video.seed)
     cpu = torch.device("cpu")
+    if ltx2_conditions.conditions(config):  # LTX2ConditionPipeline's draw
+        return ltx2_conditions.initial_latents(pipe, config, g["video_tokens"],
+                                               g["audio_frames"])
     v = pipe.prepare_latents(1, pipe.transformer.config.in_channels, video.height, video.width,
                              video.frames, 0.0, torch.float32, cpu, generator)
     a = pipe.prepare_audio_latents(1, pipe.audio_vae.config.latent_channels,
@@ -737,7 +751,7 @@ def sigma_table(config) -> torch.Tensor:
     cfg = read_component_config(config.model.model_id, "scheduler",
                                  filename="scheduler_config.json")
     g = run_layout(config.model.model_id, video.height, video.width, video.frames)
-    scheduler = make_scheduler(cfg, "euler", 1.0, shift_mu(cfg, g["video_tokens"]))
+    scheduler = make_scheduler(cfg, "euler", 1.0, shift_mu(cfg, shift_tokens(config, g)))
     scheduler.set_timesteps(sigmas=list(video.sigmas) if video.sigmas is not None
                             else scheduler_sigmas(video.num_inference_steps))
     return torch.stack([scheduler.timesteps.float(), scheduler.sigmas[:-1].float()])[None]
@@ -753,10 +767,12 @@ def model_inputs(embeds: dict, config) -> dict:
     out = {name: torch.cat([embeds[side + name] for side in sides]) for name in TEXT_INPUTS}
     out[SIGMA_TABLE] = sigma_table(config).expand(len(sides), -1, -1).contiguous()
     out.update(ltx2_i2v.model_inputs(embeds, len(sides)))  # --image: frame 0's latents
+    out.update(ltx2_conditions.model_inputs(config, len(sides)))  # --condition
     return out
 
 
 def abstract_model_inputs(cfg: dict, config) -> dict:
+    ltx2_conditions.check_run(config)  # the dry run refuses --condition in one line
     b = 2 if passes(config)["cfg"] else 1
     dtype = getattr(jnp, config.model.dtype)
     return {"prompt_embeds": jax.ShapeDtypeStruct((b, TEXT_TOKENS, cfg["caption_channels"]),
@@ -771,13 +787,14 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
                 config.video.frames), b)}
 
 
-def guided(x, outs: dict, sigma, s: dict, prefix: str):
+def guided(x, outs: dict, sigma, s: dict, prefix: str, blend=None):
     """One modality's guided velocity from its passes' velocities, as the pipeline computes
     it (P:1440-1600): x0 = x - v sigma per pass, the CFG / STG / modality deltas added to the
     positive x0, ``rescale_noise_cfg`` at 0.7, back to a velocity (x - x0) / sigma.
 
     x: (1, S, C) float32; outs: {"cfg" or "plain": (B, S, C), "stg", "modality": (1, S, C)}
-    float32; s: ``scales``; prefix: "" (video) or "audio_"."""
+    float32; s: ``scales``; prefix: "" (video) or "audio_"; blend: None or x0 -> x0, applied
+    after the rescale (``--condition``: the clean latents by the mask, C:2033-2035)."""
     from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
     def x0(v):
@@ -795,6 +812,8 @@ def guided(x, outs: dict, sigma, s: dict, prefix: str):
     total = pred + cfg + stg + mod
     if GUIDANCE_RESCALE > 0:
         total = rescale_noise_cfg(total, pred, guidance_rescale=GUIDANCE_RESCALE)
+    if blend is not None:
+        total = blend(total)
     return (x - total) / sigma
 
 
@@ -827,21 +846,29 @@ def step_fn(jm, config):
                   audio_num_frames=g["audio_frames"], use_cross_timestep=True,
                   return_dict=False)
     host_coords = rope_coords(jm._model, g, float(video_cfg.fps))
+    keyframes = ltx2_conditions.keyframe_coords(config)  # --condition: appended tokens' RoPE
+    if keyframes is not None:
+        host_coords = (np.concatenate([host_coords[0], keyframes], axis=2), host_coords[1])
+    na = g["audio_tokens"] * g["audio_width"]
 
     def step(params, buffers, latents, timestep, inputs):
         inputs = dict(inputs)
         coords = [interop.torch_view(jnp.asarray(c)) for c in host_coords]  # constants
         table = inputs.pop(SIGMA_TABLE)
         image = inputs.pop(ltx2_i2v.NAME, None)  # --image: frame 0's latents
+        clean = inputs.pop(ltx2_conditions.CLEAN, None)  # --condition (its mask per side)
         sigma = table[0, 1, torch.argmin((table[0, 0] - timestep.float()).abs())]
-        video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"])
-        audio = latents[:, n:].reshape(1, g["audio_tokens"], g["audio_width"])
+        video = latents[:, :n].reshape(1, g["video_tokens"], g["video_width"]) if clean is None \
+            else ltx2_conditions.video_with_keyframes(latents, n, n + na, g["video_width"])
+        audio = latents[:, n:n + na].reshape(1, g["audio_tokens"], g["audio_width"])
         if image is not None:
             video = ltx2_i2v.with_first_frame(video, image)
 
         def call(text, **kw):
             b = text["prompt_embeds"].shape[0]
-            times = ltx2_i2v.timesteps(timestep.float().expand(b), image, g["video_tokens"])
+            times = ltx2_i2v.timesteps(timestep.float().expand(b), image, g["video_tokens"]) \
+                if clean is None else ltx2_conditions.timesteps(timestep.float().expand(b),
+                                                                text[ltx2_conditions.MASK])
             v, a = jm.functional_call(
                 "forward", params, buffers, hidden_states=video.expand(b, -1, -1).to(dtype),
                 audio_hidden_states=audio.expand(b, -1, -1).to(dtype),
@@ -860,11 +887,14 @@ def step_fn(jm, config):
                 stg_blocks(dict(jm._model.config))))
         if want["modality"]:
             outs["modality"] = call(positive, isolate_modalities=True)
-        v = guided(video, {k: o[0] for k, o in outs.items()}, sigma, s, "")
+        v = guided(video, {k: o[0] for k, o in outs.items()}, sigma, s, "", None if clean is None
+                   else ltx2_conditions.blend(inputs[ltx2_conditions.MASK], clean))
         a = guided(audio, {k: o[1] for k, o in outs.items()}, sigma, s, "audio_")
         if image is not None:
             v = ltx2_i2v.hold_first_frame(v, image)
-        return torch.cat([v.reshape(1, -1), a.reshape(1, -1)], dim=1)
+        s_v = g["video_tokens"]  # --condition: keyframe tokens after the audio
+        return torch.cat([v[:, :s_v].reshape(1, -1), a.reshape(1, -1),
+                          v[:, s_v:].reshape(1, -1)], dim=1)
 
     return step
 
@@ -1038,7 +1068,9 @@ FAMILY = ModelFamily(
                         "vae": ("vae", "audio_vae", "vocoder")},
     ),
     flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags,
-                options=OPTIONS, refused=REFUSED),
+                options=OPTIONS, refused=REFUSED, inputs=ltx2_conditions.FLAGS,
+                check_inputs=lambda inputs, values, model_id: ltx2_conditions.check_inputs(
+                    inputs, values, model_id, frame_step(model_id))),
     sizes=Sizes(frame_step=frame_step, pixel_multiple=pixel_multiple,
                 latent_shape=latent_shape, token_count=token_count),
     text=TextEncoding(load_pipeline=load_pipeline, encode_prompts=encode_prompts,

@@ -54,6 +54,7 @@ def test_check_inputs_resolves_and_may_change_values(monkeypatch):
 
 
 def test_family_without_inputs_gets_none(monkeypatch):
+    _with_inputs(monkeypatch, "ltx2", {})  # LTX-2 declares --condition; here it declares none
     _with_inputs(monkeypatch, "wan", {"video": dict(metavar="PATH")})
     args = argparse.Namespace(video=None, model_id="m")
     assert families.resolve_inputs(args, "ltx2", {"frames": 9}) == (None, {"frames": 9})
