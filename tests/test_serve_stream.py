@@ -288,3 +288,40 @@ def test_content_of_a_stream_whose_file_is_elsewhere_is_one_error(tmp_path):
         r = c.get(f"/v1/videos/{job.id}/content")
         assert r.status_code == 409 and r.json()["error"]["code"] == "not_ready", r.text
     store.close()
+
+
+def test_a_stream_ends_when_its_job_runs_again_elsewhere(tmp_path):
+    """A reader of a run's growing file is not left waiting on it when the job's lease
+    passes and another server runs it again from the start (a new file): the response
+    ends with the bytes the first run wrote."""
+    from fastapi.testclient import TestClient
+
+    from engine.serve import requests as checks
+
+    store = JobStore(str(tmp_path), lease_s=0.5)
+    state = State(store=store, storage=SharedFolder(str(tmp_path)),
+                  fleet=Fleet(store, "127.0.0.1:0"), api_key=None, wake=threading.Event(),
+                  served=SERVED)
+    job = store.add(checks.check(checks.parse(dict(prompt="a fox", **JOB)), SERVED))
+    store.claim("srv_a", ["chunky:48x32x36"])
+    partial = f".{job.id}.partial-0a1b2c3d.mp4"
+    (tmp_path / partial).write_bytes(b"first run's bytes")
+    store.streamed(job.id, dict(chunks_done=1, seconds_generated=F / FPS,
+                                first_chunk_seconds=0.5, file=partial, codecs="avc1.64000a"),
+                   "srv_a")
+    taken = []
+
+    def take_over():  # srv_a went silent: its lease passes and srv_b claims the job
+        time.sleep(1.0)
+        taken.append(store.claim("srv_b", ["chunky:48x32x36"]))
+
+    threading.Thread(target=take_over, daemon=True).start()
+    got, c = [], TestClient(create_app(state))  # no lifespan: a hang stays in its thread
+    reader = threading.Thread(target=lambda: got.append(
+        c.get(f"/v1/videos/{job.id}/content")), daemon=True)
+    reader.start()
+    reader.join(timeout=15)
+    assert not reader.is_alive(), "the response still waits on the first run's file"
+    assert got[0].status_code == 200 and got[0].content == b"first run's bytes"
+    assert taken[0].id == job.id and taken[0].owner == "srv_b"
+    store.close()

@@ -324,7 +324,9 @@ def _follow(state: State, job: Job, f, block: int = 1 << 16):
                 now = state.store.get(job.id)
             except sa.exc.SQLAlchemyError:  # the store is away: the file may still grow
                 now = job
-            if now is None or now.status != "in_progress":
+            # Ended, or run again from the start elsewhere (a lease passed: a new file)
+            if now is None or now.status != "in_progress" or \
+                    (now.stream or {}).get("file") != job.stream["file"]:
                 while data := f.read(block):
                     yield data
                 return
