@@ -123,23 +123,34 @@ def _flags(conditions) -> list:
     return [a for p, f, s in conditions for a in ("--condition", f"{p}@{f}:{s}")]
 
 
-# The heavy tier (``make test-all``; marked here, not in conftest's SLOW, which names
-# tests/conftest.py's keys): each is a whole run and a diffusers run, 50-85 s on the busy
-# 2-core host | [first_last] keeps index 0, an appended keyframe at strength < 1 and CFG in CI.
+# The heavy tier (``make test-all``; marked here rather than in tests/conftest.py's SLOW):
+# each is a whole run and a diffusers run, 50-85 s on the busy 2-core host | [first_last]
+# keeps index 0, an appended keyframe at strength < 1 and CFG in CI.
 @pytest.mark.parametrize("case", ["first_last", pytest.param("keyframe", marks=pytest.mark.slow),
                                   pytest.param("extension", marks=pytest.mark.slow)])
 def test_conditions_match_diffusers(ltx2_checkpoint, inputs, case):
     """Final latents of both modalities, frames and waveform within test_ltx2's ATOL."""
+    _check(ltx2_checkpoint, inputs, case, jax.devices()[:1])
+
+
+@pytest.mark.slow
+def test_sharded_conditions_match_diffusers(ltx2_checkpoint, inputs):
+    """``first_last`` on 8 CPU devices as dp 2 x sp 4: the CFG pair, the mask and the clean
+    latents split over dp, the 20 video tokens (16 + 4 keyframe tokens) over sp."""
+    _check(ltx2_checkpoint, inputs, "first_last", jax.devices(), "--dp", "2", "--tp", "1",
+           "--sp", "4")
+
+
+def _check(checkpoint, inputs, case, devices, *layout):
     scales, conditions = _cases(inputs)[case]
     size = [f"--{k}={v}" for k, v in SHAPE.items()]
     config = generate_flax.validate_args(generate_flax.parse_args(_argv(
-        ltx2_checkpoint, scales, *size, "--attention", "xla", *_flags(conditions))))
-    run, frames, recorder = run_recorded(config, jax.devices()[:1])
+        checkpoint, scales, *size, "--attention", "xla", *layout, *_flags(conditions))))
+    run, frames, recorder = run_recorded(config, devices)
     wave = run.programs.vae_decode.audio.waveform
     report = run.finish()
     video_latents, audio_latents = _unpacked(recorder.latents)
-    want_frames, want_wave, want_video, want_audio = _reference(ltx2_checkpoint, scales,
-                                                                conditions)
+    want_frames, want_wave, want_video, want_audio = _reference(checkpoint, scales, conditions)
     np.testing.assert_allclose(video_latents, want_video, atol=ATOL)
     np.testing.assert_allclose(audio_latents, want_audio, atol=ATOL)
     assert frames.shape == want_frames.shape == (SHAPE["frames"], SHAPE["height"],
@@ -152,7 +163,8 @@ def test_conditions_match_diffusers(ltx2_checkpoint, inputs, case):
         assert np.abs(want_video[0, :, 0] - want_video[0, :, 1]).max() > 100 * ATOL
     got = report["settings"]["inputs"][ltx2_conditions.NAME]
     assert [(c["frame"], c["strength"]) for c in got] == [(f, s) for _, f, s in conditions]
-    print(case, "max |ours - diffusers|: video latents",
+    assert report["mesh"]["dp"] * report["mesh"]["tp"] * report["mesh"]["sp"] == len(devices)
+    print(case, len(devices), "devices: max |ours - diffusers|: video latents",
           float(np.abs(video_latents - want_video).max()), "audio latents",
           float(np.abs(audio_latents - want_audio).max()), "frames",
           float(np.abs(frames - want_frames).max()), "waveform",
