@@ -126,6 +126,11 @@ class TextEncoding:
     embedding_names: the names ``encode_prompts`` returns (staged files hold these).
     check_embeddings(embeds, settings, cfg) -> error text or None.
     prepare_latents(pipe, config) -> float32 initial noise from ``config.video.seed``.
+    encoder_modules(pipe) -> {name: torch.nn.Module}: the loaded encoder modules the encode
+        functions call (text encoders, connectors, the image encoder), for
+        ``--text_encoder_device mesh`` (``engine.pipeline.text_device``: each one's forward
+        runs on the mesh, the encode functions unchanged); ``pipeline_modules`` builds one.
+        None: the family's encoders run on the CPU only.
     """
 
     load_pipeline: Callable
@@ -135,6 +140,7 @@ class TextEncoding:
     embedding_names: tuple[str, ...]
     check_embeddings: Callable
     prepare_latents: Callable
+    encoder_modules: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +350,16 @@ class ModelFamily:
     scheduler: Scheduling
     image: ImageConditioning = dataclasses.field(default_factory=ImageConditioning)
     upscale: Upscale | None = None
+
+
+def pipeline_modules(*names: str) -> Callable:
+    """A ``TextEncoding.encoder_modules``: ``pipe -> {name: pipe.<name>}`` for each of
+    ``names`` the pipeline has loaded (not None)."""
+
+    def modules(pipe) -> dict:
+        return {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
+
+    return modules
 
 
 def checkpoint_config(model_id: str | None, subfolder: str, shipped: str,

@@ -45,6 +45,7 @@ from families.base import (
     checkpoint_config,
     empty_model,
     init_value,
+    pipeline_modules,
 )
 
 # The VAE's compression (4x in time; 8x in space for Wan 2.1's VAE, 16x for Wan 2.2's) and
@@ -739,6 +740,7 @@ FAMILY = ModelFamily(
         embedding_names=EMBEDDING_NAMES,
         check_embeddings=check_embeddings,
         prepare_latents=prepare_latents,
+        encoder_modules=pipeline_modules("text_encoder", "image_encoder"),  # UMT5, CLIP
     ),
     transformer=Transformer(
         empty=empty_transformer,

@@ -80,6 +80,20 @@ def i2v_checkpoint(tmp_path_factory):
     return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-i2v", "--i2v")
 
 
+@pytest.fixture(scope="session")
+def i2v_two_expert_checkpoint(tmp_path_factory):
+    """A tiny random Wan 2.2 I2V-A14B-style checkpoint: two experts, no CLIP."""
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-i2v", "--i2v",
+                  "--experts", "2", "--boundary_ratio", "0.9")
+
+
+@pytest.fixture(scope="session")
+def flf2v_checkpoint(tmp_path_factory):
+    """A tiny random Wan 2.1 FLF2V-style checkpoint (CLIP, pos_embed_seq_len for two images)."""
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-flf2v", "--i2v",
+                  "--flf2v")
+
+
 @pytest.fixture
 def torchax_env():
     """torchax's default env with the torch SDPA op restored after the test (the env is shared

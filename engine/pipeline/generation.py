@@ -19,6 +19,7 @@ from engine.files import embeddings_cache, staging
 from engine.files import report as reporting
 from engine.pipeline import ahead as aheads
 from engine.pipeline import prologue as prologues
+from engine.pipeline import text_device
 from engine.pipeline.stages import (
     encode,
     encode_image,
@@ -87,13 +88,17 @@ class Generation:
                                                    text_encoder_loaded=not skip)
 
     def encode(self) -> None:
-        """Every video's prompt embeddings (and the image conditioning) on the CPU, the
-        encoders freed after; a staged denoise takes its staged embeddings instead."""
+        """Every video's prompt embeddings (and the image conditioning) on the CPU (or, with
+        ``--text_encoder_device mesh``, the encoders' forwards on the mesh:
+        ``engine.pipeline.text_device``), the encoders freed after; a staged denoise takes
+        its staged embeddings instead."""
         stage = self.config.run.stage
         self.began = time.time()  # every video's prompt enters the run here
         self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
         if stage not in ("all", "encode"):
             return
+        # --text_encoder_device mesh: the encoders' forwards on the mesh until finish
+        encoders = text_device.start(self.pipe, self.family, self.config, self.mesh, self.report)
         self.embeds, self.timings["text_encode_s"], hits = encode(
             self.pipe, self.config, self.family, self.video_list, self.cached, self.cache)
         if self.cache is not None:
@@ -103,6 +108,7 @@ class Generation:
         if self.config.video.image is not None:
             self.embeds, self.timings["image_encode_s"] = encode_image(
                 self.pipe, self.config, self.family, self.embeds, self.start.devices)
+        text_device.finish(encoders)
 
     def save_encoded(self) -> dict:
         """``--stage encode``: each video's embeddings into ``--work_dir``; the report."""

@@ -92,7 +92,7 @@ NOT_PROGRAM_SETTINGS = ("prompt", "negative_prompt", "seed", "seeds", "prompts_f
                         "save_frames", "compilation_cache_dir", "executable_cache_dir",
                         "embeddings_cache", "profile_dir", "verbose", "coordinator_address",
                         "num_processes", "process_id", "serve", "fps", "image", "model_id",
-                        "lora", "lora_2", "stage", "overlap_compile",
+                        "lora", "lora_2", "stage", "overlap_compile", "text_encoder_device",
                         # the dry run's own options (--aot_export writes entries for a run)
                         "dry_run", "topology", "dry_run_layers", "dry_run_skip_vae",
                         "dry_run_exact_convs", "estimate", "aot_export")
