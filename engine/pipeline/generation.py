@@ -80,7 +80,8 @@ class Generation:
         if self.cache is not None:
             self.cached = [self.cache.load_video(for_video(self.config, v))
                            for v in self.video_list]
-            if self.config.video.image is None and all(e is not None for e in self.cached):
+            if not self.family.image.wanted(self.config) and all(
+                    e is not None for e in self.cached):
                 skip = embeddings_cache.encoder_components(self.family)
         self.pipe, self.timings["read_s"] = self.start.load(skip)
         if self.cache is not None:
@@ -105,7 +106,7 @@ class Generation:
             self.report["embeddings_cache"]["videos"] = [
                 dict(video=0 if v is None else v.label, hit=h)
                 for v, h in zip(self.video_list, hits, strict=True)]
-        if self.config.video.image is not None:
+        if self.family.image.wanted(self.config):
             self.embeds, self.timings["image_encode_s"] = encode_image(
                 self.pipe, self.config, self.family, self.embeds, self.start.devices)
         text_device.finish(encoders)

@@ -77,10 +77,12 @@ def encode(pipe, config: RunConfig, family, videos, cached: list | None = None, 
 
 
 def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
-    """The image conditioning (``family.image.encode``), computed once and joined to every
-    video's embeddings: (embeds, seconds)."""
+    """The image conditioning (``family.image.encode``; the image None when the family
+    wants an encode of other inputs, ``family.image.wanted``), computed once and joined to
+    every video's embeddings: (embeds, seconds)."""
     t0 = time.perf_counter()
-    cond = family.image.encode(pipe, config, read_image(config.video.image), devices)
+    image = None if config.video.image is None else read_image(config.video.image)
+    cond = family.image.encode(pipe, config, image, devices)
     return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
@@ -153,7 +155,8 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
                                               inputs, timings, second, ahead)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
                      sigmas=run_sigmas(config, family), cache=cache,
-                     finish=family.image.finish_latents)
+                     finish=family.image.finish_latents,
+                     first_step=family.scheduler.first_step(config))
         if config.upscale is not None:  # --sr: its programs, then the decode for its latents
             parts["upscale"], sr_placed, latents_out = _prepare_upscale(
                 config, family, pipe, mesh, embeds, latents0, attention, fallbacks, oom_hint,
@@ -201,7 +204,8 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     streamed to their shardings. Every host encoded the prompt and drew the noise itself
     (no broadcast), so the hosts' copies of one global array must agree: checked."""
     inputs = family.transformer.model_inputs(embeds, config)
-    latents = family.text.prepare_latents(pipe, config)
+    latents = family.image.start_latents(pipe, config, family.text.prepare_latents(pipe, config),
+                                         embeds)
     for name, x in {**inputs, "initial latents": latents}.items():
         runtime.check_same_on_every_host(name, placement.host_array(x))
     # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
