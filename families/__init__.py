@@ -12,11 +12,10 @@ local folder, a config shipped under ``configs/``, or the Hub).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 from engine.files.checkpoint import read_model_index
 from engine.run.errors import UsageError, fail
-from families import hunyuan, hunyuan_sr_stage, ltx2, ltx2_upscale, wan
+from families import helios, hunyuan, hunyuan_sr_stage, ltx2, ltx2_upscale, wan
 from families.base import ModelFamily
 
 __all__ = ["FAMILIES", "INPUT_NAMES", "OPTION_NAMES", "ModelFamily", "add_input_flags",
@@ -30,7 +29,8 @@ __all__ = ["FAMILIES", "INPUT_NAMES", "OPTION_NAMES", "ModelFamily", "add_input_
 FAMILIES: dict[str, ModelFamily] = {
     "wan": wan.FAMILY,
     "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE),
-    "ltx2": dataclasses.replace(ltx2.FAMILY, upscale=ltx2_upscale.UPSCALE)}
+    "ltx2": dataclasses.replace(ltx2.FAMILY, upscale=ltx2_upscale.UPSCALE),
+    "helios": helios.FAMILY}  # HeliosPipeline, HeliosPyramidPipeline: chunks
 # Every family's other flags (``Flags.inputs``: conditioning inputs, list-valued settings).
 INPUT_NAMES = tuple(dict.fromkeys(name for f in FAMILIES.values() for name in f.flags.inputs))
 # Every family's own flags (``Flags.options`` and ``Flags.inputs``), for generate_flax.py's
@@ -144,7 +144,4 @@ def resolve_inputs(args, key: str, values: dict) -> tuple[dict | None, dict]:
     inputs = {name: getattr(args, name, None) for name in family.flags.inputs}
     if family.flags.check_inputs is None:
         return inputs, values
-    check = family.flags.check_inputs
-    # A check that reads other flags (--frames given or not, --stage) takes ``args``.
-    extra = {"args": args} if "args" in inspect.signature(check).parameters else {}
-    return check(inputs, dict(values), args.model_id, **extra)
+    return family.flags.check_inputs(inputs, dict(values), args.model_id)

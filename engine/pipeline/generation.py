@@ -11,6 +11,7 @@ and inputs, route SDPA to the kernel, compile the step and the VAE decode ahead 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,6 @@ from engine.files import embeddings_cache, staging
 from engine.files import report as reporting
 from engine.pipeline import ahead as aheads
 from engine.pipeline import prologue as prologues
-from engine.pipeline import text_device
 from engine.pipeline.stages import (
     encode,
     encode_image,
@@ -80,8 +80,7 @@ class Generation:
         if self.cache is not None:
             self.cached = [self.cache.load_video(for_video(self.config, v))
                            for v in self.video_list]
-            if not self.family.image.wanted(self.config) and all(
-                    e is not None for e in self.cached):
+            if self.config.video.image is None and all(e is not None for e in self.cached):
                 skip = embeddings_cache.encoder_components(self.family)
         self.pipe, self.timings["read_s"] = self.start.load(skip)
         if self.cache is not None:
@@ -89,27 +88,22 @@ class Generation:
                                                    text_encoder_loaded=not skip)
 
     def encode(self) -> None:
-        """Every video's prompt embeddings (and the image conditioning) on the CPU (or, with
-        ``--text_encoder_device mesh``, the encoders' forwards on the mesh:
-        ``engine.pipeline.text_device``), the encoders freed after; a staged denoise takes
-        its staged embeddings instead."""
+        """Every video's prompt embeddings (and the image conditioning) on the CPU, the
+        encoders freed after; a staged denoise takes its staged embeddings instead."""
         stage = self.config.run.stage
         self.began = time.time()  # every video's prompt enters the run here
         self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
         if stage not in ("all", "encode"):
             return
-        # --text_encoder_device mesh: the encoders' forwards on the mesh until finish
-        encoders = text_device.start(self.pipe, self.family, self.config, self.mesh, self.report)
         self.embeds, self.timings["text_encode_s"], hits = encode(
             self.pipe, self.config, self.family, self.video_list, self.cached, self.cache)
         if self.cache is not None:
             self.report["embeddings_cache"]["videos"] = [
                 dict(video=0 if v is None else v.label, hit=h)
                 for v, h in zip(self.video_list, hits, strict=True)]
-        if self.family.image.wanted(self.config):
+        if self.config.video.image is not None:
             self.embeds, self.timings["image_encode_s"] = encode_image(
                 self.pipe, self.config, self.family, self.embeds, self.start.devices)
-        text_device.finish(encoders)
 
     def save_encoded(self) -> dict:
         """``--stage encode``: each video's embeddings into ``--work_dir``; the report."""
@@ -172,14 +166,16 @@ class Generation:
                 num_inference_steps=self.config.video.num_inference_steps))
         self.count_programs()
 
-    def time_videos(self, on_video: Callable | None = None):
+    def time_videos(self, on_video: Callable | None = None, on_chunk: Callable | None = None):
         """The timed generations of every video; returns the last video's frames
         ((F, H, W, 3) float32 in [0, 1]) or None (``--stage denoise``). ``on_video(video,
-        frames)`` writes each video as it is done and returns its file names."""
+        frames)`` writes each video as it is done and returns its file names;
+        ``on_chunk(video, index, frames, last)`` gets each chunk of a chunked family
+        (Helios) as it is decoded (``engine.programs.denoise.run_chunks``)."""
         self.frames, self.runs, self.programs, self.latents0 = run_videos(
             self.config, self.family, self.pipe, self.mesh, self.programs, self.latents0,
             (self.video_list, self.embeds, self.staged), self.oom_hint, on_video, self.report,
-            self.video_parts)
+            self.video_parts, on_chunk)
         return self.frames
 
     def finish(self) -> dict:
@@ -198,14 +194,18 @@ class Generation:
         return self.report
 
 
-def generate(config: RunConfig, family, devices=None, on_video=None) -> tuple[Any, dict]:
+def generate(config: RunConfig, family, devices=None, on_video=None,
+             on_chunk=None) -> tuple[Any, dict]:
     """Run the stages ``config.run.stage`` selects; returns (frames or None, report).
 
     ``all`` runs everything in memory; ``encode`` / ``denoise`` / ``decode`` each load only
     their own component and read/write intermediates in ``config.run.work_dir``. ``devices``
     (default: all of ``jax.devices()``) lets tests build smaller meshes. With many videos
     (``config.run.videos``: --prompts_file / --seeds) everything is placed and compiled once
-    and ``on_video(video, frames)`` is called as each video is done.
+    and ``on_video(video, frames)`` is called as each video is done. ``on_chunk(video,
+    index, frames, last)``: each chunk of a chunked family (Helios) as it is decoded, frames
+    (F, H, W, 3) float32 in [0, 1] (video None without --prompts_file / --seeds).
+
 
     frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``; the last video's). report:
     the JSON report's content without output file names.
@@ -217,12 +217,12 @@ def generate(config: RunConfig, family, devices=None, on_video=None) -> tuple[An
         return None, run.save_encoded()
     run.compile()
     run.warm_up()
-    frames = run.time_videos(on_video)
+    frames = run.time_videos(on_video, on_chunk)
     return (None if run.config.run.stage == "denoise" else frames), run.finish()
 
 
 def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hint: str,
-               on_video, report: dict, parts: list | None = None):
+               on_video, report: dict, parts: list | None = None, on_chunk=None):
     """The timed generations of every video (one without --prompts_file / --seeds), on the
     programs placed and compiled once; returns (the last video's frames or None, every
     timed run, the last video's programs and initial latents). ``per_video``: (videos,
@@ -242,7 +242,8 @@ def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hi
                 latents, decoded, video_runs = denoise.run_benchmark(
                     programs, latents0, num_iterations=config.run.num_iterations,
                     num_inference_steps=config.video.num_inference_steps,
-                    desc="" if video is None else f"video {video.label}: ")
+                    desc="" if video is None else f"video {video.label}: ",
+                    on_chunk=on_chunk and functools.partial(on_chunk, video))
             runs += video_runs
             if config.run.stage == "denoise":  # each video's latents as soon as they are done
                 staging.save_run_latents(for_video(config, video), latents, video)

@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 import jax
+import numpy as np
 import torchax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,6 +23,7 @@ from engine.files.image import read_image
 from engine.pipeline import upscale
 from engine.programs import executables, experts, parking, transformer_step
 from engine.programs.denoise import Programs, run_sigmas, set_timesteps, timestep_array
+from engine.programs.step import compile_step
 from engine.run import chips, lowering, runtime
 from engine.run.config import KernelSettings, RunConfig, RunSettings
 from engine.weights import placement, sharding
@@ -77,12 +79,10 @@ def encode(pipe, config: RunConfig, family, videos, cached: list | None = None, 
 
 
 def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
-    """The image conditioning (``family.image.encode``; the image None when the family
-    wants an encode of other inputs, ``family.image.wanted``), computed once and joined to
-    every video's embeddings: (embeds, seconds)."""
+    """The image conditioning (``family.image.encode``), computed once and joined to every
+    video's embeddings: (embeds, seconds)."""
     t0 = time.perf_counter()
-    image = None if config.video.image is None else read_image(config.video.image)
-    cond = family.image.encode(pipe, config, image, devices)
+    cond = family.image.encode(pipe, config, read_image(config.video.image), devices)
     return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
@@ -94,7 +94,7 @@ NOT_PROGRAM_SETTINGS = ("prompt", "negative_prompt", "seed", "seeds", "prompts_f
                         "save_frames", "compilation_cache_dir", "executable_cache_dir",
                         "embeddings_cache", "profile_dir", "verbose", "coordinator_address",
                         "num_processes", "process_id", "serve", "fps", "image", "model_id",
-                        "lora", "lora_2", "stage", "overlap_compile", "text_encoder_device",
+                        "lora", "lora_2", "stage", "overlap_compile",
                         # the dry run's own options (--aot_export writes entries for a run)
                         "dry_run", "topology", "dry_run_layers", "dry_run_skip_vae",
                         "dry_run_exact_convs", "estimate", "aot_export")
@@ -155,8 +155,10 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
                                               inputs, timings, second, ahead)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
                      sigmas=run_sigmas(config, family), cache=cache,
-                     finish=family.image.finish_latents,
-                     first_step=family.scheduler.first_step(config))
+                     finish=family.image.finish_latents)
+        if family.chunks is not None:  # Helios: its chunk loop on this step (and others)
+            parts["chunks"] = family.chunks(config, pipe, embeds, step, _compile_for(
+                config, family, placed, mesh, inputs, timings))
         if config.upscale is not None:  # --sr: its programs, then the decode for its latents
             parts["upscale"], sr_placed, latents_out = _prepare_upscale(
                 config, family, pipe, mesh, embeds, latents0, attention, fallbacks, oom_hint,
@@ -204,8 +206,7 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     streamed to their shardings. Every host encoded the prompt and drew the noise itself
     (no broadcast), so the hosts' copies of one global array must agree: checked."""
     inputs = family.transformer.model_inputs(embeds, config)
-    latents = family.image.start_latents(pipe, config, family.text.prepare_latents(pipe, config),
-                                         embeds)
+    latents = family.text.prepare_latents(pipe, config)
     for name, x in {**inputs, "initial latents": latents}.items():
         runtime.check_same_on_every_host(name, placement.host_array(x))
     # Placed explicitly: torchax does not shard inputs by itself, and an earlier port
@@ -226,15 +227,39 @@ def compile_transformer(config, family, pipe, placed, mesh, latents0, inputs, ti
     (joined): its step is used when compiled for these arguments' signature. Through the
     executable cache when called within ``executables.caching`` (``prepare_programs``,
     the server's other buckets)."""
-    set_timesteps(pipe.scheduler, config.video.num_inference_steps,
-                  run_sigmas(config, family))
-    t = jax.device_put(timestep_array(pipe.scheduler.timesteps[0]), NamedSharding(mesh, P()))
+    t = jax.device_put(_example_timestep(config, family, pipe), NamedSharding(mesh, P()))
     fn = family.transformer.step_fn(placed["module"], config)
     precompiled = ahead.step_for((placed["params"], placed["buffers"], latents0, t, inputs)) \
         if ahead is not None else None
     return transformer_step.compile_transformer_step(
         config, family.transformer.block_stack, pipe, placed, second, mesh, fn, latents0, t,
         inputs, timings, precompiled)
+
+
+def _example_timestep(config, family, pipe):
+    """The (1,) timestep the step compiles with: the schedule's first (the pipeline's
+    scheduler set as the loop sets it), or for a chunk loop, whose loop sets its scheduler
+    per chunk and stage, a zero of ``family.transformer.timestep_dtype``."""
+    if family.chunks is not None:
+        return np.zeros(1, family.transformer.timestep_dtype)
+    set_timesteps(pipe.scheduler, config.video.num_inference_steps, run_sigmas(config, family))
+    return timestep_array(pipe.scheduler.timesteps[0])
+
+
+def _compile_for(config, family, placed, mesh, inputs, timings):
+    """``compile_for(latents)`` of ``ModelFamily.chunks``: the step compiled for another
+    latents shape on the same placed weights and inputs, weights bound; its seconds add to
+    ``timings["compile_transformer_s"]``."""
+    def compile_for(latents):
+        t = jax.device_put(np.zeros(1, family.transformer.timestep_dtype),
+                           NamedSharding(mesh, P()))
+        fn = family.transformer.step_fn(placed["module"], config)
+        compiled, seconds = compile_step(placed, mesh, fn, latents, t, inputs)
+        timings["compile_transformer_s"] = timings.get("compile_transformer_s", 0) + seconds
+        params, buffers = placed["params"], placed["buffers"]
+        return lambda lat, ts, inp: compiled(params, buffers, lat, ts, inp)
+
+    return compile_for
 
 
 def prepare_decode(run: RunSettings, family, pipe, mesh, latents0, fallbacks, oom_hint,
@@ -265,4 +290,5 @@ def next_video(config, family, pipe, mesh, programs, embeds, staged):
                                                NamedSharding(mesh, P()))
     inputs, latents0 = place_model_inputs(config, family, pipe, embeds, mesh)
     sr = programs.upscale and programs.upscale.next_video(config, embeds)
-    return dataclasses.replace(programs, embeds=inputs, upscale=sr), latents0
+    chunks = programs.chunks and programs.chunks.for_video(config, embeds)
+    return dataclasses.replace(programs, embeds=inputs, upscale=sr, chunks=chunks), latents0

@@ -50,9 +50,8 @@ class Programs:
         image-to-video puts the image's latents back on frame 0).
     upscale: ``Upscale``: a second denoising stage on a larger grid run after ``finish``
         (``--sr``), or None; the decode then takes its latents.
-    first_step: the index of the first sampled timestep in the ``num_inference_steps``
-        schedule, the scheduler's begin index (the family's ``Scheduling.first_step``:
-        video-to-video's strength cut); the loop runs the timesteps from there.
+    chunks: a family's chunk loop (``families.base.ModelFamily.chunks``: Helios), or None;
+        when set it runs in place of the denoising loop and the decode (``run_chunks``).
     """
 
     step: Callable | None = None
@@ -64,7 +63,7 @@ class Programs:
     cache: Any = None
     finish: Callable | None = None
     upscale: Any = None
-    first_step: int = 0
+    chunks: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +147,7 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds, index: int | None
 
 
 def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_times=None,
-            on_step=None, begin: int = 0):
+            on_step=None):
     """Run the sampling loop: one compiled model call plus one scheduler step per timestep.
 
     Latents stay float32 between steps, as in diffusers' pipelines.
@@ -168,13 +167,11 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_time
             then no longer overlaps the device's work, a few ms per step).
         on_step: optional ``f(steps done)`` after each step (a server's progress); with
             ``step_times`` the step is then finished on the device.
-        begin: the index of ``timesteps[0]`` in the scheduler's schedule (its begin index;
-            ``Programs.first_step``).
 
     Returns:
         final latents, float32 ``jax.Array`` (not yet synchronised).
     """
-    scheduler.set_begin_index(begin)
+    scheduler.set_begin_index(0)
     for i, (t_torch, t) in enumerate(tqdm(timesteps, desc=desc, leave=False)):
         t0 = time.perf_counter()
         latents = denoise_step(step, scheduler, latents, t_torch, t, embeds, index=i)
@@ -199,11 +196,9 @@ def decode(vae_decode, latents):
 
 
 def _fresh_loop(programs: Programs, num_inference_steps: int, limit: int | None = None):
-    """(scheduler, timesteps) for one sampling loop, built before its clock starts: the
-    schedule from ``programs.first_step`` (its first ``limit`` steps, for the warmup)."""
+    """(scheduler, timesteps) for one sampling loop, built before its clock starts."""
     scheduler, timesteps = new_scheduler(programs.scheduler_config, num_inference_steps,
                                          programs.timesteps_sharding, programs.sigmas)
-    timesteps = timesteps[programs.first_step:]
     return scheduler, timesteps[:limit] if limit is not None else timesteps
 
 
@@ -223,8 +218,7 @@ def _denoise_now(programs: Programs, loop, latents0, *, desc: str, call=None,
                  step_times=None, on_step=None):
     scheduler, timesteps = loop
     latents = denoise(call or programs.step, scheduler, latents0, timesteps, programs.embeds,
-                      desc=desc, step_times=step_times, on_step=on_step,
-                      begin=programs.first_step)
+                      desc=desc, step_times=step_times, on_step=on_step)
     if programs.finish is not None:
         latents = programs.finish(latents, programs.embeds)
     latents.block_until_ready()
@@ -257,6 +251,11 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
     if warmup_steps == 0:
         return {}
     out, t0, latents = {}, time.perf_counter(), latents0
+    if programs.chunks is not None:  # each of its programs once
+        programs.chunks.warmup(programs)
+        out["warmup_s"] = time.perf_counter() - t0
+        print(f"warmup: {out['warmup_s']:.2f} s (every chunk program once)")
+        return out
     if programs.step is not None:  # a planned step: each of its programs (and cached) once
         call, limit = _model_call(programs.step, warmup_steps)
         loop = _fresh_loop(programs, num_inference_steps, limit=limit)
@@ -278,11 +277,28 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
     return out
 
 
+def run_chunks(programs: Programs, label: str, on_step=None, on_chunk=None):
+    """One timed generation by the family's chunk loop (``programs.chunks``): (run entry,
+    latents, video). The entry has denoise_s (every chunk: steps and decodes), s_per_step
+    (over every transformer call), total_s and the loop's own info: chunks, frames_made,
+    frames_decoded, first_chunk_s, chunk_seconds, transformer_calls."""
+    t0 = time.perf_counter()
+    latents, video, info = programs.chunks.run(programs, on_step=on_step, on_chunk=on_chunk)
+    seconds = time.perf_counter() - t0
+    run = dict(denoise_s=seconds, s_per_step=seconds / max(info["transformer_calls"], 1),
+               total_s=seconds, **info)
+    print(f"{label}: {seconds:.2f} s ({info['chunks']} chunks, {info['frames_made']} frames, "
+          f"first chunk {info['first_chunk_s']:.2f} s)")
+    check_finite(video, "the chunk loop (transformer, scheduler, VAE decode)")
+    return run, latents, video
+
+
 def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
-                  num_inference_steps: int, desc: str = "", on_step=None):
+                  num_inference_steps: int, desc: str = "", on_step=None, on_chunk=None):
     """``num_iterations`` timed generations of the stages ``programs`` holds (after
     ``warmup``); returns (latents, video or None, runs). ``on_step(steps done)`` is called
-    after each denoising step (see ``denoise``).
+    after each denoising step (see ``denoise``); ``on_chunk(index, frames, last)`` as each
+    chunk is decoded, with a chunk loop (``run_chunks``).
 
     ``programs.step`` runs the denoising loop from ``latents0``; ``programs.vae_decode``
     decodes its result (or ``latents0`` when there is no step).
@@ -290,6 +306,10 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
     runs, latents, video = [], latents0, None
     for i in range(num_iterations):
         label = f"{desc}run {i + 1}/{num_iterations}"
+        if programs.chunks is not None:
+            run, latents, video = run_chunks(programs, label, on_step, on_chunk)
+            runs.append(run)
+            continue
         run, latents, t0 = {}, latents0, time.perf_counter()
         if programs.step is not None:
             loop = _fresh_loop(programs, num_inference_steps)
@@ -300,7 +320,7 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
             latents = _denoise_now(programs, loop, latents0, desc=label, call=call,
                                    step_times=step_times, on_step=on_step)
             run["denoise_s"] = time.perf_counter() - t0
-            run["s_per_step"] = run["denoise_s"] / (num_inference_steps - programs.first_step)
+            run["s_per_step"] = run["denoise_s"] / num_inference_steps
             run["step_seconds"] = step_times
             if cache is not None:
                 run.update(_cache_step_times(call.kinds, step_times),
@@ -369,8 +389,8 @@ def profile_step(profile_dir: str, programs: Programs, latents0, *,
     p = programs
     scheduler, steps = new_scheduler(p.scheduler_config, num_inference_steps,
                                      p.timesteps_sharding, p.sigmas)
-    scheduler.set_begin_index(p.first_step)
-    steps = steps[p.first_step:][:2]
+    scheduler.set_begin_index(0)
+    steps = steps[:2]
     latents = latents0
     if len(steps) == 2:
         latents = denoise_step(p.step, scheduler, latents, *steps[0], p.embeds)

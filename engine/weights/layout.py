@@ -15,6 +15,7 @@ import torch
 
 from engine.files.checkpoint import expert_count, read_model_index
 from engine.run import chips
+from engine.run.errors import fail
 from engine.run.mesh import MeshShape, resolve_mesh_shape
 from engine.weights import quantize as quantize_mod
 
@@ -122,10 +123,15 @@ def resolve_run_mesh(config, family, cfg: dict | None, n_devices: int, chip) -> 
         config.run.park_memory, chip, sp_over=max(n_devices // dp, 1),
         rules=family.transformer.sharding_rules(config),
         quantize=config.model.quantize) if weighed else None
-    return resolve_mesh_shape(
+    no_sp = not family.transformer.block_stack.sequence_parallel
+    shape = resolve_mesh_shape(
         layout.dp, layout.tp, layout.sp, n_devices, batch=batch,
         num_heads=family.transformer.num_heads(cfg) if cfg else None,
         tokens=(family.sizes.token_count(cfg, video.height, video.width, video.frames,
                                          config.model.model_id) if cfg else None),
-        prefer_sp=chips.prefers_ulysses(chip, weights),
+        prefer_sp=chips.prefers_ulysses(chip, weights) and not no_sp,
         default_sp=chip and family.transformer.default_sp.get(chip.name))
+    if no_sp and shape.sp > 1:
+        fail("--sp", shape.sp, f"{family.name} takes no sequence parallelism: give --dp and "
+             f"--tp whose product is the device count ({n_devices}; tp divides the heads)")
+    return shape

@@ -80,6 +80,9 @@ class BlockStack:
     video_key_attention: names of other attentions whose keys are the video tokens (a
         cross-attention from a second stream), masked like ``self_attention`` when sequence
         parallelism pads the tokens.
+    sequence_parallel: False for blocks that sequence parallelism would break (Helios'
+        blocks slice the chunk's tokens off the residual stream's end by count): the mesh
+        then keeps sp at 1 (``engine.weights.layout.resolve_run_mesh``).
     """
 
     attr: str = "blocks"
@@ -90,6 +93,7 @@ class BlockStack:
     token_tile: int = 1
     token_kwargs: tuple = ()
     video_key_attention: tuple = ()
+    sequence_parallel: bool = True
 
     @property
     def prefix(self) -> str:
