@@ -65,7 +65,7 @@ every family, the connectors' at load on the CPU (``lora_host_components``, ``lo
 
 Not done here (refused in one line): the step caches, --serve_sizes, staged runs,
 --scan_layers (diffusers' block loop passes per-block STG arguments by keyword),
---quantize, the two-stage upscale.
+--quantize. The two-stage run (``--sr 2x``): ``families.ltx2_upscale``.
 """
 
 from __future__ import annotations
@@ -968,7 +968,8 @@ def is_vae_decode_weight(name: str) -> bool:
 def empty_vae(folder: str, config) -> AudioVideoDecode:
     """``AudioVideoDecode`` of ``folder``'s video VAE, audio VAE and vocoder configs with meta
     weights (float32, as ``load_pipeline`` runs them), laid out for ``config``'s video size
-    (``layout``) and run dtype: the dry run's decode, the same module a run compiles."""
+    (the final one with ``--sr 2x``; ``layout``) and run dtype: the dry run's decode, the same
+    module a run compiles."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
     from diffusers.pipelines.ltx2 import LTX2Vocoder
@@ -978,7 +979,8 @@ def empty_vae(folder: str, config) -> AudioVideoDecode:
                  for cls, sub in ((AutoencoderKLLTX2Video, "vae"),
                                   (AutoencoderKLLTX2Audio, "audio_vae"),
                                   (LTX2Vocoder, "vocoder"))]
-    video = config.video
+    video = config.video if config.upscale is None else config.replace(  # --sr 2x: stage 2's
+        height=config.upscale.height, width=config.upscale.width).video
     geometry = layout(checkpoint_config(folder, "transformer", SHIPPED),
                       dict(parts[0].config), dict(parts[1].config), video.height, video.width,
                       video.frames, video.fps)

@@ -34,9 +34,13 @@ batch 1). Stage 2 needs the distilled weights: the distilled checkpoint (its sch
 neither dynamic nor terminal shift, ``ltx2.is_distilled``). The dev checkpoint with the
 distilled LoRA fused is not done yet and is refused in one line.
 
+``--dry_run`` / ``--estimate`` compile and estimate stage 2's step on its own mesh and the
+decode at the final size (``TwoStageDry``); the upsampler is neither compiled nor estimated
+there.
+
 Not done here (each refused in one line before loading): image-to-video with ``--sr 2x``,
-``--serve``, ``--dry_run`` / ``--estimate``, ``--sr_steps`` / ``--sr_flow_shift`` (stage 2
-runs the published stage-2 sigmas).
+``--serve``, ``--sr_steps`` / ``--sr_flow_shift`` (stage 2 runs the published stage-2
+sigmas).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ STATS = ("video_mean", "video_std", "audio_mean", "audio_std")  # the VAEs' late
 
 @dataclasses.dataclass(frozen=True)
 class TwoStageSettings:
-    """``--sr 2x`` of a run: ``model_dir`` (the ``LTX2LatentUpsamplerModel`` folder), the final
+    """``--sr 2x`` of a run: ``model_dir`` (the ``LTX2LatentUpsamplerModel`` folder; None in a
+    dry run of a checkpoint without one), the final
     video's ``height`` and ``width`` in pixels (stage 1 runs at half), stage 2's ``sigmas``
     (diffusers' STAGE_2_DISTILLED_SIGMA_VALUES), ``steps`` (their count) and ``noise_scale``
     (their first, as ``LTX2ConditionPipeline`` infers it)."""
@@ -121,9 +126,7 @@ def _check_combination(args) -> None:
             ("--sr_flow_shift", args.sr_flow_shift, "stage 2's sigmas are not shifted"),
             ("--image", getattr(args, "image", None), "two-stage image-to-video is not done"),
             ("--serve", getattr(args, "serve", False) or None, "serving the two-stage run is "
-                                                                "not done"),
-            ("--dry_run", getattr(args, "dry_run", False) or None, "the two-stage dry run and "
-                                                                    "estimate are not done")):
+                                                                "not done")):
         if given is not None:
             fail(flag, given, f"not with --sr 2x for LTX-2 ({why})")
 
@@ -156,7 +159,10 @@ def validate(args, values: dict) -> TwoStageSettings:
 
     channels = ltx2.init_value(Vae, ltx2.configs(args.model_id)[1], "latent_channels")
     folder = args.sr_model_dir or os.path.join(args.model_id, FOLDER)
-    check_upsampler(folder, args.sr_model_dir, channels)
+    if args.sr_model_dir is None and args.dry_run and not os.path.isdir(folder):
+        folder = None  # a dry run of a shipped config compiles no upsampler (no weights)
+    else:
+        check_upsampler(folder, args.sr_model_dir, channels)
     sigmas = stage_2_sigmas()
     values["height"], values["width"] = values["height"] // 2, values["width"] // 2
     settings = TwoStageSettings(folder, 0, 0, sigmas, len(sigmas), sigmas[0])
@@ -311,10 +317,27 @@ def stage(config, pipe) -> TwoStage:
     return two
 
 
-def no_dry_stage(config):
-    """Unreachable: ``validate`` refuses ``--dry_run`` with ``--sr 2x``."""
-    raise UsageError("--sr=2x: the two-stage dry run is not done for LTX-2")
+class TwoStageDry:
+    """Stage 2 for ``--dry_run`` / ``--estimate`` (no weights; see ``engine.dry_run.fit``):
+    ``config`` (stage 2's ``RunConfig``), ``transformer_config`` (the checkpoint's: stage 2
+    runs the same transformer), ``step_fn``, ``abstract_inputs(cfg)``, ``estimate_config``
+    and ``assumed`` (False: nothing is assumed). The hand-off (the upsampler) is not compiled
+    or estimated here; the decode is compiled at the final size (``ltx2.empty_vae`` reads
+    ``config.upscale``)."""
+
+    assumed = False
+
+    def __init__(self, config):
+        self.first = config
+        self.config = self.estimate_config = second_config(config)
+        self.transformer_config = checkpoint_config(config.model.model_id, "transformer",
+                                                    ltx2.SHIPPED)
+        self.step_fn = ltx2.step_fn
+
+    def abstract_inputs(self, cfg: dict) -> dict:
+        """Stage 2's model inputs as ``jax.ShapeDtypeStruct``s (batch 1: no guidance)."""
+        return ltx2.abstract_model_inputs(cfg, self.config)
 
 
-UPSCALE = Upscale(choices=(CHOICE,), validate=validate, stage=stage, dry_stage=no_dry_stage,
+UPSCALE = Upscale(choices=(CHOICE,), validate=validate, stage=stage, dry_stage=TwoStageDry,
                   for_size=for_size)

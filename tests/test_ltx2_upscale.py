@@ -11,6 +11,7 @@ Checkpoints: the tiny LTX-2 checkpoint with the distilled scheduler
 128 x 128 final (stage 1 at 64 x 64: 2 x 2 latents, upsampled to 4 x 4), 9 frames.
 """
 
+import glob
 import json
 import os
 import subprocess
@@ -167,6 +168,32 @@ def test_sharded_two_stage_equals_one_device(checkpoint):
     np.testing.assert_allclose(eight, one, atol=SHARDED_ATOL)
 
 
+@pytest.mark.slow
+def test_dry_run_estimate_compiles_both_stages_and_the_final_decode(checkpoint, tmp_path):
+    """--dry_run --estimate --sr 2x (v5e:2x2, one block): stage 1's step at 64 x 64, stage
+    2's on its own mesh (3 steps, batch 1) and the decode at 128 x 128, both stages estimated
+    (~6 min wall on the loaded 2-core host, 1.5 min of CPU: slow tier)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "generate_flax.py"), "--model_id", checkpoint,
+         "--dry_run", "--estimate", "--topology", "v5e:2x2", "--dry_run_layers", "1",
+         "--height", "128", "--width", "128", "--frames", "9", "--sr", "2x",
+         "--output_dir", str(tmp_path), "--no_plots"],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = glob.glob(str(tmp_path / "*_dry_run.json"))
+    with open(path) as f:
+        report = json.load(f)
+    assert (report["settings"]["height"], report["settings"]["width"]) == (64, 64)
+    up = report["upscale"]
+    assert (up["height"], up["width"], up["steps"], up["version"]) == (128, 128, 3, "2x")
+    assert up["estimate"]["seconds_per_step"] > 0 and up["denoise_s"]["sr_stage"] > 0
+    rows = {row["program"]: row for row in report["per_chip"]}
+    assert "transformer step (SR)" in rows
+    decode = next(row for name, row in rows.items() if name.startswith("VAE decode"))
+    assert decode["output_bytes"] >= 3 * 9 * 128 * 128 * 4  # the final size's frames
+
+
 def _bad_upsampler(tmp_path, **changes):
     """A copy of a valid upsampler config with ``changes``, in a folder of its own."""
     folder = tmp_path / "up"
@@ -184,7 +211,6 @@ BAD = [
     (["--width", "160"], "--width=160", "must be a multiple of 64 with --sr 2x"),
     (["--sr_steps", "4"], "--sr_steps=4", "not with --sr 2x for LTX-2"),
     (["--sr_flow_shift", "3"], "--sr_flow_shift=3.0", "not with --sr 2x for LTX-2"),
-    (["--dry_run", "--topology", "v5e:2x2"], "--dry_run=True", "not with --sr 2x for LTX-2"),
     (["--stage", "denoise"], "--stage='denoise'", "staged runs are not supported"),
     ("missing", "--sr_model_dir=", "no readable latent upsampler config.json"),
     ("class", "--sr_model_dir=", "expected LTX2LatentUpsamplerModel"),
