@@ -12,6 +12,7 @@ local folder, a config shipped under ``configs/``, or the Hub).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from engine.files.checkpoint import read_model_index
 from engine.run.errors import UsageError, fail
@@ -144,4 +145,7 @@ def resolve_inputs(args, key: str, values: dict) -> tuple[dict | None, dict]:
     inputs = {name: getattr(args, name, None) for name in family.flags.inputs}
     if family.flags.check_inputs is None:
         return inputs, values
-    return family.flags.check_inputs(inputs, dict(values), args.model_id)
+    check = family.flags.check_inputs
+    # A check that reads other flags (--frames given or not, --stage) takes ``args``.
+    extra = {"args": args} if "args" in inspect.signature(check).parameters else {}
+    return check(inputs, dict(values), args.model_id, **extra)

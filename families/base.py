@@ -71,7 +71,9 @@ class Flags:
         them resolved (e.g. a probed video's info) with ``values`` (the resolved family flags)
         possibly changed (e.g. ``frames`` from the video). Raises ``UsageError`` in one line.
         None: the inputs pass as given. The resolved inputs reach the run as
-        ``config.video.inputs`` (None when the family declares none).
+        ``config.video.inputs`` (None when the family declares none). A check with a
+        keyword parameter ``args`` also gets the parsed command line (read-only: whether
+        ``--frames`` was given, ``--stage``, ``--image``...).
     ``defaults`` may also set "scan_layers" (the --scan_layers default; True when absent) and
     "overlap_compile" (what --overlap_compile auto becomes).
     """
@@ -126,6 +128,11 @@ class TextEncoding:
     embedding_names: the names ``encode_prompts`` returns (staged files hold these).
     check_embeddings(embeds, settings, cfg) -> error text or None.
     prepare_latents(pipe, config) -> float32 initial noise from ``config.video.seed``.
+    encoder_modules(pipe) -> {name: torch.nn.Module}: the loaded encoder modules the encode
+        functions call (text encoders, connectors, the image encoder), for
+        ``--text_encoder_device mesh`` (``engine.pipeline.text_device``: each one's forward
+        runs on the mesh, the encode functions unchanged); ``pipeline_modules`` builds one.
+        None: the family's encoders run on the CPU only.
     """
 
     load_pipeline: Callable
@@ -135,6 +142,7 @@ class TextEncoding:
     embedding_names: tuple[str, ...]
     check_embeddings: Callable
     prepare_latents: Callable
+    encoder_modules: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +260,13 @@ class ImageConditioning:
     finish_latents(latents, inputs) -> latents: applied to the final latents (a
         ``jax.Array``, with the placed model inputs) before the decode; the identity unless
         the pipeline edits them after its loop (TI2V-5B image-to-video).
+    wanted(config) -> whether the run computes conditioning with ``encode`` (default: an
+        ``--image`` was given); a family whose other inputs (``config.video.inputs``: a
+        source video) need an encode says so, and ``encode`` then gets ``image`` None.
+    start_latents(pipe, config, noise, embeds) -> float32 initial latents of a video from
+        its seeded noise (``TextEncoding.prepare_latents``) and its embeddings (the encoded
+        conditioning among them); the noise itself unless the pipeline starts elsewhere
+        (video-to-video: the source video's latents noised to the first kept timestep).
     """
 
     mode: Callable = lambda model_id: "none"
@@ -259,6 +274,8 @@ class ImageConditioning:
     names: tuple[str, ...] = ()
     size: Callable = lambda model_id, info: None
     finish_latents: Callable = lambda latents, inputs: latents
+    wanted: Callable = lambda config: config.video.image is not None
+    start_latents: Callable = lambda pipe, config, noise, embeds: noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +292,9 @@ class Scheduling:
     named_sigmas() -> {name: sigmas}: the names ``--sigmas`` takes besides a list (LTX-2:
         "distilled"); None: the family's pipeline takes no ``sigmas`` and ``--sigmas`` is
         refused. Given sigmas replace ``sigmas(n)`` (``engine.programs.denoise.run_sigmas``).
+    first_step(config) -> index into the ``num_inference_steps`` schedule of the first
+        timestep sampled (the scheduler's begin index): 0, or the cut of a pipeline that
+        starts part-way (diffusers' ``get_timesteps`` with ``strength``: video-to-video).
     """
 
     default_flow_shift: Callable
@@ -282,6 +302,7 @@ class Scheduling:
     names: tuple[str, ...] = ("euler",)
     make: Callable | None = None
     named_sigmas: Callable | None = None
+    first_step: Callable = lambda config: 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +374,16 @@ class ModelFamily:
     image: ImageConditioning = dataclasses.field(default_factory=ImageConditioning)
     upscale: Upscale | None = None
     chunks: Callable | None = None
+
+
+def pipeline_modules(*names: str) -> Callable:
+    """A ``TextEncoding.encoder_modules``: ``pipe -> {name: pipe.<name>}`` for each of
+    ``names`` the pipeline has loaded (not None)."""
+
+    def modules(pipe) -> dict:
+        return {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
+
+    return modules
 
 
 def checkpoint_config(model_id: str | None, subfolder: str, shipped: str,

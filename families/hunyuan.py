@@ -58,6 +58,7 @@ from families.base import (
     checkpoint_config,
     empty_model,
     init_value,
+    pipeline_modules,
 )
 from families.rope import apply_rope
 
@@ -822,6 +823,8 @@ FAMILY = ModelFamily(
         embedding_names=EMBEDDING_NAMES,
         check_embeddings=check_embeddings,
         prepare_latents=prepare_latents,
+        # Qwen2.5-VL, ByT5, SigLIP (I2V)
+        encoder_modules=pipeline_modules("text_encoder", "text_encoder_2", "image_encoder"),
     ),
     # No masks: its self-attention mixes text tokens into the video tokens. LoRA keys: official
     # (Tencent) or diffusers/PEFT, converted by families.hunyuan_lora.

@@ -103,6 +103,7 @@ from families.base import (
     checkpoint_config,
     empty_model,
     init_value,
+    pipeline_modules,
 )
 
 # The compression ratios and patch sizes are read from the checkpoint (``video_compression``,
@@ -482,6 +483,28 @@ def install_x64_ropes(transformer) -> None:
                 return _forward(*args, **kwargs)
 
         module.forward = x64
+
+
+ENCODER_MODULES = pipeline_modules("text_encoder", "connectors")  # Gemma 3, the connectors
+
+
+def encoder_modules(pipe) -> dict:
+    """Gemma 3 and ``LTX2TextConnectors`` (``--text_encoder_device mesh``), the connectors'
+    1-D RoPEs (``rope``: a float64 frequency grid, C:125) under ``jax.enable_x64`` as the
+    transformer's (traced without it, the embeddings moved by 0.23); eager torch (the CPU
+    path) is unaffected."""
+    modules = ENCODER_MODULES(pipe)
+    connectors = modules.get("connectors")
+    for name, module in connectors.named_modules() if connectors is not None else ():
+        if name.rsplit(".", 1)[-1] == "rope" and "forward" not in module.__dict__:
+            forward = module.forward
+
+            def x64(*args, _forward=forward, **kwargs):
+                with jax.enable_x64(True):
+                    return _forward(*args, **kwargs)
+
+            module.forward = x64
+    return modules
 
 
 # Each block's attentions other than the video self-attention: the text cross-attentions
@@ -1078,7 +1101,7 @@ FAMILY = ModelFamily(
     text=TextEncoding(load_pipeline=load_pipeline, encode_prompts=encode_prompts,
                       prompt_sides=prompt_sides, encode_text=encode_text,
                       embedding_names=EMBEDDING_NAMES, check_embeddings=check_embeddings,
-                      prepare_latents=prepare_latents),
+                      prepare_latents=prepare_latents, encoder_modules=encoder_modules),
     transformer=Transformer(
         empty=empty_transformer, num_heads=num_heads, flops=transformer_flops,
         self_attention_flops=self_attention_flops, model_inputs=model_inputs,

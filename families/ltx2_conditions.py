@@ -219,6 +219,11 @@ def encode(pipe, config) -> None:
                 generator=torch.Generator("cpu").manual_seed(0))
     except (ImportError, ValueError, OSError, RuntimeError) as e:
         raise GenerationError(f"--{NAME}: preparing the conditions failed ({e})") from None
+    g, r = pipe.geometry, cond.vae_temporal_compression_ratio
+    appended, counted = clean.shape[1] - g["video_tokens"], extra_tokens(config, g, r)
+    if appended != counted:  # the scheduler's shift and the packed layout use the count
+        raise GenerationError(f"--{NAME}: the pipeline appended {appended} keyframe tokens, "
+                              f"{counted} were counted")
     _ENCODED[_key(config)] = dict(mask=mask[..., 0].float().contiguous(),
                                   clean=clean.float().contiguous(), coords=coords,
                                   pipeline=cond)

@@ -29,9 +29,10 @@ import torch
 
 from custom_splash_attention import LocalMask
 from engine.files.checkpoint import expert_count, read_component_config, read_model_index
-from engine.run.errors import GenerationError, first_line
+from engine.files.image import read_image
+from engine.run.errors import GenerationError, fail, first_line
 from engine.weights.scan_layers import BlockStack
-from families import wan_attention, wan_sparse, wan_ti2v, wan_vae
+from families import wan_attention, wan_flf2v, wan_sparse, wan_ti2v, wan_v2v, wan_vae
 from families.base import (
     Checkpoint,
     Flags,
@@ -45,6 +46,7 @@ from families.base import (
     checkpoint_config,
     empty_model,
     init_value,
+    pipeline_modules,
 )
 
 # The VAE's compression (4x in time; 8x in space for Wan 2.1's VAE, 16x for Wan 2.2's) and
@@ -244,6 +246,48 @@ def sparse_policy(model_id: str, values: dict):
     f, h, w = latent_grid(vae_config(model_id), values["height"], values["width"],
                           values["frames"])
     return wan_sparse.policy(kind, f // pt, (h // ph) * (w // pw))
+
+
+def checkpoint_kind(model_id: str) -> str:
+    """"a14b" / "i2v-a14b" (Wan 2.2 two experts), "ti2v" (TI2V-5B), "i2v" (Wan 2.1 I2V or
+    FLF2V) or "t2v", from ``model_index.json``."""
+    index = read_model_index(model_id)
+    i2v = index.get("_class_name") == I2V_PIPELINE
+    if is_two_expert(index):
+        return "i2v-a14b" if i2v else "a14b"
+    return "ti2v" if index.get("expand_timesteps") else "i2v" if i2v else "t2v"
+
+
+# The Wan family's conditioning inputs besides --image (``Flags.inputs``). --video's spec is
+# the one every family declaring --video uses (VACE, Helios): metavar PATH, a str, None.
+INPUTS = {
+    "last_image": dict(metavar="PATH", help="first-and-last-frame video: the last frame (PNG, "
+                       "JPEG or WebP), with --image the first, on Wan 2.1 FLF2V-14B or Wan 2.2 "
+                       "I2V-A14B (diffusers' WanImageToVideoPipeline last_image; default: "
+                       "none, image-to-video)"),
+    "video": dict(metavar="PATH", help="the source video (any file PyAV opens; frames in "
+                  "order at its own rate): video-to-video on a Wan 2.1 T2V checkpoint "
+                  "(WanVideoToVideoPipeline); --frames defaults to its length rounded down "
+                  "to 4n+1 (default: none, text-to-video)"),
+    "strength": dict(type=float, metavar="S", help="video-to-video: the fraction of the "
+                     f"steps run from the noised source video, in (0, 1] (default "
+                     f"{wan_v2v.DEFAULT_STRENGTH}, the pipeline's)"),
+}
+
+
+def check_inputs(inputs: dict, values: dict, model_id: str, args=None) -> tuple[dict, dict]:
+    """``Flags.check_inputs``: ``--last_image`` (``families.wan_flf2v``), ``--video`` and
+    ``--strength`` (``families.wan_v2v``), each refused in one line before any model loads;
+    returns the inputs resolved (an ``ImageInfo``, a ``VideoInfo``, the strength) and
+    ``values`` with ``frames`` from the video when ``--frames`` is not given."""
+    kind = checkpoint_kind(model_id)
+    if inputs.get("video") is not None and inputs.get("last_image") is not None:
+        fail("--last_image", inputs["last_image"], "is image-to-video; --video is "
+             "video-to-video: give one")
+    cfg = read_component_config(model_id, "transformer") or {}
+    inputs = {**inputs, "last_image": wan_flf2v.check(inputs.get("last_image"), kind, cfg,
+                                                      args)}
+    return wan_v2v.check(inputs, values, kind, frame_step(model_id), args)
 
 
 def check_flags(values: dict) -> tuple[str, str] | None:
@@ -497,7 +541,7 @@ def prepare_latents(pipe, config):
                         dtype=torch.float32)
 
 
-IMAGE_NAMES = ("image_embeds", "condition", wan_ti2v.NAME)
+IMAGE_NAMES = ("image_embeds", "condition", wan_ti2v.NAME, wan_v2v.NAME)
 
 
 def encode_image(pipe, config, image, devices, resident: dict | None = None) -> dict:
@@ -509,10 +553,16 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
         "condition": (1, 4 + z_dim, F', h, w) float32: the first-frame mask (4 channels) and
             the normalised posterior mode of the VAE-encoded [image, zeros x (frames - 1)]
             video at output size (``prepare_latents``).
-        "image_embeds" (Wan 2.1 I2V only, ``image_encoder`` present): (1, 257, 1280) CLIP
-            penultimate hidden states in the model dtype (``encode_image``).
+        "image_embeds" (Wan 2.1 I2V only, ``image_encoder`` present): (n, 257, 1280) CLIP
+            penultimate hidden states in the model dtype (``encode_image``), n = 2 with a
+            last image (FLF2V: first and last, which the transformer views as one row of
+            514 tokens), else 1.
         "first_frame" (TI2V-5B only, in place of "condition"): (1, 48, 1, h, w) float32, the
             normalised posterior mode of the image alone (``families.wan_ti2v``).
+        "video_latents" (video-to-video, ``image`` None, only): ``families.wan_v2v.encode``.
+    With ``config.video.inputs["last_image"]`` (``--last_image``, ``families.wan_flf2v``) the
+    condition video is [image, zeros x (frames - 2), last image] with the mask on both ends,
+    as the pipeline's ``prepare_latents(..., last_image=...)`` builds it.
     The VAE encode of the whole conditioning video (TI2V-5B: of the image) runs on
     ``devices`` (``families.wan_vae.DeviceEncode``: chunked, width-sharded; about 3.8e14 FLOPs at
     720p x 81, minutes on a CPU; 34 s for TI2V-5B's one 704x1280 frame on a 2-core host), standing
@@ -521,11 +571,17 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
     ``resident["vae_encode"]``.
     """
     cpu = torch.device("cpu")
-    out = {}
+    encode = (resident or {}).get("vae_encode") or wan_vae.DeviceEncode(pipe.vae, devices)
+    if resident is not None:
+        resident["vae_encode"] = encode
+    if image is None:  # video-to-video: the source video's latents
+        return wan_v2v.encode(pipe, config, encode)
+    out, last = {}, (config.video.inputs or {}).get("last_image")
+    last = None if last is None else read_image(last)
     with torch.no_grad():
         if getattr(pipe, "image_encoder", None) is not None:
-            out["image_embeds"] = pipe.encode_image(image, cpu).to(
-                getattr(torch, config.model.dtype))
+            out["image_embeds"] = pipe.encode_image(image if last is None else [image, last],
+                                                    cpu).to(getattr(torch, config.model.dtype))
             if resident is None:  # CLIP ViT-H is 1.3 GB in float32; done with it
                 pipe.image_encoder = None
         video = pipe.video_processor.preprocess(image, height=config.video.height,
@@ -534,9 +590,10 @@ def encode_image(pipe, config, image, devices, resident: dict | None = None) -> 
         # the posterior mode), so any seed gives the same condition.
         args = (video, 1, pipe.vae.config.z_dim, config.video.height, config.video.width,
                 config.video.frames, torch.float32, cpu, torch.Generator("cpu").manual_seed(0))
-        encode = (resident or {}).get("vae_encode") or wan_vae.DeviceEncode(pipe.vae, devices)
-        if resident is not None:
-            resident["vae_encode"] = encode
+        if last is not None:  # prepare_latents' latents=None, last_image
+            args += (None, pipe.video_processor.preprocess(
+                last, height=config.video.height, width=config.video.width).to(cpu,
+                                                                               torch.float32))
         pipe.vae.encode = encode
         try:
             if pipe.config.expand_timesteps:  # TI2V-5B: the image alone (one frame)
@@ -564,7 +621,9 @@ def model_inputs(embeds: dict, config) -> dict:
     # WanImageToVideoPipeline passes them; one row per pass so they split over dp too.
     if "condition" in embeds:  # (B, 4 + z_dim, F', h, w)
         out["condition"] = embeds["condition"].to(dtype).repeat(x.shape[0], 1, 1, 1, 1)
-    if "image_embeds" in embeds:  # (B, 257, image_dim)
+    # (B x n, 257, image_dim): n images per pass (FLF2V: 2, first and last, adjacent rows,
+    # which the transformer views as (B, 514, image_dim); a dp shard holds whole pairs).
+    if "image_embeds" in embeds:
         out["encoder_hidden_states_image"] = embeds["image_embeds"].to(dtype).repeat(
             x.shape[0], 1, 1)
     if wan_ti2v.NAME in embeds:  # TI2V-5B: (B, z_dim, 1, h, w) float32, mixed in float32
@@ -595,9 +654,10 @@ def abstract_model_inputs(cfg: dict, config) -> dict:
     f, h, w = latent_grid(vae_config(config.model.model_id), v.height, v.width, v.frames)
     if extra:  # image-to-video: mask + condition channels (model_inputs)
         out["condition"] = jax.ShapeDtypeStruct((config.video.batch, extra, f, h, w), dtype)
-    if cfg.get("image_dim"):
+    if cfg.get("image_dim"):  # FLF2V: two images per pass (model_inputs)
         out["encoder_hidden_states_image"] = jax.ShapeDtypeStruct(
-            (config.video.batch, image_tokens(config.model.model_id), cfg["image_dim"]), dtype)
+            (config.video.batch * wan_flf2v.images_per_row(cfg),
+             image_tokens(config.model.model_id), cfg["image_dim"]), dtype)
     if not extra and config.video.image is not None:  # TI2V-5B with --image
         out[wan_ti2v.NAME] = jax.ShapeDtypeStruct(
             (config.video.batch, cfg["out_channels"], 1, h, w), jnp.float32)
@@ -724,7 +784,8 @@ FAMILY = ModelFamily(
                         "transformer": ("transformer", "transformer_2"), "vae": ("vae",)},
         optional_folders=("transformer_2", "image_encoder"),
     ),
-    flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags),
+    flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags,
+                inputs=INPUTS, check_inputs=check_inputs),
     sizes=Sizes(
         frame_step=frame_step,
         pixel_multiple=pixel_multiple,
@@ -739,6 +800,7 @@ FAMILY = ModelFamily(
         embedding_names=EMBEDDING_NAMES,
         check_embeddings=check_embeddings,
         prepare_latents=prepare_latents,
+        encoder_modules=pipeline_modules("text_encoder", "image_encoder"),  # UMT5, CLIP
     ),
     transformer=Transformer(
         empty=empty_transformer,
@@ -778,6 +840,9 @@ FAMILY = ModelFamily(
         names=IMAGE_NAMES,
         size=lambda model_id, info: None,  # the flags' (or family default) size
         finish_latents=wan_ti2v.finish,
+        # --video (video-to-video): the source video's encode, then its noised latents.
+        wanted=lambda config: config.video.image is not None or wan_v2v.is_wanted(config),
+        start_latents=wan_v2v.start_latents,
     ),
     scheduler=Scheduling(
         default_flow_shift=default_flow_shift,
@@ -785,5 +850,6 @@ FAMILY = ModelFamily(
         # WanPipeline's default is UniPC; Euler serves the few-step distilled LoRAs.
         names=("unipc", "euler"),
         make=make_scheduler,
+        first_step=wan_v2v.first_step,  # --strength's cut (video-to-video)
     ),
 )

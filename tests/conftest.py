@@ -81,6 +81,20 @@ def i2v_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def i2v_two_expert_checkpoint(tmp_path_factory):
+    """A tiny random Wan 2.2 I2V-A14B-style checkpoint: two experts, no CLIP."""
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-i2v", "--i2v",
+                  "--experts", "2", "--boundary_ratio", "0.9")
+
+
+@pytest.fixture(scope="session")
+def flf2v_checkpoint(tmp_path_factory):
+    """A tiny random Wan 2.1 FLF2V-style checkpoint (CLIP, pos_embed_seq_len for two images)."""
+    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan-flf2v", "--i2v",
+                  "--flf2v")
+
+
+@pytest.fixture(scope="session")
 def helios_checkpoint(tmp_path_factory):
     """A tiny random Helios-Base-style checkpoint (``HeliosPipeline``, ``HeliosScheduler``)."""
     return _build(tmp_path_factory, "make_tiny_helios_checkpoint.py", "tiny-helios")

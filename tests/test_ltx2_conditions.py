@@ -13,6 +13,8 @@ diffusers given the same ``LTX2VideoCondition`` list (CRF 33 as the tiny Gemma 3
 * ``keyframe``: an image at frame 9 (mid-video keyframe), strength 0.6; guidance off.
 * ``extension``: a 9-frame video at frame 0 (replaces latent frames 0 and 1), strength 1;
   the pipeline's default guidance (CFG + STG + modality passes).
+* ``video_keyframe``: the same video at frame 9, strength 0.8 (8 keyframe tokens appended,
+  two latent frames, no single-frame clamp on their RoPE time); guidance off.
 
 Refusals: one line, exit 2, no file, before anything loads.
 """
@@ -69,6 +71,7 @@ def _cases(paths) -> dict:
         "first_last": (CFG, [(paths["first"], 0, 1.0), (paths["last"], 17, 0.7)]),
         "keyframe": (OFF, [(paths["first"], 9, 0.6)]),
         "extension": ({}, [(paths["video"], 0, 1.0)]),
+        "video_keyframe": (OFF, [(paths["video"], 9, 0.8)]),
     }
 
 
@@ -127,7 +130,8 @@ def _flags(conditions) -> list:
 # each is a whole run and a diffusers run, 50-85 s on the busy 2-core host | [first_last]
 # keeps index 0, an appended keyframe at strength < 1 and CFG in CI.
 @pytest.mark.parametrize("case", ["first_last", pytest.param("keyframe", marks=pytest.mark.slow),
-                                  pytest.param("extension", marks=pytest.mark.slow)])
+                                  pytest.param("extension", marks=pytest.mark.slow),
+                                  pytest.param("video_keyframe", marks=pytest.mark.slow)])
 def test_conditions_match_diffusers(ltx2_checkpoint, inputs, case):
     """Final latents of both modalities, frames and waveform within test_ltx2's ATOL."""
     _check(ltx2_checkpoint, inputs, case, jax.devices()[:1])

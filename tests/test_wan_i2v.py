@@ -33,14 +33,6 @@ STEPS, SHIFT, SEED = 3, 5.0, 4
 LATENT_ATOL, FAR = 1e-4, 1e-2
 
 
-@pytest.fixture(scope="session")
-def i2v_two_expert_checkpoint(tmp_path_factory):
-    from conftest import _build
-
-    return _build(tmp_path_factory, "make_tiny_checkpoint.py", "tiny-wan22-i2v", "--i2v",
-                  "--experts", "2", "--boundary_ratio", "0.9")
-
-
 def _reference(checkpoint, image_path, output_type="np", **kw):
     """diffusers' WanImageToVideoPipeline.__call__, eager float32 PyTorch on CPU: its frames,
     or with ``output_type="latent"`` its final latents (float32 numpy)."""

@@ -28,6 +28,12 @@ Image-to-video layouts (``WanImageToVideoPipeline``):
                                      ``added_kv_proj_dim``) and a tiny CLIP vision encoder
                                      with its ``CLIPImageProcessor``.
     --i2v --experts 2                Wan 2.2 I2V-A14B style: two experts, no CLIP.
+    --i2v --flf2v                    Wan 2.1 FLF2V-14B style: as --i2v, with the image
+                                     embedding's learned positions for two images
+                                     (``pos_embed_seq_len`` = 2 x the CLIP tokens, 2 x 257 in
+                                     Wan2.1-FLF2V-14B-720P-diffusers; diffusers' conversion
+                                     script), drawn at random here (diffusers initialises them
+                                     to zeros, which would hide a missing position add).
 
 The Wan 2.1 I2V transformer file also carries ``attn2.norm_added_q`` tensors the model does
 not have (some published Wan I2V checkpoints do; diffusers skips them through
@@ -73,8 +79,10 @@ An astronaut rides a horse on the moon, photorealistic, wide angle lens.
 """
 
 
-# Hidden size of the tiny CLIP vision encoder (ViT-H/14's is 1280).
+# Hidden size of the tiny CLIP vision encoder (ViT-H/14's is 1280), and its tokens per image:
+# (image_size 32 / patch_size 8)^2 patches and the class token (ViT-H/14 at 224 px: 257).
 CLIP_DIM = 24
+CLIP_TOKENS = (32 // 8) ** 2 + 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,13 +106,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--i2v", action="store_true",
                    help="image-to-video layout (WanImageToVideoPipeline): Wan 2.1 I2V with "
                         "CLIP, or with --experts 2 Wan 2.2 I2V-A14B")
+    p.add_argument("--flf2v", action="store_true",
+                   help="with --i2v: Wan 2.1 FLF2V-14B layout (pos_embed_seq_len for a first "
+                        "and a last image)")
     p.add_argument("--force", action="store_true", help="rebuild even if --output exists")
     p.add_argument("--train_vocab", metavar="FILE",
                    help="instead of a checkpoint, train the T5 Unigram vocabulary on the "
                         "built-in corpus and write it to FILE (the committed one is "
                         "tools/tiny_t5_vocab.json; scores may differ in the last digit "
                         "between trainings) (default: none, build a checkpoint)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.flf2v and not (args.i2v and args.experts == 1):
+        p.error("--flf2v is a Wan 2.1 image-to-video layout: needs --i2v without --experts 2")
+    return args
 
 
 def build_tokenizer(vocab_path: str = VOCAB):
@@ -250,6 +264,8 @@ def build_pipeline(args: argparse.Namespace):
     clip = args.i2v and args.experts == 1
     image_kw = dict(image_dim=CLIP_DIM, added_kv_proj_dim=args.heads * args.head_dim) \
         if clip else {}
+    if clip and args.flf2v:  # two images of CLIP_TOKENS each (Wan2.1-FLF2V: 2 x 257 = 514)
+        image_kw["pos_embed_seq_len"] = 2 * CLIP_TOKENS
 
     def new_transformer():
         return WanTransformer3DModel(
@@ -269,6 +285,9 @@ def build_pipeline(args: argparse.Namespace):
         ).eval()
 
     transformer = new_transformer()
+    if clip and args.flf2v:  # its own generator: the other layouts' weights stay as they were
+        pos = transformer.condition_embedder.image_embedder.pos_embed
+        pos.data = torch.randn(pos.shape, generator=torch.Generator().manual_seed(args.seed + 2))
     # The low-noise expert: same architecture, its own random weights (drawn after the first's).
     transformer_2 = new_transformer() if args.experts == 2 else None
     vae = build_vae(args)
@@ -303,7 +322,8 @@ def main(argv=None) -> int:
         add_ignored_keys(out)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     kind = ("Wan 2.2 two-expert" if args.experts == 2 else "Wan 2.2 TI2V-style" if args.ti2v
-            else "Wan 2.1") + (" image-to-video" if args.i2v else "")
+            else "Wan 2.1") + (" first-and-last-frame" if args.flf2v else
+                               " image-to-video" if args.i2v else "")
     print(f"wrote tiny {kind} checkpoint to {out} (transformer: {n_params:,} parameters"
           + (", twice" if args.experts == 2 else "") + ")")
     return 0

@@ -20,6 +20,7 @@ from engine.files import embeddings_cache, staging
 from engine.files import report as reporting
 from engine.pipeline import ahead as aheads
 from engine.pipeline import prologue as prologues
+from engine.pipeline import text_device
 from engine.pipeline.stages import (
     encode,
     encode_image,
@@ -80,7 +81,8 @@ class Generation:
         if self.cache is not None:
             self.cached = [self.cache.load_video(for_video(self.config, v))
                            for v in self.video_list]
-            if self.config.video.image is None and all(e is not None for e in self.cached):
+            if not self.family.image.wanted(self.config) and all(
+                    e is not None for e in self.cached):
                 skip = embeddings_cache.encoder_components(self.family)
         self.pipe, self.timings["read_s"] = self.start.load(skip)
         if self.cache is not None:
@@ -88,22 +90,27 @@ class Generation:
                                                    text_encoder_loaded=not skip)
 
     def encode(self) -> None:
-        """Every video's prompt embeddings (and the image conditioning) on the CPU, the
-        encoders freed after; a staged denoise takes its staged embeddings instead."""
+        """Every video's prompt embeddings (and the image conditioning) on the CPU (or, with
+        ``--text_encoder_device mesh``, the encoders' forwards on the mesh:
+        ``engine.pipeline.text_device``), the encoders freed after; a staged denoise takes
+        its staged embeddings instead."""
         stage = self.config.run.stage
         self.began = time.time()  # every video's prompt enters the run here
         self.embeds = self.staged if stage == "denoise" else [None] * len(self.video_list)
         if stage not in ("all", "encode"):
             return
+        # --text_encoder_device mesh: the encoders' forwards on the mesh until finish
+        encoders = text_device.start(self.pipe, self.family, self.config, self.mesh, self.report)
         self.embeds, self.timings["text_encode_s"], hits = encode(
             self.pipe, self.config, self.family, self.video_list, self.cached, self.cache)
         if self.cache is not None:
             self.report["embeddings_cache"]["videos"] = [
                 dict(video=0 if v is None else v.label, hit=h)
                 for v, h in zip(self.video_list, hits, strict=True)]
-        if self.config.video.image is not None:
+        if self.family.image.wanted(self.config):
             self.embeds, self.timings["image_encode_s"] = encode_image(
                 self.pipe, self.config, self.family, self.embeds, self.start.devices)
+        text_device.finish(encoders)
 
     def save_encoded(self) -> dict:
         """``--stage encode``: each video's embeddings into ``--work_dir``; the report."""

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from engine.files.checkpoint import read_component_config
+from engine.pipeline import text_device
 from engine.run import chips, runtime
 from engine.run.config import RunConfig, resolve_attention_backend
 from engine.weights import quantize
@@ -75,7 +76,9 @@ def start(config: RunConfig, family, devices=None) -> Prologue:
     Raises:
         UsageError: a mesh flag that does not fit (``resolve_mesh``); an ``--attention``
             backend this platform lacks (``resolve_attention_backend``); a ``--quantize``
-            scheme the devices do not run at an 8-bit rate (``quantize.check_scheme``).
+            scheme the devices do not run at an 8-bit rate (``quantize.check_scheme``);
+            ``--text_encoder_device mesh`` where the encoders do not fit
+            (``text_device.plan``).
         GenerationError: the attention kernel failed its self-check.
     """
     runtime.configure_jax_platform()
@@ -89,6 +92,7 @@ def start(config: RunConfig, family, devices=None) -> Prologue:
                           quantize.eight_bit_for(chip and chip.name, devices[0]))
     config = config.resolve_block_sizes(chip.name if chip else None)
     mesh_shape = resolve_mesh(config, family, len(devices), chip)
+    text_device.plan(config, family, devices, chip)  # --text_encoder_device mesh: fits?
     self_check = None
     if config.run.stage in ("all", "denoise"):
         self_check = runtime.check_attention_kernel(

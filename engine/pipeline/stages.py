@@ -79,10 +79,12 @@ def encode(pipe, config: RunConfig, family, videos, cached: list | None = None, 
 
 
 def encode_image(pipe, config: RunConfig, family, embeds: list, devices):
-    """The image conditioning (``family.image.encode``), computed once and joined to every
-    video's embeddings: (embeds, seconds)."""
+    """The image conditioning (``family.image.encode``; the image None when the family
+    wants an encode of other inputs, ``family.image.wanted``), computed once and joined to
+    every video's embeddings: (embeds, seconds)."""
     t0 = time.perf_counter()
-    cond = family.image.encode(pipe, config, read_image(config.video.image), devices)
+    image = None if config.video.image is None else read_image(config.video.image)
+    cond = family.image.encode(pipe, config, image, devices)
     return [{**e, **cond} for e in embeds], time.perf_counter() - t0
 
 
@@ -94,7 +96,7 @@ NOT_PROGRAM_SETTINGS = ("prompt", "negative_prompt", "seed", "seeds", "prompts_f
                         "save_frames", "compilation_cache_dir", "executable_cache_dir",
                         "embeddings_cache", "profile_dir", "verbose", "coordinator_address",
                         "num_processes", "process_id", "serve", "fps", "image", "model_id",
-                        "lora", "lora_2", "stage", "overlap_compile",
+                        "lora", "lora_2", "stage", "overlap_compile", "text_encoder_device",
                         # the dry run's own options (--aot_export writes entries for a run)
                         "dry_run", "topology", "dry_run_layers", "dry_run_skip_vae",
                         "dry_run_exact_convs", "estimate", "aot_export")
@@ -155,7 +157,8 @@ def _prepare_programs(config, family, pipe, mesh, embeds, staged, attention, fal
                                               inputs, timings, second, ahead)
         parts.update(step=step, scheduler_config=pipe.scheduler.config, embeds=inputs,
                      sigmas=run_sigmas(config, family), cache=cache,
-                     finish=family.image.finish_latents)
+                     finish=family.image.finish_latents,
+                     first_step=family.scheduler.first_step(config))
         if family.chunks is not None:  # Helios: its chunk loop on this step (and others)
             parts["chunks"] = family.chunks(config, pipe, embeds, step, _compile_for(
                 config, family, placed, mesh, inputs, timings))
@@ -206,7 +209,8 @@ def place_model_inputs(config, family, pipe, embeds: dict, mesh):
     streamed to their shardings. Every host encoded the prompt and drew the noise itself
     (no broadcast), so the hosts' copies of one global array must agree: checked."""
     inputs = family.transformer.model_inputs(embeds, config)
-    latents = family.text.prepare_latents(pipe, config)
+    latents = family.image.start_latents(pipe, config, family.text.prepare_latents(pipe, config),
+                                         embeds)
     for name, x in {**inputs, "initial latents": latents}.items():
         runtime.check_same_on_every_host(name, placement.host_array(x))
     # Placed explicitly: torchax does not shard inputs by itself, and an earlier port

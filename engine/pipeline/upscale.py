@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from torchax import interop
 
 from engine.files.checkpoint import read_component_config
+from engine.pipeline import text_device
 from engine.programs import executables, transformer_step
 from engine.programs.denoise import Programs, Upscale, set_timesteps, timestep_array
 from engine.run import chips
@@ -43,7 +44,8 @@ FLAGS = ("sr_model_dir", "sr_steps", "sr_flow_shift")
 
 
 def add_flags(parser) -> None:
-    """``--sr`` and its stage's flags, in their own help group."""
+    """``--sr`` and its stage's flags, in their own help group; and
+    ``--text_encoder_device`` in its own (``engine.pipeline.text_device.add_flags``)."""
     g = parser.add_argument_group("super-resolution: a second stage after the first "
                                   "(docs/features.md)")
     g.add_argument("--sr", default="none", choices=("none", "720p", "1080p", "2x"),
@@ -59,6 +61,8 @@ def add_flags(parser) -> None:
                    help="SR denoising steps (default: the SR checkpoint's)")
     g.add_argument("--sr_flow_shift", type=float, default=None,
                    help="the SR schedule's flow shift (default: the SR checkpoint's)")
+    # generate_flax.py is at its line cap: the encoders' flag is declared from here.
+    text_device.add_flags(parser)
 
 
 def validate_flags(args, family, values: dict, serve=None):

@@ -50,6 +50,9 @@ class Programs:
         image-to-video puts the image's latents back on frame 0).
     upscale: ``Upscale``: a second denoising stage on a larger grid run after ``finish``
         (``--sr``), or None; the decode then takes its latents.
+    first_step: the index of the first sampled timestep in the ``num_inference_steps``
+        schedule, the scheduler's begin index (the family's ``Scheduling.first_step``:
+        video-to-video's strength cut); the loop runs the timesteps from there.
     chunks: a family's chunk loop (``families.base.ModelFamily.chunks``: Helios), or None;
         when set it runs in place of the denoising loop and the decode (``run_chunks``).
     """
@@ -63,6 +66,7 @@ class Programs:
     cache: Any = None
     finish: Callable | None = None
     upscale: Any = None
+    first_step: int = 0
     chunks: Any = None
 
 
@@ -147,7 +151,7 @@ def denoise_step(step, scheduler, latents, t_torch, t, embeds, index: int | None
 
 
 def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_times=None,
-            on_step=None):
+            on_step=None, begin: int = 0):
     """Run the sampling loop: one compiled model call plus one scheduler step per timestep.
 
     Latents stay float32 between steps, as in diffusers' pipelines.
@@ -167,11 +171,13 @@ def denoise(step, scheduler, latents, timesteps, embeds, *, desc: str, step_time
             then no longer overlaps the device's work, a few ms per step).
         on_step: optional ``f(steps done)`` after each step (a server's progress); with
             ``step_times`` the step is then finished on the device.
+        begin: the index of ``timesteps[0]`` in the scheduler's schedule (its begin index;
+            ``Programs.first_step``).
 
     Returns:
         final latents, float32 ``jax.Array`` (not yet synchronised).
     """
-    scheduler.set_begin_index(0)
+    scheduler.set_begin_index(begin)
     for i, (t_torch, t) in enumerate(tqdm(timesteps, desc=desc, leave=False)):
         t0 = time.perf_counter()
         latents = denoise_step(step, scheduler, latents, t_torch, t, embeds, index=i)
@@ -196,9 +202,11 @@ def decode(vae_decode, latents):
 
 
 def _fresh_loop(programs: Programs, num_inference_steps: int, limit: int | None = None):
-    """(scheduler, timesteps) for one sampling loop, built before its clock starts."""
+    """(scheduler, timesteps) for one sampling loop, built before its clock starts: the
+    schedule from ``programs.first_step`` (its first ``limit`` steps, for the warmup)."""
     scheduler, timesteps = new_scheduler(programs.scheduler_config, num_inference_steps,
                                          programs.timesteps_sharding, programs.sigmas)
+    timesteps = timesteps[programs.first_step:]
     return scheduler, timesteps[:limit] if limit is not None else timesteps
 
 
@@ -218,7 +226,8 @@ def _denoise_now(programs: Programs, loop, latents0, *, desc: str, call=None,
                  step_times=None, on_step=None):
     scheduler, timesteps = loop
     latents = denoise(call or programs.step, scheduler, latents0, timesteps, programs.embeds,
-                      desc=desc, step_times=step_times, on_step=on_step)
+                      desc=desc, step_times=step_times, on_step=on_step,
+                      begin=programs.first_step)
     if programs.finish is not None:
         latents = programs.finish(latents, programs.embeds)
     latents.block_until_ready()
@@ -320,7 +329,7 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
             latents = _denoise_now(programs, loop, latents0, desc=label, call=call,
                                    step_times=step_times, on_step=on_step)
             run["denoise_s"] = time.perf_counter() - t0
-            run["s_per_step"] = run["denoise_s"] / num_inference_steps
+            run["s_per_step"] = run["denoise_s"] / (num_inference_steps - programs.first_step)
             run["step_seconds"] = step_times
             if cache is not None:
                 run.update(_cache_step_times(call.kinds, step_times),
@@ -389,8 +398,8 @@ def profile_step(profile_dir: str, programs: Programs, latents0, *,
     p = programs
     scheduler, steps = new_scheduler(p.scheduler_config, num_inference_steps,
                                      p.timesteps_sharding, p.sigmas)
-    scheduler.set_begin_index(0)
-    steps = steps[:2]
+    scheduler.set_begin_index(p.first_step)
+    steps = steps[p.first_step:][:2]
     latents = latents0
     if len(steps) == 2:
         latents = denoise_step(p.step, scheduler, latents, *steps[0], p.embeds)

@@ -137,8 +137,9 @@ class RunSettings:
     """The process's work and its outputs: the stage and its folders, the benchmark protocol
     (warmup, timed iterations, profile), the persistent compile cache, the videos of
     --prompts_file / --seeds (``engine.files.videos.Video``s), what is written, and the VAE
-    decode's tiling, ``--park_weights`` (``engine.programs.parking``) and ``--park_memory``
-    (``engine.weights.layout.idle_expert_memory``)."""
+    decode's tiling, ``--park_weights`` (``engine.programs.parking``), ``--park_memory``
+    (``engine.weights.layout.idle_expert_memory``) and ``--text_encoder_device``
+    (``engine.pipeline.text_device``)."""
 
     stage: str
     work_dir: str
@@ -159,6 +160,7 @@ class RunSettings:
     executable_cache_dir: str = "none"
     embeddings_cache: str = "none"
     overlap_compile: str = "off"
+    text_encoder_device: str = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
