@@ -95,17 +95,10 @@ def flf2v_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def helios_checkpoint(tmp_path_factory):
-    """A tiny random Helios-Base-style checkpoint (``HeliosPipeline``, ``HeliosScheduler``)."""
-    return _build(tmp_path_factory, "make_tiny_helios_checkpoint.py", "tiny-helios")
-
-
-@pytest.fixture(scope="session")
-def helios_distilled_checkpoint(tmp_path_factory):
-    """A tiny random Helios-Distilled-style checkpoint (``HeliosPyramidPipeline``,
-    ``is_distilled``, ``HeliosDMDScheduler``)."""
-    return _build(tmp_path_factory, "make_tiny_helios_checkpoint.py", "tiny-helios-distilled",
-                  "--distilled")
+def vace_checkpoint(tmp_path_factory):
+    """A tiny random Wan VACE checkpoint (``WanVACEPipeline``: 4 layers, VACE blocks at 0
+    and 2, 96 control channels), tools/make_tiny_vace_checkpoint.py."""
+    return _build(tmp_path_factory, "make_tiny_vace_checkpoint.py", "tiny-wan-vace")
 
 
 @pytest.fixture

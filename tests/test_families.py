@@ -63,7 +63,8 @@ def test_unknown_pipeline_class_is_one_line_listing_the_supported_ones(tmp_path)
     with pytest.raises(UsageError, match="pipeline class 'FooPipeline' is not supported "
                                          r"\(supported: WanPipeline, WanImageToVideoPipeline, "
                                          r"HunyuanVideo15Pipeline, "
-                                         r"HunyuanVideo15ImageToVideoPipeline, LTX2Pipeline\)"):
+                                         r"HunyuanVideo15ImageToVideoPipeline, LTX2Pipeline, "
+                                         r"WanVACEPipeline\)"):
         families.detect_family(str(folder))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate_flax.py"),
