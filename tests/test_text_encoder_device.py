@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchax import interop
+from torchax.ops import ops_registry
 
 import generate_flax
 from engine.pipeline import generate, prologue, text_device
@@ -84,6 +86,54 @@ def _on_mesh(pipe, family, config, mesh, encode, names: tuple):
             assert stats["bytes_per_device"] < stats["bytes"], (name, stats)
         assert "forward" not in modules[name].__dict__
     return out, entry
+
+
+def test_encoding_attention_is_torchs_sdpa_inside_its_scope_only(torchax_env):
+    """The encoders' SDPA against torch's own CPU SDPA (the reference): grouped keys
+    (``enable_gqa``, as transformers passes it without a mask), a boolean mask with a fully
+    masked query row (torch gives zeros there) and an additive one. Outside the scope the
+    previous definition runs: torchax's own gives NaN on the empty row."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((1, 4, 6, 8), (1, 2, 6, 8),
+                                                                (1, 2, 6, 8)))
+    mask = torch.rand((1, 1, 6, 6), generator=g) > 0.4
+    mask[0, 0, 2] = False  # query 2 sees no key
+    additive = torch.randn((1, 1, 6, 6), generator=g)
+    cases = [dict(enable_gqa=True), dict(attn_mask=mask, enable_gqa=True),
+             dict(attn_mask=additive, enable_gqa=True)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # torchax's own SDPA outside the scope, whatever an earlier test installed (the fixture
+    # restores that after)
+    torchax_env._ops[sdpa] = ops_registry.all_torch_functions[sdpa]
+
+    def traced(scoped: bool, kwargs: dict, k=k, v=v):
+        def fn(q, k, v, m):
+            token = text_device._ENCODING.set(scoped)
+            try:
+                return sdpa(q, k, v, **({**kwargs, "attn_mask": m} if m is not None
+                                        else kwargs))
+            finally:
+                text_device._ENCODING.reset(token)
+
+        m = kwargs.get("attn_mask")
+        arrays = [jax.numpy.asarray(x.numpy()) for x in (q, k, v)]
+        out = jax.jit(interop.jax_view(fn))(*arrays, None if m is None else
+                                            jax.numpy.asarray(m.numpy()))
+        return torch.from_numpy(np.array(out))
+
+    attention = text_device.EncodingAttention()
+    try:
+        for kwargs in cases:
+            want = sdpa(q, k, v, **kwargs)
+            got = traced(True, kwargs)
+            assert (got - want).abs().max().item() <= 1e-6, kwargs
+        assert torch.equal(sdpa(q, k, v, **cases[1])[0, :, 2], torch.zeros(4, 8))
+        outside = traced(False, dict(attn_mask=mask), k.repeat_interleave(2, 1),
+                         v.repeat_interleave(2, 1))  # torchax's own SDPA
+        assert torch.isnan(outside[0, :, 2]).all()
+    finally:
+        attention.restore()
+    assert torchax_env._ops.get(sdpa) is attention.previous
 
 
 TEXTS = ("a red fox in the snow", 'a sign that reads "OPEN"')
