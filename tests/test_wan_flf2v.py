@@ -80,9 +80,9 @@ def _assert_latents(ours, want, again):
 
 def test_wan21_flf2v_matches_diffusers(flf2v_checkpoint, last_frame, tmp_path):
     """Both images through CLIP (two rows of 17 tokens, viewed as one row of 34 with the
-    learned positions), the [first, zeros, last] condition with the mask on both ends:
-    1 device and dp2 (each dp shard holds its pass's pair of image rows) equal diffusers'
-    eager pipeline; the report names the last image; another last image moves the video."""
+    learned positions), the [first, zeros, last] condition with the mask on both ends equal
+    diffusers' eager pipeline; the report names the last image; another last image moves
+    the video."""
     flags = ["--guidance_scale", "5"]
     want = _reference(flf2v_checkpoint, last_frame, guidance_scale=5.0)
     one, report = latents_of(_ours, flf2v_checkpoint, last_frame, flags,
@@ -93,15 +93,24 @@ def test_wan21_flf2v_matches_diffusers(flf2v_checkpoint, last_frame, tmp_path):
         _reference(flf2v_checkpoint, last_frame, guidance_scale=5.0)))
     recorded = report["settings"]["inputs"]["last_image"]
     assert recorded["path"] == os.path.abspath(last_frame) and len(recorded["sha256"]) == 64
-    dp2, report2 = latents_of(_ours, flf2v_checkpoint, last_frame, flags + ["--dp", "2"],
-                              devices=jax.devices()[:2])
-    assert report2["mesh"]["dp"] == 2
-    np.testing.assert_allclose(dp2, want, atol=LATENT_ATOL, rtol=0)
     other = str(tmp_path / "other.png")
     ImageOps.flip(Image.open(last_frame)).save(other)
     moved = latents_of(_ours, flf2v_checkpoint, other, flags, devices=jax.devices()[:1])[0]
     print("another last image: latents max |d|", np.abs(moved - want).max())
     assert np.abs(moved - want).max() > FAR
+
+
+def test_wan21_flf2v_dp2_matches_diffusers(flf2v_checkpoint, last_frame):
+    """dp2 on 2 devices: each dp shard holds its CFG pass's pair of image rows (the
+    transformer views adjacent rows as one), so the split keeps the pairs. (2 devices, not
+    8: the width-sharded VAE encode cannot split this 32-pixel-wide tiny video 8 ways.)"""
+    flags, two = ["--guidance_scale", "5", "--dp", "2"], jax.devices()[:2]
+    want = _reference(flf2v_checkpoint, last_frame, guidance_scale=5.0)
+    ours, report = latents_of(_ours, flf2v_checkpoint, last_frame, flags, devices=two)
+    assert report["mesh"] == {"dp": 2, "tp": 1, "sp": 1} and report["fallbacks"] == []
+    _assert_latents(ours, want, again=lambda: (
+        latents_of(_ours, flf2v_checkpoint, last_frame, flags, devices=two)[0],
+        _reference(flf2v_checkpoint, last_frame, guidance_scale=5.0)))
 
 
 def test_wan22_i2v_two_experts_flf2v_matches_diffusers(i2v_two_expert_checkpoint, last_frame):
