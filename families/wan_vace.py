@@ -39,7 +39,7 @@ from engine.files.checkpoint import read_model_index
 from engine.files.image import check_image, read_image
 from engine.files.video_input import probe_video, read_video
 from engine.run.errors import GenerationError, fail, first_line
-from families import wan, wan_attention, wan_vae
+from families import wan, wan_attention, wan_v2v, wan_vae
 from families.base import (
     Checkpoint,
     Flags,
@@ -122,23 +122,23 @@ def fitted_size(height: int, width: int, run_height: int, run_width: int,
     return h // base * base, w // base * base
 
 
-def _check_video(path: str, values: dict, model_id: str):
-    """``--video`` probed: at least ``frames`` frames, and a size the pipeline brings to the
-    run's exactly (else its control latents are smaller than the noise and the transformer
-    zero-pads them at the end of the token sequence: a silent misalignment)."""
+def _check_video(path: str, values: dict, model_id: str, args):
+    """``--video`` probed: ``values`` with the run's frames (the video's length rounded down
+    to 4n + 1 unless ``--frames`` is given, as video-to-video: ``wan_v2v``), at least that
+    many frames (a longer video is cut, with a line saying so), and a size the pipeline
+    brings to the run's exactly (else its control latents are smaller than the noise and the
+    transformer zero-pads them at the end of the token sequence: a silent misalignment).
+    Returns (info, values)."""
     info = probe_video(path, "--video")
-    frames, height, width = values["frames"], values["height"], values["width"]
-    if info.frames < frames:
-        fail("--video", path, f"has {info.frames} frames, the run needs --frames {frames}")
+    values = wan_v2v._frames(info, values, wan.frame_step(model_id), args)
+    height, width = values["height"], values["width"]
     base = wan.pixel_multiple(model_id)
     got = fitted_size(info.height, info.width, height, width, base)
     if got != (height, width):
         fail("--video", path, f"its {info.width}x{info.height} frames become {got[1]}x{got[0]}"
              f" in WanVACEPipeline, not the run's {width}x{height}: give a video of the "
              "run's aspect ratio and at least its size, or set --width/--height to match")
-    if info.frames > frames:
-        print(f"--video: using the first {frames} of its {info.frames} frames")
-    return info
+    return info, values
 
 
 def _check_mask(path: str, video, values: dict):
@@ -160,21 +160,24 @@ def _check_mask(path: str, video, values: dict):
     return info
 
 
-def check_inputs(inputs: dict, values: dict, model_id: str) -> tuple[dict, dict]:
+def check_inputs(inputs: dict, values: dict, model_id: str, args=None) -> tuple[dict, dict]:
     """``Flags.check_inputs``: every input file checked and probed before any model loads.
 
     Returns ({"video": VideoInfo or None, "mask": VideoInfo / ImageInfo or None,
     "reference_image": [ImageInfo] or None, "conditioning_scale": [float] per VACE layer},
-    values), ``values["guidance_scale_2"]`` the run's ``guidance_scale`` on a two-expert
-    checkpoint without ``--guidance_scale_2``, as ``WanVACEPipeline.__call__`` defaults it
-    (pipeline_wan_vace.py:847-848).
+    values): ``values["frames"]`` from ``--video`` when ``--frames`` is not given (``args``:
+    the parsed command line; None counts as not given); ``values["guidance_scale_2"]`` the
+    run's ``guidance_scale`` on a two-expert checkpoint without ``--guidance_scale_2``, as
+    ``WanVACEPipeline.__call__`` defaults it (pipeline_wan_vace.py:847-848).
 
     Raises:
         UsageError: one line: an unreadable file, a video or mask shorter than ``--frames``
             or of another size than the run's, a mask without a video, a bad scale.
     """
     layers = len(vace_layers(transformer_config(model_id)))
-    video = inputs.get("video") and _check_video(inputs["video"], values, model_id)
+    video = None
+    if inputs.get("video"):
+        video, values = _check_video(inputs["video"], values, model_id, args)
     mask = inputs.get("mask") and _check_mask(inputs["mask"], video, values)
     refs = [check_image(p, "--reference_image") for p in inputs.get("reference_image") or []]
     if "guidance_scale_2" in checkpoint_defaults(model_id) and values.get(

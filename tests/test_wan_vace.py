@@ -330,8 +330,21 @@ def test_dry_run_compiles_the_vace_step(vace_checkpoint, inputs, tmp_path):
     assert "transformer step" in json.dumps(report)
 
 
+def test_frames_default_to_the_video_length(vace_checkpoint, inputs, capsys):
+    """Without --frames a 7-frame --video gives 5 frames (4n + 1, rounded down) and says
+    it cuts the video; --frames 1 takes the first frame."""
+    args = _args(vace_checkpoint, ["--video", inputs["video"]])
+    i = args.index("--frames")
+    del args[i:i + 2]
+    config = generate_flax.validate_args(generate_flax.parse_args(args))
+    assert config.video.frames == 5 and config.video.inputs["video"].frames == 7
+    assert "has 7 frames; using the first 5" in capsys.readouterr().out
+    config = generate_flax.validate_args(generate_flax.parse_args(args + ["--frames", "1"]))
+    assert config.video.frames == 1
+
+
 @pytest.mark.parametrize("case, expect", [
-    (dict(video="short"), "has 3 frames, the run needs --frames 5"),
+    (dict(video="short"), "has 3 frames, fewer than --frames 5"),
     (dict(video="square"), "frames become 32x32 in WanVACEPipeline, not the run's 64x32"),
     (dict(video="broken"), "not a video PyAV can open"),
     (dict(video="video", mask="mask_small"), "is 32x16, --video is 64x32: they must match"),
