@@ -48,6 +48,10 @@ def check(path: str | None, kind: str, cfg: dict, args) -> ImageInfo | None:
             frame, a last frame without a first, an FLF2V checkpoint without one).
     """
     image = getattr(args, "image", None)
+    if cfg.get("pos_embed_seq_len") and getattr(args, "serve", False):
+        fail("--serve", True, "this checkpoint's image embedding takes two images per job "
+             f"(pos_embed_seq_len {cfg['pos_embed_seq_len']}); the server takes one "
+             "(input_reference) and no last frame yet")
     if path is None:
         encodes = args is not None and image is not None and args.stage in ("all", "encode")
         if cfg.get("pos_embed_seq_len") and encodes:

@@ -161,6 +161,8 @@ def test_refusals_are_one_line(flf2v_checkpoint, i2v_checkpoint, tiny_checkpoint
     assert code == 2 and "error: --image=None: " in line, line
     code, line = _refused(capsys, tmp_path, base(flf2v_checkpoint, str(tmp_path / "no.png")))
     assert code == 2 and "no.png" in line and "file not found" in line, line
+    code, line = _refused(capsys, tmp_path, ["--model_id", flf2v_checkpoint, "--serve"])
+    assert code == 2 and "error: --serve=True: " in line and "two images per job" in line, line
     t2v = ["--model_id", tiny_checkpoint, "--last_image", last_frame]
     code, line = _refused(capsys, tmp_path, t2v)
     assert code == 2 and "error: --last_image=" in line and "text-to-video" in line, line
