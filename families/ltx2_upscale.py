@@ -233,6 +233,12 @@ class TwoStage:
         self.sigmas = lambda n: list(s.sigmas)
         v = self.config.video
         self.geometry = ltx2.run_layout(model_id, v.height, v.width, v.frames)
+        # Copied now: placing the decode frees the VAEs' host tensors, and every video's
+        # hand-off takes them (``noise``).
+        vae = pipe.vae  # ltx2.AudioVideoDecode: .video and .audio hold the statistics
+        self.statistics = {name: value.detach().float().clone() for name, value in zip(
+            STATS, (vae.video.latents_mean, vae.video.latents_std, vae.audio.latents_mean,
+                    vae.audio.latents_std), strict=True)}
 
     def step_fn(self, jm, config):
         return ltx2.step_fn(jm, config)
@@ -293,12 +299,7 @@ class TwoStage:
                                       generator=generator, device=cpu, dtype=torch.float32),
             AUDIO_NOISE: randn_tensor((1, g2["audio_tokens"], g2["audio_width"]),
                                       generator=generator, device=cpu, dtype=torch.float32)}
-        vae = pipe.vae  # ltx2.AudioVideoDecode: .video and .audio hold the statistics
-        for name, value in zip(STATS, (vae.video.latents_mean, vae.video.latents_std,
-                                       vae.audio.latents_mean, vae.audio.latents_std),
-                               strict=True):
-            extras[name] = value.detach().float().clone()
-        return None, extras
+        return None, {**extras, **self.statistics}
 
     def text_inputs(self, embeds: dict) -> dict:
         """Stage 2's model inputs: the positive prompt's embeddings (no guidance) and its
