@@ -5,8 +5,13 @@ prompt, seed and steps: the frames of every chunk.
 Measured (64 x 64, float32, 1 CPU device): T2V over 4 chunks (132 frames asked, 129 made,
 2 steps, CFG 5) max |ours - diffusers| 3.7e-6, each chunk 3.0e-6..3.7e-6; Helios-Distilled's
 recipe (pyramid [2, 2, 2], amplified first chunk, guidance 1, DMD float64 x0 conversion on
-the host) over 3 chunks 4.5e-6. The bound ATOL is about 5 times that. The frames are in
-[0, 1]; two seeds differ by > 0.1 (FAR), so the bound tells a wrong draw order apart.
+the host) 4.5e-6 over 3 chunks; --video continuation 3.3e-6 / 3.8e-6; 8 devices (dp 2 x tp 4,
+our Splash kernel) vs 1: 3.2e-6, vs diffusers 3.1e-6 / 3.5e-6. The bound ATOL is about 5
+times that, on frames in [0, 1]; the distilled run with diffusers' float32 block-noise
+factor does not exist (it raises), and the one wrong computation met here (the 8-device
+default layout putting sp 4 on the model, since refused) moved frames by 0.26.
+The I2V, continuation and sharded cases are the slow tier (each ~80-400 s on a loaded 2-core
+host); T2V and the distilled recipe are CI's.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ def test_distilled_recipe_matches_diffusers(helios_distilled_checkpoint):
         pipe.sample_block_noise(1, 1, 1, 4, 4, generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_i2v_matches_diffusers(helios_checkpoint):
     """``--image``: the image and fake-history latents as posterior samples and their noise
     drawn in the pipeline's order before the first chunk's noise; 2 chunks."""
@@ -152,6 +158,7 @@ def _write_video(path, frames: int = 40):
         return [frame.to_image().convert("RGB") for frame in f.decode(video=0)]
 
 
+@pytest.mark.slow
 def test_video_continuation_matches_diffusers(helios_checkpoint, tmp_path):
     """``--video`` of 40 frames: its first frame and its last whole chunk (frames 7-39)
     encoded and noised in the pipeline's order seed the history; 2 chunks continue it."""

@@ -213,7 +213,6 @@ def generate(config: RunConfig, family, devices=None, on_video=None,
     index, frames, last)``: each chunk of a chunked family (Helios) as it is decoded, frames
     (F, H, W, 3) float32 in [0, 1] (video None without --prompts_file / --seeds).
 
-
     frames: (F, H, W, 3) float32 in [0, 1] (``all`` and ``decode``; the last video's). report:
     the JSON report's content without output file names.
     """
