@@ -265,6 +265,8 @@ SLOW = {
         "| test_wan21_flf2v_matches_diffusers (dp2: the image-row pairs per dp shard)",
     "test_wan_flf2v.py::test_wan22_i2v_two_experts_flf2v_matches_diffusers":
         "| test_wan21_flf2v_matches_diffusers, test_wan_i2v's two-expert parity",
+    "test_wan_v2v.py::test_video_to_video_euler_matches_diffusers":
+        "| test_video_to_video_matches_diffusers_at_two_strengths (UniPC's add_noise)",
     # Third cut (the second measured 20 min 1 s of pytest): margin under 25 min with install.
     "test_stages.py::test_denoise_without_embeddings_says_which_stage_to_run":
         "| test_shape_mismatched_latents_fail_with_one_line",

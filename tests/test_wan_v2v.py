@@ -50,15 +50,23 @@ def source(tmp_path_factory):
     return str(path), frames
 
 
-def _reference(checkpoint, frames, strength):
+def _reference(checkpoint, frames, strength, euler=False):
     """diffusers' WanVideoToVideoPipeline.__call__, eager float32 on the CPU, on the first 9
-    frames as PIL images: its final latents (float32 numpy)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanVideoToVideoPipeline
+    frames as PIL images (UniPC, or with ``euler`` flow-match Euler, whose ``scale_noise``
+    noises the video): its final latents (float32 numpy)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+        WanVideoToVideoPipeline,
+    )
 
     vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae", dtype=torch.float32)
     pipe = WanVideoToVideoPipeline.from_pretrained(checkpoint, vae=vae, dtype=torch.float32)
-    pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config,
-                                                         flow_shift=SHIFT)
+    pipe.scheduler = (FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config,
+                                                                  shift=SHIFT) if euler else
+                      UniPCMultistepScheduler.from_config(pipe.scheduler.config,
+                                                          flow_shift=SHIFT))
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         out = pipe(video=[Image.fromarray(f) for f in frames[:9]], strength=strength,
@@ -108,6 +116,21 @@ def test_video_to_video_matches_diffusers_at_two_strengths(tiny_checkpoint, sour
     print("\n".join(seen))
     print("strengths 0.8 vs 0.5: latents max |d|", np.abs(runs[0.8] - runs[0.5]).max())
     assert np.abs(runs[0.8] - runs[0.5]).max() > FAR
+
+
+def test_video_to_video_euler_matches_diffusers(tiny_checkpoint, source):
+    """--scheduler euler: flow-match Euler has no add_noise; the video is noised by its
+    ``scale_noise``, as the pipeline does; strength 0.6 keeps 2 of 4 steps."""
+    path, frames = source
+    want = _reference(tiny_checkpoint, frames, 0.6, euler=True)
+    flags = ["--strength", "0.6", "--scheduler", "euler"]
+    ours, _ = latents_of(_ours, tiny_checkpoint, path, flags, devices=jax.devices()[:1])
+    print(f"euler: latents max |ours - diffusers| {np.abs(ours - want).max():.3g} of "
+          f"max |latent| {np.abs(want).max():.3g}")
+    assert want.std() > 0.01
+    assert_frames_close(ours, want, atol=LATENT_ATOL, what="latents", again=lambda: (
+        latents_of(_ours, tiny_checkpoint, path, flags, devices=jax.devices()[:1])[0],
+        _reference(tiny_checkpoint, frames, 0.6, euler=True)))
 
 
 def test_refusals_are_one_line(tiny_checkpoint, i2v_checkpoint, source, tmp_path, capsys):
