@@ -454,6 +454,8 @@ REFUSED = (
     ("overlap_compile", "off", "Wan VACE compiles after the load (its control input's "
                                "shape follows the reference images)"),
     ("quantize", "none", "not supported for Wan VACE yet"),
+    ("sparse", "none", "not supported for Wan VACE yet (Sparse VideoGen needs --scan_layers, "
+                       "which Wan VACE's forward cannot take)"),
 )
 
 FAMILY = dataclasses.replace(

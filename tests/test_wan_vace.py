@@ -30,6 +30,7 @@ from engine.pipeline import generate
 from families import FAMILIES, wan
 
 H, W, F, STEPS, SEED, SHIFT = 32, 64, 5, 2, 3, 3.0
+FIRST_FRAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "first_frame.png")
 # Final latents (1, 16, 2 + refs, 4, 8), float32, up to ~4: ours and diffusers' agree to
 # 3.8e-6 (control video only: 1 device 3.8e-6, dp2 x tp2 x sp2 3.9e-6); the bound is 25
 # times that. FAR: another conditioning scale moves them by far more.
@@ -359,6 +360,24 @@ def test_refusals_are_one_line(vace_checkpoint, inputs, tmp_path, capsys, case, 
     out = tmp_path / "out"
     code = generate_flax.cli(_args(vace_checkpoint, _flags(scale=case.get("scale"), **given))
                              + ["--output_dir", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and expect in lines[0], lines
+    assert not out.exists() or not os.listdir(out)
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["--image", FIRST_FRAME], "Wan VACE takes --video, --mask and --reference_image, not "
+                               "--image"),
+    (["--quantize", "int8"], "--quantize='int8': not supported for Wan VACE yet"),
+    (["--sparse", "svg", "--attention", "splash"], "--sparse='svg': not supported for Wan VACE"),
+    (["--scan_layers"], "--scan_layers=True: Wan VACE's blocks run unrolled"),
+    (["--stage", "encode"], "--stage='encode': staged runs are not supported for Wan VACE"),
+    (["--serve"], "--serve=True: serving is not supported for Wan VACE yet"),
+])
+def test_what_vace_does_not_take_yet_is_one_line(vace_checkpoint, tmp_path, capsys, extra,
+                                                 expect):
+    out = tmp_path / "out"
+    code = generate_flax.cli(_args(vace_checkpoint, extra) + ["--output_dir", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and expect in lines[0], lines
     assert not out.exists() or not os.listdir(out)
