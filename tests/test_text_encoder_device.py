@@ -24,6 +24,7 @@ import generate_flax
 from engine.pipeline import generate, prologue, text_device
 from engine.run.errors import UsageError
 from engine.run.mesh import make_mesh
+from engine.weights import placement
 from families import FAMILIES
 
 SMALL = ["--height", "32", "--width", "32", "--frames", "5", "--num_inference_steps", "2",
@@ -196,7 +197,7 @@ def test_mesh_image_embeddings_equal_the_cpus(request, fixture):
 def test_plan_counts_the_placed_bytes_and_refuses_what_does_not_fit(ltx2_checkpoint):
     """The fit plan, from the safetensors headers before any load, equals the bytes per
     device the placement holds (Gemma 3 + connectors, 8 devices); a chip too small is
-    refused in one line naming the flag; --serve is refused; a cpu run plans nothing."""
+    refused in one line naming the flag; a cpu run plans nothing."""
     config, family, pipe, mesh = _loaded(ltx2_checkpoint, 8, "--frames", "9")
     devices = list(mesh.devices.flat)
     plan = text_device.plan(config, family, devices, None)
@@ -219,8 +220,8 @@ def test_plan_counts_the_placed_bytes_and_refuses_what_does_not_fit(ltx2_checkpo
     assert message.endswith("use --text_encoder_device cpu or more devices")
     fits = SimpleNamespace(name="v6e", usable_hbm_bytes=plan["total_bytes_per_device"])
     assert text_device.plan(config, family, devices, fits)["total_bytes_per_device"] > 0
-    with pytest.raises(UsageError, match=r"^--text_encoder_device='mesh': not with --serve"):
-        text_device.plan(config.replace(serve=object()), family, devices, None)
+    served = text_device.plan(config.replace(serve=object()), family, devices, None)
+    assert served["after_encode"] == "resident or parked"
     assert text_device.plan(config.replace(text_encoder_device="cpu"), family, devices,
                             None) is None
 
@@ -292,3 +293,69 @@ def test_sharded_mesh_run_frames_equal_a_cpu_runs(tiny_checkpoint, tmp_path, mon
     stats = runs[1][1]["text_encoders"]["modules"]["text_encoder"]
     assert stats["bytes_per_device"] < stats["bytes"]
     _check_frames(runs)
+
+
+def test_served_encoders_park_in_host_memory_and_come_back(tiny_checkpoint, monkeypatch):
+    """The server's path (``resume`` / ``rest``), UMT5 sharded over 8 devices: with HBM short
+    (a capacity the live bytes exceed) the encoders go to pinned host memory after the
+    encode, holding no HBM, and the next encode brings them back and gives the first's
+    embeddings bit for bit on the same program; with room they stay on the devices."""
+    config, family, pipe, mesh = _loaded(tiny_checkpoint, 8, "--serve")
+    want = family.text.encode_text(pipe, config, TEXTS[0])
+    report: dict = {}
+    encoders = text_device.resume(None, pipe, family, config, mesh, report)
+    first = family.text.encode_text(pipe, config, TEXTS[0])
+    _assert_close(first, want, "served")
+    monkeypatch.setattr(text_device, "device_capacity", lambda mesh: 1)  # HBM short
+    text_device.rest(encoders)
+    _, params, buffers = encoders.placed["text_encoder"]
+    arrays = [*params.values(), *buffers.values()]
+    assert encoders.parked and report["text_encoders"]["after_encode"] == "parked"
+    assert all(a.sharding.memory_kind == "pinned_host" for a in arrays)
+    assert placement.per_device_bytes(arrays) == {}  # no HBM held
+    assert text_device.resume(encoders, pipe, family, config, mesh, report) is encoders
+    assert not encoders.parked
+    assert all(a.sharding.memory_kind != "pinned_host" for a in [*params.values(),
+                                                                   *buffers.values()])
+    again = family.text.encode_text(pipe, config, TEXTS[0])
+    assert all(torch.equal(again[k], v) for k, v in first.items())
+    monkeypatch.setattr(text_device, "device_capacity", lambda mesh: None)  # room (CPU)
+    text_device.rest(encoders)
+    stats = report["text_encoders"]["modules"]["text_encoder"]
+    assert report["text_encoders"]["after_encode"] == "resident" and not encoders.parked
+    assert stats["programs"] == 1 and stats["calls"] == 2, stats
+    encoders.release()
+
+
+@pytest.mark.slow
+def test_served_job_with_mesh_encoders_equals_a_cpu_servers(tiny_checkpoint, tmp_path,
+                                                            monkeypatch):
+    """Two servers (engine.serve.model.build), one job each: encoders on the mesh, parked
+    in host memory between encodes (HBM made short), against encoders on the CPU; the job's
+    frames agree within FRAMES_ATOL and the mesh server's encoders ran on one program per
+    module (the build's encode, the job's, and the job after the step's kernel was
+    installed)."""
+    from engine.serve import model as served_model
+    from engine.serve.requests import VideoJob
+
+    job = VideoJob(prompt=TEXTS[1], negative_prompt="blurry", width=32, height=32,
+                   num_frames=5, seconds="0.3", num_inference_steps=2, guidance_scale=5.0,
+                   guidance_scale_2=None, seed=3, fps=16, model="tiny-wan")
+    frames = {}
+    for device in ("cpu", "mesh"):
+        config = _config(tiny_checkpoint, "--serve", "--embeddings_cache", "none",
+                         "--output_dir", str(tmp_path), "--text_encoder_device", device)
+        with monkeypatch.context() as m:
+            m.setattr(text_device, "device_capacity", lambda mesh: 1)
+            warm = served_model.build(config, FAMILIES[config.model.family],
+                                      jax.devices()[:8])
+            frames[device], *_ = warm.run(device, job, None, lambda i, n: None)
+        if device == "mesh":
+            entry = warm.encoders_report["text_encoders"]
+            assert entry["after_encode"] == "parked" and warm.mesh_encoders.parked
+            assert entry["modules"]["text_encoder"]["programs"] == 1, entry
+        else:
+            assert warm.mesh_encoders is None
+    diff = float(np.abs(np.asarray(frames["cpu"]) - np.asarray(frames["mesh"])).max())
+    assert diff <= FRAMES_ATOL, diff
+    assert np.asarray(frames["cpu"]).std() > 0.01

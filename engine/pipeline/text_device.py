@@ -20,8 +20,10 @@ and no rule: a generic rule by shape; XLA gathers each weight where it is used),
 replicated. The fit (``plan``, before anything loads) counts those bytes per device from the
 checkpoint's safetensors headers; the encoders run before the transformer is placed and are
 freed after the encode, as the CPU path frees them, so they need to fit alone: where they do
-not, the run is refused in one line. The server keeps its encoders for every job and is not
-supported yet (refused in one line).
+not, the run is refused in one line. The server (``resume`` / ``rest``) keeps them placed for
+every job, beside the transformer, or parks them in pinned host memory after each encode
+where the devices' live bytes exceed ``PARK_FRACTION`` of the usable HBM (the mechanism and
+share a two-expert model's idle expert uses), and brings them back for the next encode.
 
 Attention: the encoders' SDPA calls (Qwen2.5-VL, Gemma 3, CLIP, SigLIP, the connectors) take
 ``splash.reference.reference_attention`` (float32 softmax; a query row with no valid key
@@ -51,7 +53,8 @@ from torch.utils import _pytree as pytree
 from torchax import interop
 
 from engine.files.checkpoint import looks_local
-from engine.run import lowering
+from engine.programs import parking
+from engine.run import chips, lowering
 from engine.run.errors import fail
 from engine.weights import placement, sharding
 from splash.reference import reference_attention
@@ -132,18 +135,15 @@ def plan(config, family, devices, chip) -> dict | None:
     Returns:
         dict(device="mesh", bytes_per_device={folder: bytes}, total_bytes_per_device,
         capacity_bytes (the chip's usable HBM per device; None off TPU: not checked),
-        after_encode="freed": they run before the transformer is placed and are freed
-        after the encode, so they never share HBM with it).
+        after_encode: "freed" (a run: they run before the transformer is placed and are
+        freed after the encode, so they never share HBM with it) or "resident or parked"
+        (``--serve``: decided after each encode, ``rest``)).
 
     Raises:
-        UsageError: with ``--serve`` (the server keeps its encoders: not supported yet);
-            the encoders' weights per device exceed the chip's usable HBM.
+        UsageError: the encoders' weights per device exceed the chip's usable HBM.
     """
     if not wanted(config):
         return None
-    if config.serve is not None:
-        fail("--text_encoder_device", "mesh", "not with --serve yet (the server keeps its "
-             "encoders for every job in host RAM); use --text_encoder_device cpu")
     dtype = getattr(torch, config.model.dtype)
     folders = encoder_folders(config, family)
     per = {name: folder_bytes(path, dtype, len(devices))[0] for name, path in folders.items()}
@@ -155,7 +155,8 @@ def plan(config, family, devices, chip) -> dict | None:
              f"{_size(capacity)} usable on a {chip.name} device; use --text_encoder_device "
              "cpu or more devices")
     return dict(device="mesh", bytes_per_device=per, total_bytes_per_device=total,
-                capacity_bytes=capacity, after_encode="freed")
+                capacity_bytes=capacity,
+                after_encode="freed" if config.serve is None else "resident or parked")
 
 
 def _size(nbytes: int) -> str:
@@ -185,6 +186,8 @@ class MeshEncoders:
         self.placed: dict = {}
         self.stats: dict = {}
         self.attention = self.entry = None  # set by ``start``
+        self.homes: dict = {}  # each weight's home sharding while parked
+        self.parked = False
         t0 = time.perf_counter()
         for name, module in modules.items():
             self._place(name, module)
@@ -254,6 +257,26 @@ class MeshEncoders:
 
     def report(self) -> dict:
         return {name: dict(s) for name, s in self.stats.items()}
+
+    def park(self) -> None:
+        """Every placed weight into pinned host memory at its own spec (no HBM held),
+        one weight at a time (``parking.move_array``); ``unpark`` brings each back to its
+        home sharding. The weights the programs take are replaced in place, so the next
+        call runs on the unparked arrays."""
+        for name, (_, params, buffers) in self.placed.items():
+            for group, arrays in (("params", params), ("buffers", buffers)):
+                for k, arr in list(arrays.items()):
+                    self.homes[(name, group, k)] = arr.sharding
+                    arrays[k] = parking.move_array(arr, NamedSharding(
+                        self.mesh, arr.sharding.spec, memory_kind="pinned_host"))
+        self.parked = True
+
+    def unpark(self) -> None:
+        for name, (_, params, buffers) in self.placed.items():
+            for group, arrays in (("params", params), ("buffers", buffers)):
+                for k, arr in list(arrays.items()):
+                    arrays[k] = parking.move_array(arr, self.homes[(name, group, k)])
+        self.parked = False
 
     def release(self) -> None:
         """Each module's own ``forward`` back (its host weights were kept) and its device
@@ -351,3 +374,48 @@ def finish(encoders: MeshEncoders | None) -> None:
     encoders.entry.update(modules=encoders.report(), after_encode="freed")
     encoders.release()
     encoders.attention.restore()
+
+
+# A server keeps its encoders for every job (``resume`` / ``rest``). After an encode they
+# are parked in pinned host memory where the devices' live bytes (the transformer's weights,
+# the encoders', anything else placed) exceed this share of a device's usable HBM, the share
+# at which a two-expert model parks its idle expert (``engine.programs.experts``).
+PARK_FRACTION = 0.875
+
+
+def device_capacity(mesh) -> int | None:
+    """Usable HBM bytes of one of ``mesh``'s devices (``chips``), None off TPU."""
+    chip = chips.chip_for_device_kind(mesh.devices.flat[0].device_kind)
+    return chip and chip.usable_hbm_bytes
+
+
+def resume(encoders: MeshEncoders | None, pipe, family, config, mesh,
+           report: dict) -> MeshEncoders | None:
+    """Before a served encode (the server keeps its encoders): the first call places them
+    (``start``), a later one brings parked weights back to the devices; each installs the
+    encoders' attention (the run's kernel was installed since). None: ``cpu``."""
+    if not wanted(config):
+        return None
+    if encoders is None:
+        return start(pipe, family, config, mesh, report)
+    lowering.install(torchax.default_env())
+    encoders.attention = EncodingAttention()
+    if encoders.parked:
+        encoders.unpark()
+    return encoders
+
+
+def rest(encoders: MeshEncoders | None) -> None:
+    """After a served encode: the attention restored; the encoders parked in pinned host
+    memory where the live device bytes exceed ``PARK_FRACTION`` of the usable HBM
+    (``device_capacity``; never off TPU), else left on the devices for the next job. The
+    report's entry gets each module's counts and ``after_encode``: "parked" or "resident"."""
+    if encoders is None:
+        return
+    encoders.attention.restore()
+    capacity = device_capacity(encoders.mesh)
+    live = max(placement.per_device_bytes().values(), default=0)
+    if capacity is not None and live > PARK_FRACTION * capacity:
+        encoders.park()
+    encoders.entry.update(modules=encoders.report(),
+                          after_encode="parked" if encoders.parked else "resident")

@@ -21,7 +21,7 @@ from PIL import Image
 from engine.files import embeddings_cache
 from engine.files import report as reporting
 from engine.files.image import decode_image
-from engine.pipeline import prologue, stages
+from engine.pipeline import prologue, stages, text_device
 from engine.programs import denoise, executables
 from engine.run import clock, runtime
 from engine.run.errors import fail
@@ -120,6 +120,9 @@ class WarmModel:
         # The image encoder and the placed VAE encoder, kept by the family's encode_image
         # for every job (families/base.py ``encode_image``'s ``resident``).
         self.resident: dict = {}
+        # --text_encoder_device mesh: the encoders placed at the first encode, kept (or
+        # parked in host memory) between jobs; their report entry, ["text_encoders"].
+        self.mesh_encoders, self.encoders_report = None, {}
         self.text_hit = False
         self.buckets: dict[str, Bucket] = {}
         self.timings: dict = {}
@@ -131,8 +134,13 @@ class WarmModel:
         for name, module in self.encoders.items():  # stages.encode freed them after last use
             if module is not None:
                 setattr(self.pipe, name, module)
-        embeds, seconds, hits = stages.encode(self.pipe, config, self.family, [None],
-                                              cache=self.cache)
+        self.mesh_encoders = text_device.resume(self.mesh_encoders, self.pipe, self.family,
+                                                config, self.mesh, self.encoders_report)
+        try:
+            embeds, seconds, hits = stages.encode(self.pipe, config, self.family, [None],
+                                                  cache=self.cache)
+        finally:
+            text_device.rest(self.mesh_encoders)
         self.text_hit = hits[0]
         return embeds[0], {"text_encode_s": seconds}
 
@@ -140,8 +148,13 @@ class WarmModel:
         """(the image conditioning of ``image``, an RGB PIL image, at this config's shape,
         {"image_encode_s": seconds}), on encoders placed once (``self.resident``)."""
         t0 = time.perf_counter()
-        cond = self.family.image.encode(self.pipe, config, image, self.devices,
-                                        resident=self.resident)
+        self.mesh_encoders = text_device.resume(self.mesh_encoders, self.pipe, self.family,
+                                                config, self.mesh, self.encoders_report)
+        try:
+            cond = self.family.image.encode(self.pipe, config, image, self.devices,
+                                            resident=self.resident)
+        finally:
+            text_device.rest(self.mesh_encoders)
         return cond, {"image_encode_s": time.perf_counter() - t0}
 
     def run(self, job_id: str, job: VideoJob, image: bytes | None,
