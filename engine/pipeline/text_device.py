@@ -23,7 +23,9 @@ freed after the encode, as the CPU path frees them, so they need to fit alone: w
 not, the run is refused in one line. The server (``resume`` / ``rest``) keeps them placed for
 every job, beside the transformer, or parks them in pinned host memory after each encode
 where the devices' live bytes exceed ``PARK_FRACTION`` of the usable HBM (the mechanism and
-share a two-expert model's idle expert uses), and brings them back for the next encode.
+share a two-expert model's idle expert uses), and brings them back for the next encode: the
+steps and the decode get their HBM, but an encode needs them beside the transformer's
+weights, which ``plan`` does not check (the transformer's bytes depend on its layout).
 
 Attention: the encoders' SDPA calls (Qwen2.5-VL, Gemma 3, CLIP, SigLIP, the connectors) take
 ``splash.reference.reference_attention`` (float32 softmax; a query row with no valid key
