@@ -64,7 +64,8 @@ def test_unknown_pipeline_class_is_one_line_listing_the_supported_ones(tmp_path)
                                          r"\(supported: WanPipeline, WanImageToVideoPipeline, "
                                          r"HunyuanVideo15Pipeline, "
                                          r"HunyuanVideo15ImageToVideoPipeline, LTX2Pipeline, "
-                                         r"WanVACEPipeline\)"):
+                                         r"WanVACEPipeline, HeliosPipeline, "
+                                         r"HeliosPyramidPipeline\)"):
         families.detect_family(str(folder))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate_flax.py"),
