@@ -132,6 +132,24 @@ def test_wan22_i2v_two_experts_flf2v_matches_diffusers(i2v_two_expert_checkpoint
     assert np.abs(i2v - want).max() > FAR
 
 
+def test_abstract_inputs_match_the_model_inputs(flf2v_checkpoint, i2v_checkpoint, last_frame):
+    """The dry run's shapes (``abstract_model_inputs``) are the run's (``model_inputs``): with
+    CFG, 2 passes x 2 images of 17 CLIP tokens on the FLF2V checkpoint (the count from its
+    ``pos_embed_seq_len``), 2 x 1 on Wan 2.1 I2V."""
+    from engine.files.checkpoint import read_component_config
+
+    for checkpoint, last, images in ((flf2v_checkpoint, last_frame, 2), (i2v_checkpoint, None, 1)):
+        config = generate_flax.validate_args(generate_flax.parse_args(
+            _args(checkpoint, last, ["--guidance_scale", "5"])))
+        cfg = read_component_config(checkpoint, "transformer")
+        abstract = wan.abstract_model_inputs(cfg, config)["encoder_hidden_states_image"]
+        embeds = {"prompt_embeds": torch.zeros(1, 512, 32),
+                  "negative_prompt_embeds": torch.zeros(1, 512, 32),
+                  "image_embeds": torch.zeros(images, 17, cfg["image_dim"])}
+        real = wan.model_inputs(embeds, config)["encoder_hidden_states_image"]
+        assert abstract.shape == tuple(real.shape) == (2 * images, 17, cfg["image_dim"])
+
+
 def _refused(capsys, tmp_path, argv):
     """generate_flax.cli's exit code and its one stderr line; nothing was written."""
     out = tmp_path / "out"
