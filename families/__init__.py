@@ -16,7 +16,7 @@ import inspect
 
 from engine.files.checkpoint import read_model_index
 from engine.run.errors import UsageError, fail
-from families import hunyuan, hunyuan_sr_stage, ltx2, ltx2_upscale, wan, wan_vace
+from families import helios, hunyuan, hunyuan_sr_stage, ltx2, ltx2_upscale, wan, wan_vace
 from families.base import ModelFamily
 
 __all__ = ["FAMILIES", "INPUT_NAMES", "OPTION_NAMES", "ModelFamily", "add_input_flags",
@@ -31,7 +31,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "wan": wan.FAMILY,
     "hunyuanvideo": dataclasses.replace(hunyuan.FAMILY, upscale=hunyuan_sr_stage.UPSCALE),
     "ltx2": dataclasses.replace(ltx2.FAMILY, upscale=ltx2_upscale.UPSCALE),
-    "wan_vace": wan_vace.FAMILY}  # WanVACEPipeline: built on families.wan
+    "wan_vace": wan_vace.FAMILY,  # WanVACEPipeline: built on families.wan
+    "helios": helios.FAMILY}  # HeliosPipeline, HeliosPyramidPipeline: chunks
 # Every family's other flags (``Flags.inputs``: conditioning inputs, list-valued settings).
 INPUT_NAMES = tuple(dict.fromkeys(name for f in FAMILIES.values() for name in f.flags.inputs))
 # Every family's own flags (``Flags.options`` and ``Flags.inputs``), for generate_flax.py's

@@ -101,6 +101,20 @@ def vace_checkpoint(tmp_path_factory):
     return _build(tmp_path_factory, "make_tiny_vace_checkpoint.py", "tiny-wan-vace")
 
 
+@pytest.fixture(scope="session")
+def helios_checkpoint(tmp_path_factory):
+    """A tiny random Helios-Base-style checkpoint (``HeliosPipeline``, ``HeliosScheduler``)."""
+    return _build(tmp_path_factory, "make_tiny_helios_checkpoint.py", "tiny-helios")
+
+
+@pytest.fixture(scope="session")
+def helios_distilled_checkpoint(tmp_path_factory):
+    """A tiny random Helios-Distilled-style checkpoint (``HeliosPyramidPipeline``,
+    ``is_distilled``, ``HeliosDMDScheduler``)."""
+    return _build(tmp_path_factory, "make_tiny_helios_checkpoint.py", "tiny-helios-distilled",
+                  "--distilled")
+
+
 @pytest.fixture
 def torchax_env():
     """torchax's default env with the torch SDPA op restored after the test (the env is shared
