@@ -313,8 +313,9 @@ def test_vace_blocks_attend_through_our_kernel(vace_checkpoint, inputs):
 def test_dry_run_compiles_the_vace_step(vace_checkpoint, inputs, tmp_path):
     """--dry_run on a v6e:2x4 topology compiles the step with the control input (a zero
     control video, as the pipeline without --video; the abstract inputs of
-    ``wan_vace.abstract_model_inputs``) and the decode; the analytic FLOPs count the VACE
-    blocks (2 of them beside 4 main blocks: 1.5 times Wan's formula)."""
+    ``wan_vace.abstract_model_inputs``), the decode and the control video's chunked VAE
+    encode (first frame, first chunk: 5 frames); the analytic FLOPs count the VACE blocks
+    (2 of them beside 4 main blocks: 1.5 times Wan's formula)."""
     import json
 
     from families import wan_vace
@@ -328,7 +329,8 @@ def test_dry_run_compiles_the_vace_step(vace_checkpoint, inputs, tmp_path):
     config = generate_flax.validate_args(generate_flax.parse_args(_args(vace_checkpoint)))
     cfg = json.load(open(os.path.join(vace_checkpoint, "transformer", "config.json")))
     assert wan_vace.transformer_flops(cfg, config) == 1.5 * wan.transformer_flops(cfg, config)
-    assert "transformer step" in json.dumps(report)
+    programs = [row["program"] for row in report["per_chip"]]
+    assert programs[0] == "transformer step" and "VAE encode (2 programs, peak)" in programs
 
 
 def test_frames_default_to_the_video_length(vace_checkpoint, inputs, capsys):

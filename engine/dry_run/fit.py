@@ -243,13 +243,14 @@ def _vae_rows(config, decoder, latents, capacity: int) -> list:
 
 
 def _encode_rows(config, family, vae, devices, capacity: int) -> list:
-    """Image-to-video: the family's chunked VAE encode of the conditioning video
-    (``family.vae.encoder``), on its own all-device mesh as a run builds it
-    (``spatial_mesh``). It runs before the transformer is placed, so nothing else is resident.
-    None for a family that encodes on the host (no ``vae.encoder``)."""
+    """Image-to-video, or a run whose other inputs are encoded (``family.image.wanted``:
+    Wan VACE's control video, a video-to-video source): the family's chunked VAE encode of
+    the conditioning video (``family.vae.encoder``), on its own all-device mesh as a run
+    builds it (``spatial_mesh``). It runs before the transformer is placed, so nothing else
+    is resident. None for a family that encodes on the host (no ``vae.encoder``)."""
     mode = family.image.mode(config.model.model_id)
-    if config.dry.dry_run_skip_vae or family.vae.encoder is None or mode == "none" or (
-            mode == "optional" and not config.video.image):
+    wanted = mode == "required" or family.image.wanted(config)  # a dry run takes no --image
+    if config.dry.dry_run_skip_vae or family.vae.encoder is None or not wanted:
         return []
     print(f"compiling the VAE encode for {config.dry.topology}...", flush=True)
     t0 = time.perf_counter()
