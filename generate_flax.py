@@ -416,7 +416,7 @@ def generate(config: RunConfig, family, checked: dict) -> int:
             return write_stage_report(config, dict(run.save_encoded(), checkpoint_check=checked))
         run.compile()  # place the weights, route torch SDPA to the kernel, compile ahead of time
         run.warm_up()  # every compiled program once: what follows is steady state
-        frames = run.time_videos(on_video=save)  # the timed runs; each video written when done
+        frames = run.time_videos(on_video=save, stream=files.stream)  # each video written when done
         report = dict(run.finish(), checkpoint_check=checked)
         if not runtime.is_writer():  # process 0 writes and summarises for every host
             return 0

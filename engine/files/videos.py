@@ -20,6 +20,7 @@ import time
 import imageio_ffmpeg
 
 from engine.files import report as reporting
+from engine.files import stream_writer
 from engine.run import runtime
 from engine.run.errors import GenerationError, UsageError, fail, first_line
 
@@ -174,9 +175,12 @@ def save_video(config, frames, stem: str, video: Video | None = None,
 
 
 def write_video(config, frames, stem: str, video: Video | None = None,
-                audio: reporting.Audio | None = None) -> tuple[list[str], dict]:
+                audio: reporting.Audio | None = None, streamed=None) -> tuple[list[str], dict]:
     """Write one video's mp4 (and lossless frames with --save_frames), each file under a
     temporary name renamed into place; safe on ``engine.files.writer``'s thread.
+    ``streamed``: the ``stream_writer.FragmentedMp4Writer`` that already holds the mp4's
+    chunks (a chunked family's run, ``RunFiles.stream``): it is finished (renamed onto the
+    mp4's name) in place of the encode; ``audio`` must then be None.
 
     ``frames``: (F, H, W, 3) float32 in [0, 1]. ``audio``: an optional
     ``reporting.Audio(waveform, sample_rate)``, waveform (channels, samples) float in
@@ -202,7 +206,10 @@ def write_video(config, frames, stem: str, video: Video | None = None,
     t1 = time.perf_counter()
     path = files["video"]
     try:
-        reporting.save_video(pixels, path, config.video.fps, audio)
+        if streamed is not None:
+            streamed.finish()
+        else:
+            reporting.save_video(pixels, path, config.video.fps, audio)
         if files["frames"]:
             path = files["frames"]
             reporting.save_frames(frames, path, audio)
@@ -247,13 +254,32 @@ class RunFiles:
     def __init__(self, config, stem: str | None, writer):
         self.config, self.stem, self.writer = config, stem, writer
         self.writes: list = []  # each submitted video's future of ``write_video``
+        self.streams: dict = {}  # video label (None: the single video) -> its mp4's sink
+
+    def stream(self, video: Video | None):
+        """The ``stream_writer.FragmentedMp4Writer`` of ``video``'s mp4 (None on the other
+        processes): a chunked family's run hands it each chunk as it is decoded (installed
+        with ``stream_writer.streaming`` around the run), ``save`` finishes it."""
+        if not runtime.is_writer():
+            return None
+        path = video_files(self.config.run.output_dir, self.stem, video, False)["video"]
+        sink = stream_writer.FragmentedMp4Writer(path, self.config.video.fps)
+        self.streams[None if video is None else video.label] = sink
+        return sink
 
     def save(self, video: Video | None, frames, audio: reporting.Audio | None = None
              ) -> list[str]:
         if not runtime.is_writer():
             return []
+        sink = self.streams.pop(None if video is None else video.label, None)
+        if sink is not None and not sink.handed:  # nothing streamed: the usual encode
+            sink.abort()
+            sink = None
+        if sink is not None and audio is not None:
+            sink.abort()
+            raise GenerationError("a streamed mp4 cannot take the decoder's sound")
         self.writes.append(self.writer.submit(write_video, self.config, frames, self.stem,
-                                              video, audio))
+                                              video, audio, sink))
         files = video_files(self.config.run.output_dir, self.stem, video,
                             self.config.run.save_frames)
         return [os.path.basename(p) for p in files.values() if p]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.files import embeddings_cache, staging
+from engine.files import embeddings_cache, staging, stream_writer
 from engine.files import report as reporting
 from engine.pipeline import ahead as aheads
 from engine.pipeline import prologue as prologues
@@ -173,16 +173,18 @@ class Generation:
                 num_inference_steps=self.config.video.num_inference_steps))
         self.count_programs()
 
-    def time_videos(self, on_video: Callable | None = None, on_chunk: Callable | None = None):
+    def time_videos(self, on_video: Callable | None = None, on_chunk: Callable | None = None,
+                    stream: Callable | None = None):
         """The timed generations of every video; returns the last video's frames
         ((F, H, W, 3) float32 in [0, 1]) or None (``--stage denoise``). ``on_video(video,
         frames)`` writes each video as it is done and returns its file names;
         ``on_chunk(video, index, frames, last)`` gets each chunk of a chunked family
-        (Helios) as it is decoded (``engine.programs.denoise.run_chunks``)."""
+        (Helios) as it is decoded (``engine.programs.denoise.run_chunks``); ``stream(video)
+        -> ChunkSink or None``: the sink a chunked family's video streams to (``run_videos``)."""
         self.frames, self.runs, self.programs, self.latents0 = run_videos(
             self.config, self.family, self.pipe, self.mesh, self.programs, self.latents0,
             (self.video_list, self.embeds, self.staged), self.oom_hint, on_video, self.report,
-            self.video_parts, on_chunk)
+            self.video_parts, on_chunk, stream)
         return self.frames
 
     def finish(self) -> dict:
@@ -228,7 +230,7 @@ def generate(config: RunConfig, family, devices=None, on_video=None,
 
 
 def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hint: str,
-               on_video, report: dict, parts: list | None = None, on_chunk=None):
+               on_video, report: dict, parts: list | None = None, on_chunk=None, stream=None):
     """The timed generations of every video (one without --prompts_file / --seeds), on the
     programs placed and compiled once; returns (the last video's frames or None, every
     timed run, the last video's programs and initial latents). ``per_video``: (videos,
@@ -237,6 +239,9 @@ def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hi
 
     An interrupt between videos keeps the finished ones: ``report["interrupted"]`` is set
     and ``report["videos"]`` lists what is done, each with the files ``on_video`` wrote.
+    With a chunk loop (``programs.chunks``) and ``stream``, each video's chunks go to
+    ``stream(video)`` (``engine.files.stream_writer.ChunkSink``, or None) as they are
+    decoded; ``on_video`` closes it, and a failure or an interrupt aborts it (no file).
     """
     runs, done, frames, before = [], [], None, dict(runtime.CACHE_STATS)
     try:
@@ -244,12 +249,19 @@ def run_videos(config, family, pipe, mesh, programs, latents0, per_video, oom_hi
             if video is not None and video.index > 0:  # video 0's were placed with the step
                 programs, latents0 = next_video(for_video(config, video), family, pipe, mesh,
                                                 programs, video_embeds, video_staged)
-            with runtime.hardware_errors("running the timed generations", oom_hint):
-                latents, decoded, video_runs = denoise.run_benchmark(
-                    programs, latents0, num_iterations=config.run.num_iterations,
-                    num_inference_steps=config.video.num_inference_steps,
-                    desc="" if video is None else f"video {video.label}: ",
-                    on_chunk=on_chunk and functools.partial(on_chunk, video))
+            sink = stream(video) if stream and programs.chunks is not None else None
+            try:
+                with runtime.hardware_errors("running the timed generations", oom_hint), \
+                        stream_writer.streaming(sink):
+                    latents, decoded, video_runs = denoise.run_benchmark(
+                        programs, latents0, num_iterations=config.run.num_iterations,
+                        num_inference_steps=config.video.num_inference_steps,
+                        desc="" if video is None else f"video {video.label}: ",
+                        on_chunk=on_chunk and functools.partial(on_chunk, video))
+            except BaseException:
+                if sink is not None:
+                    sink.abort()
+                raise
             runs += video_runs
             if config.run.stage == "denoise":  # each video's latents as soon as they are done
                 staging.save_run_latents(for_video(config, video), latents, video)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import numpy as np
 import torchax
 from tqdm import tqdm
 
+from engine.files import stream_writer
 from engine.run.errors import GenerationError
 from engine.run.runtime import is_writer, to_host
 
@@ -286,11 +288,16 @@ def warmup(programs: Programs, latents0, *, warmup_steps: int,
     return out
 
 
-def run_chunks(programs: Programs, label: str, on_step=None, on_chunk=None):
+def run_chunks(programs: Programs, label: str, on_step=None, on_chunk=None, sink=None):
     """One timed generation by the family's chunk loop (``programs.chunks``): (run entry,
     latents, video). The entry has denoise_s (every chunk: steps and decodes), s_per_step
     (over every transformer call), total_s and the loop's own info: chunks, frames_made,
-    frames_decoded, first_chunk_s, chunk_seconds, transformer_calls."""
+    frames_decoded, first_chunk_s, chunk_seconds, transformer_calls.
+
+    ``sink``: an ``engine.files.stream_writer.ChunkSink`` (or None) that gets each chunk's
+    frames as it is decoded, before ``on_chunk``; its errors propagate (one line)."""
+    if sink is not None:
+        on_chunk = functools.partial(_to_sink, sink, on_chunk)
     t0 = time.perf_counter()
     latents, video, info = programs.chunks.run(programs, on_step=on_step, on_chunk=on_chunk)
     seconds = time.perf_counter() - t0
@@ -302,12 +309,20 @@ def run_chunks(programs: Programs, label: str, on_step=None, on_chunk=None):
     return run, latents, video
 
 
+def _to_sink(sink, on_chunk, index: int, frames, last: bool) -> None:
+    sink.on_chunk(frames)
+    if on_chunk is not None:
+        on_chunk(index, frames, last)
+
+
 def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
                   num_inference_steps: int, desc: str = "", on_step=None, on_chunk=None):
     """``num_iterations`` timed generations of the stages ``programs`` holds (after
     ``warmup``); returns (latents, video or None, runs). ``on_step(steps done)`` is called
     after each denoising step (see ``denoise``); ``on_chunk(index, frames, last)`` as each
-    chunk is decoded, with a chunk loop (``run_chunks``).
+    chunk is decoded, with a chunk loop (``run_chunks``); the first run's chunks also go to
+    the sink installed by ``engine.files.stream_writer.streaming`` (a server job's or a CLI
+    run's streamed mp4; every run makes the same frames, so one run's are the video).
 
     ``programs.step`` runs the denoising loop from ``latents0``; ``programs.vae_decode``
     decodes its result (or ``latents0`` when there is no step).
@@ -316,7 +331,8 @@ def run_benchmark(programs: Programs, latents0, *, num_iterations: int,
     for i in range(num_iterations):
         label = f"{desc}run {i + 1}/{num_iterations}"
         if programs.chunks is not None:
-            run, latents, video = run_chunks(programs, label, on_step, on_chunk)
+            sink = stream_writer.chunk_sink() if i == 0 else None
+            run, latents, video = run_chunks(programs, label, on_step, on_chunk, sink)
             runs.append(run)
             continue
         run, latents, t0 = {}, latents0, time.perf_counter()

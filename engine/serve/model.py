@@ -192,11 +192,16 @@ class WarmModel:
             if os.environ.get(NAN_HOOK_ENV) == job.prompt:
                 latents0 = latents0 * float("nan")
             sr = bucket.programs.upscale  # --sr: this job's SR noise and inputs
+            chunks = bucket.programs.chunks  # a chunk loop: this job's seed and prompt
             programs = dataclasses.replace(bucket.programs, embeds=inputs,
-                                           upscale=sr and sr.next_video(config, embeds))
+                                           upscale=sr and sr.next_video(config, embeds),
+                                           chunks=chunks and chunks.for_video(config, embeds))
+            # a chunk loop counts its transformer calls over every chunk (more than
+            # ``steps``; each count once, as the processes' hand-off needs): past ``steps``
+            # its progress stays just under 100 % until the job ends
             _, decoded, runs = denoise.run_benchmark(
                 programs, latents0, num_iterations=1, num_inference_steps=steps,
-                desc=f"{job_id}: ", on_step=lambda i: on_step(i, steps))
+                desc=f"{job_id}: ", on_step=lambda i: on_step(i, max(steps, i)))
             t1 = time.perf_counter()
             frames = reporting.to_frames(self.pipe, decoded)
             audio = getattr(programs.vae_decode, "audio", None)
