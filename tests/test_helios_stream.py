@@ -14,12 +14,14 @@ random tiny model's noisy frames), pixel-equal to the continuous encode; the ser
 (``WarmModel.run`` under a sink) gives the CLI's file frame for frame, and its growing file
 decodes to the first chunk's 33 frames after chunk 1; over HTTP (the server's app, store,
 worker and uvicorn), ``GET /content`` of the running job decodes to those 33 frames while
-the job is held before its second chunk, and the finished job's mp4 equals the CLI's. The
-three tests: 34 s on the 2-core host (CLI run 15 s, served 6 s each).
+the job is held before its second chunk, and the finished job's mp4 equals the CLI's; a
+3-chunk job cancelled after its first chunk keeps 2 whole chunks (66 frames, the first 65
+the CLI's). The four tests: 43 s on the 2-core host (CLI run 14 s, served 6-7 s each).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import threading
@@ -174,17 +176,10 @@ class HeldAfterFirstChunk:
         return self.warm.run(job_id, settings, image, held)
 
 
-def test_a_served_job_streams_over_http_while_it_runs(cli_run, helios_checkpoint, tmp_path):
-    """The server (its app, SQLite store, worker and uvicorn in this process) on the tiny
-    Helios model: ``GET /content`` of the running job decodes to the first chunk's 33 frames
-    while the job is held before its second chunk; once it ends, the job's mp4 decodes to
-    the CLI's frames and its chunks_done is 2."""
-    config = generate_flax.validate_args(generate_flax.parse_args(_argv(
-        helios_checkpoint, 5) + ["--serve", "--serve_sizes", "64x64", "--serve_frames", "65",
-                                 "--output_dir", str(tmp_path)]))
-    warm = served_model.build(config, FAMILIES[config.model.family], jax.devices()[:1])
-    model, folder = HeldAfterFirstChunk(warm), tmp_path / "served"
-    folder.mkdir()
+@contextlib.contextmanager
+def _server(model, warm, folder):
+    """The server (its app, SQLite store, worker and uvicorn) in this process on ``model``
+    (``warm`` or a wrapper of it), its files in ``folder``: yields its URL."""
     store = JobStore(str(folder))
     state = State(store=store, storage=SharedFolder(str(folder)),
                   fleet=Fleet(store, "127.0.0.1:0"), api_key=None, wake=threading.Event())
@@ -201,23 +196,7 @@ def test_a_served_job_streams_over_http_while_it_runs(cli_run, helios_checkpoint
     try:
         while not http.started:
             time.sleep(0.05)
-        url = f"http://127.0.0.1:{http.config.port}"
-        with httpx2.Client(base_url=url, timeout=60) as c:
-            job = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", num_frames=65,
-                                                 seed=SEED)).json()
-            assert "id" in job, job
-            first = wait_for(c, job["id"], lambda j: j.get("chunks_done") == 1, 120)
-            reader = Reader(f"{url}/v1/videos/{job['id']}/content")
-            grown = reader.frames_when(tmp_path, WINDOW)
-            assert c.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress"
-            model.go.set()
-            end = wait_for(c, job["id"], lambda j: j["status"] == "completed", 120)
-            reader.thread.join(timeout=30)
-        final = _decode(folder / f"{job['id']}.mp4")
-        np.testing.assert_array_equal(final, _decode(glob.glob(str(cli_run / "*.mp4"))[0]))
-        np.testing.assert_array_equal(grown, final[:WINDOW])
-        assert (first["status"], end["chunks_done"], end["seconds_generated"]) == (
-            "in_progress", 2, 65 / FPS)
+        yield f"http://127.0.0.1:{http.config.port}"
     finally:
         model.go.set()
         worker.stop()
@@ -226,3 +205,58 @@ def test_a_served_job_streams_over_http_while_it_runs(cli_run, helios_checkpoint
             t.join(timeout=10)
         state.fleet.leave()
         store.close()
+
+
+def _warm(checkpoint, folder, frames: int):
+    """The tiny Helios model served at 64 x 64 x ``frames``, built at seed 5 (jobs ask 0)."""
+    config = generate_flax.validate_args(generate_flax.parse_args(_argv(checkpoint, 5) + [
+        "--frames", str(frames + 1), "--serve", "--serve_sizes", "64x64", "--serve_frames",
+        str(frames), "--output_dir", str(folder)]))
+    return served_model.build(config, FAMILIES[config.model.family], jax.devices()[:1])
+
+
+def test_a_served_job_streams_over_http_while_it_runs(cli_run, helios_checkpoint, tmp_path):
+    """``GET /content`` of the running job decodes to the first chunk's 33 frames while the
+    job is held before its second chunk; once it ends, the job's mp4 decodes to the CLI's
+    frames and its chunks_done is 2."""
+    warm = _warm(helios_checkpoint, tmp_path, 65)
+    model, folder = HeldAfterFirstChunk(warm), tmp_path / "served"
+    folder.mkdir()
+    with _server(model, warm, folder) as url, httpx2.Client(base_url=url, timeout=60) as c:
+        job = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", num_frames=65,
+                                             seed=SEED)).json()
+        assert "id" in job, job
+        first = wait_for(c, job["id"], lambda j: j.get("chunks_done") == 1, 120)
+        reader = Reader(f"{url}/v1/videos/{job['id']}/content")
+        grown = reader.frames_when(tmp_path, WINDOW)
+        assert c.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress"
+        model.go.set()
+        end = wait_for(c, job["id"], lambda j: j["status"] == "completed", 120)
+        reader.thread.join(timeout=30)
+    final = _decode(folder / f"{job['id']}.mp4")
+    np.testing.assert_array_equal(final, _decode(glob.glob(str(cli_run / "*.mp4"))[0]))
+    np.testing.assert_array_equal(grown, final[:WINDOW])
+    assert (first["status"], end["chunks_done"], end["seconds_generated"]) == (
+        "in_progress", 2, 65 / FPS)
+
+
+def test_a_cancelled_served_job_keeps_its_whole_chunks(cli_run, helios_checkpoint, tmp_path):
+    """A 3-chunk job (97 frames) cancelled while held after its first chunk makes its
+    second (the chunk being made when the cancel came) and stops at the third's first step:
+    cancelled with its mp4 of 2 whole chunks (66 frames), whose first 65 equal the CLI's
+    2-chunk video (the same seed's first two chunks)."""
+    warm = _warm(helios_checkpoint, tmp_path, 97)
+    model, folder = HeldAfterFirstChunk(warm), tmp_path / "served"
+    folder.mkdir()
+    with _server(model, warm, folder) as url, httpx2.Client(base_url=url, timeout=60) as c:
+        job = c.post("/v1/videos", json=dict(prompt=PROMPT, size="64x64", num_frames=97,
+                                             seed=SEED)).json()
+        wait_for(c, job["id"], lambda j: j.get("chunks_done") == 1, 120)
+        assert c.post(f"/v1/videos/{job['id']}/cancel").status_code == 200
+        model.go.set()
+        end = wait_for(c, job["id"], lambda j: j["status"] == "cancelled", 120)
+    assert (end["chunks_done"], end["files"]) == (2, [f"{job['id']}.mp4"])
+    kept = _decode(folder / end["files"][0])
+    assert kept.shape == (66, 64, 64, 3)
+    np.testing.assert_array_equal(kept[:65], _decode(glob.glob(str(cli_run / "*.mp4"))[0]))
+    assert not glob.glob(str(folder / ".*partial*"))
