@@ -64,10 +64,12 @@ from engine.run.errors import GenerationError, first_line
 # no lookahead, no B-frames, sliced threads). Preset veryfast, live streaming's usual one:
 # the encode must keep up with a model that makes video faster than it plays (measured at
 # 384x640 on a loaded 2-core host: 23 fps with x264's default medium, 74 with veryfast,
-# for a 15 % larger file). The rest are x264's defaults (CRF 23); keyframes come from the
-# chunk starts (forced IDR frames) and x264's own GOP (keyint 250) and scene cuts.
+# for a 15 % larger file). The rest are x264's defaults (CRF 23). Keyframes come from the
+# chunk starts (forced IDR frames) and x264's own GOP (keyint 250), not from scene cuts
+# (sc_threshold 0): with frag_keyframe every keyframe starts a fragment, and a scene cut
+# inside a chunk would split it (seen: 58 keyframes, 5 fragments for 2 tiny random chunks).
 ENCODER = "libx264"
-ENCODER_OPTIONS = {"tune": "zerolatency", "preset": "veryfast"}
+ENCODER_OPTIONS = {"tune": "zerolatency", "preset": "veryfast", "sc_threshold": "0"}
 MOVFLAGS = "frag_keyframe+empty_moov+default_base_moof"
 
 _SINK: contextvars.ContextVar = contextvars.ContextVar("chunk_sink", default=None)
