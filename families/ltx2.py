@@ -1094,8 +1094,9 @@ FAMILY = ModelFamily(
     ),
     flags=Flags(defaults=DEFAULTS, checkpoint_defaults=checkpoint_defaults, check=check_flags,
                 options=OPTIONS, refused=REFUSED, inputs=ltx2_conditions.FLAGS,
-                check_inputs=lambda inputs, values, model_id: ltx2_conditions.check_inputs(
-                    inputs, values, model_id, frame_step(model_id))),
+                check_inputs=lambda inputs, values, model_id, args=None: (
+                    ltx2_conditions.check_inputs(inputs, values, model_id,
+                                                 frame_step(model_id), args))),
     sizes=Sizes(frame_step=frame_step, pixel_multiple=pixel_multiple,
                 latent_shape=latent_shape, token_count=token_count),
     text=TextEncoding(load_pipeline=load_pipeline, encode_prompts=encode_prompts,

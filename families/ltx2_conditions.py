@@ -115,11 +115,16 @@ def parse(text: str, frames: int, r: int) -> Condition:
     return Condition(os.path.abspath(path), "video", frame, index, strength, used, info.sha256)
 
 
-def check_inputs(inputs: dict, values: dict, model_id: str, r: int) -> tuple[dict, dict]:
+def check_inputs(inputs: dict, values: dict, model_id: str, r: int,
+                 args=None) -> tuple[dict, dict]:
     """``Flags.check_inputs`` for LTX-2: each ``--condition`` resolved (``parse``) against the
     run's ``values["frames"]`` and the checkpoint's temporal compression ``r``; the inputs
-    become {NAME: (Condition, ...)} or {NAME: None}."""
+    become {NAME: (Condition, ...)} or {NAME: None}. ``args`` (the command line): a server
+    takes no conditions yet, refused here, before the server starts (``check_run``'s rule)."""
     given = inputs.get(NAME) or []
+    if given and args is not None and getattr(args, "serve", False):
+        raise UsageError(f"--{NAME}: not supported with --serve yet (a served job takes no "
+                         "conditions)")
     conditions = tuple(parse(text, values["frames"], r) for text in given)
     return {**inputs, NAME: conditions or None}, values
 

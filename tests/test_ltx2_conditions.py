@@ -211,3 +211,6 @@ def test_condition_with_image_or_dry_run_is_one_line(ltx2_checkpoint, inputs, tm
     err = _refused(ltx2_checkpoint, tmp_path, capsys, *cond, "--dry_run",
                    "--topology", "v6e:2x2")
     assert "--condition: not supported with --dry_run" in err
+    # Before the server starts: no start line, no jobs database in the output folder.
+    err = _refused(ltx2_checkpoint, tmp_path, capsys, *cond, "--serve")
+    assert "--condition: not supported with --serve" in err
