@@ -44,7 +44,8 @@ def _defaults_config(**video):
     return types.SimpleNamespace(
         video=types.SimpleNamespace(guidance_scale=ltx2.DEFAULTS["guidance_scale"],
                                     options=options, fps=ltx2.DEFAULTS["fps"], **video),
-        model=types.SimpleNamespace(dtype="bfloat16", model_id=None))
+        model=types.SimpleNamespace(dtype="bfloat16", model_id=None),
+        upscale=None)  # no --sr 2x
 
 
 def _decode_parts(checkpoint):
