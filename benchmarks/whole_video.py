@@ -11,7 +11,7 @@ on a temporary folder holding the shipped configs and the encoders' published co
 SigLIP so400m-patch14-384; Gemma 3 12B). No weights: the dry run needs none.
 
 Usage (one row per run: each is a whole dry run, minutes on a 2-core host):
-    python benchmarks/whole_video.py --row wan|hunyuan|ltx2 [--output_dir DIR]
+    python benchmarks/whole_video.py --row wan|hunyuan|ltx2|ltx2_distilled[_v6e] [--output_dir DIR]
 It prints the row's parts and writes the dry run's JSON to DIR (default
 ``outputs/whole_video``), with the wall time and the peak RSS of the dry run.
 """
@@ -37,6 +37,12 @@ ROWS = {
         "--height", "512", "--width", "768", "--frames", "121", "--num_inference_steps", "40",
         "--stg_scale", "0", "--audio_stg_scale", "0", "--modality_scale", "1",
         "--audio_modality_scale", "1", "--audio_guidance_scale", "3"]),
+    # issue 66's row: the distilled checkpoint's own recipe (8 steps of DISTILLED_SIGMA_VALUES,
+    # no guidance: ltx2.checkpoint_defaults), with the dev checkpoint's encoder configs.
+    "ltx2_distilled": ("rootonchair/LTX-2-19b-distilled", "tpu7x:2x2x1", [
+        "--height", "512", "--width", "768", "--frames", "121"]),
+    "ltx2_distilled_v6e": ("rootonchair/LTX-2-19b-distilled", "v6e:2x4", [
+        "--height", "512", "--width", "768", "--frames", "121"]),
     "hunyuan": (HY, "v6e:2x4", ["--num_inference_steps", "8"]),
     "wan": ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "v6e:2x4", [
         "--height", "720", "--width", "1280", "--frames", "81", "--guidance_scale", "1",
@@ -49,7 +55,9 @@ def checkpoint(model: str, folder: str) -> str:
     (the folder's name is the checkpoint's, as the families read it)."""
     path = os.path.join(folder, os.path.basename(model))
     shutil.copytree(os.path.join(ROOT, "configs", model), path)
-    shutil.copytree(os.path.join(OVERLAY, model), path, dirs_exist_ok=True)
+    # The distilled LTX-2 checkpoint shares the dev checkpoint's text encoder and connectors.
+    overlay = model if os.path.isdir(os.path.join(OVERLAY, model)) else "Lightricks/LTX-2"
+    shutil.copytree(os.path.join(OVERLAY, overlay), path, dirs_exist_ok=True)
     return path
 
 
